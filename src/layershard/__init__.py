@@ -1,0 +1,35 @@
+"""layershard: layer-sharded data parallel training (ZeRO-3) for PyTorch.
+
+import layershard as ls
+rank, world = ls.init_distributed()
+model = ls.shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+"""
+
+from layershard.distributed import init_distributed
+from layershard.precision import GradScaler, MixedPrecision
+from layershard.sharded import ShardedModule, shard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GradScaler",
+    "MixedPrecision",
+    "ShardedModule",
+    "__version__",
+    "export_hf",
+    "init_distributed",
+    "load_checkpoint",
+    "load_hf",
+    "save_checkpoint",
+    "shard",
+]
+
+
+def __getattr__(name: str):
+    # Checkpoint functions live in their own package; import it only when used.
+    if name in ("save_checkpoint", "load_checkpoint", "export_hf", "load_hf"):
+        from layershard import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'layershard' has no attribute {name!r}")

@@ -1,0 +1,120 @@
+"""All-gather and reduce-scatter into flat tensors, across torch versions and backends.
+
+torch 2.13 names the flat collectives ``all_gather_single`` / ``reduce_scatter_single`` and
+deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, which older releases (2.6-2.11)
+still need. Both backends take equal-size chunks only; callers pad (see ``flat.py``).
+
+Note: stream ordering on CUDA. Every collective is issued from one high-priority *comm stream*.
+At issue time the comm stream waits for everything already queued on the compute stream, which is
+exactly what a collective needs: the issue points (see ``schedule.py``) are chosen so that the work
+queued before them is the work that last read or wrote the buffer being reused. The compute stream
+waits for a collective only through ``Pending.wait()`` (an event), never for the whole comm stream,
+and the CPU never blocks. Buffers are preallocated and never freed, so no ``record_stream`` is needed.
+On CPU (gloo) the collective runs on gloo's own thread; ``Pending.wait()`` waits for its work handle.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Collectives issued by one sharded model, by kind and phase, with the bytes of the full
+    (unsharded) buffer each one moves. A ring moves ``(N-1)/N`` of that per rank."""
+
+    count: Counter = field(default_factory=Counter)
+    nbytes: Counter = field(default_factory=Counter)
+
+    def record(self, op: str, phase: str, nbytes: int) -> None:
+        self.count[op, phase] += 1
+        self.nbytes[op, phase] += nbytes
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (op, phase), n in sorted(self.count.items()):
+            d = out.setdefault(op, {"count": 0, "bytes": 0})
+            d["count"] += n
+            d["bytes"] += self.nbytes[op, phase]
+            d[phase] = d.get(phase, 0) + n
+        return out
+
+    def reset(self) -> None:
+        self.count.clear()
+        self.nbytes.clear()
+
+
+class Pending:
+    """A collective in flight. ``wait()`` makes the caller's (compute) stream wait for it, then
+    runs ``post`` on CPU; on CUDA ``post`` was already queued on the comm stream."""
+
+    def __init__(self, work=None, event=None, post: Callable[[], None] | None = None):
+        self._work, self._event, self._post = work, event, post
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self._work is not None:
+            self._work.wait()
+        if self._post is not None:
+            self._post()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+
+DONE = Pending()
+DONE.done = True
+
+
+class Comm:
+    """Issues a sharded model's collectives on its process group and counts them."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.stats = CommStats()
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+
+    def _issue(self, run: Callable[[bool], object], post: Callable[[], None] | None) -> Pending:
+        if self.stream is None:  # CPU: async gloo work, post-processing at wait()
+            return Pending(work=run(True), post=post)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            run(False)  # synchronous w.r.t. the comm stream, asynchronous for the CPU
+            if post is not None:
+                post()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return Pending(event=event)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, phase: str) -> Pending:
+        self.stats.record("all_gather", phase, out.numel() * out.element_size())
+        return self._issue(lambda a: _all_gather(out, inp, group=self.group, async_op=a), None)
+
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, phase: str, post: Callable[[], None]
+    ) -> Pending:
+        """Sum ``inp`` across ranks into this rank's chunk ``out``, then run ``post``."""
+        self.stats.record("reduce_scatter", phase, inp.numel() * inp.element_size())
+        return self._issue(
+            lambda a: _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+            post,
+        )
+
+    def all_reduce(self, t: torch.Tensor, op, phase: str) -> None:
+        self.stats.record("all_reduce", phase, t.numel() * t.element_size())
+        dist.all_reduce(t, op=op, group=self.group)
+
+    def broadcast(self, t: torch.Tensor, phase: str) -> None:
+        self.stats.record("broadcast", phase, t.numel() * t.element_size())
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)

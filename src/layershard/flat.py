@@ -1,0 +1,99 @@
+"""FlatParam: one unit's parameters (all trainable, or all frozen) as a single flat fp32 tensor.
+
+The flat layout concatenates the parameters in registration order and pads the end so that it
+splits into ``world_size`` equal contiguous slices. Each rank stores only its own slice (``shard``)
+and exposes, per original parameter, the part of that parameter that falls inside the slice as a
+1-D ``nn.Parameter`` view (``shard_params``): that is what the optimizer steps on.
+
+    flat (padded):  | p0 ........ | p1 .... | p2 .............. |pad|
+    rank slices:    |   rank 0      |    rank 1     |   rank 2      |
+    shard_params of rank 1: tail of p0, all of p1, head of p2  (views into rank 1's shard)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ParamUse:
+    """One place where a parameter is reachable: ``module.<attr>``, known as ``name``."""
+
+    name: str
+    module: nn.Module
+    attr: str
+
+
+@dataclass
+class ParamSlot:
+    """An original parameter's place in its flat tensor. ``uses[0].name`` is its canonical name."""
+
+    uses: list[ParamUse]
+    shape: torch.Size
+    offset: int
+    requires_grad: bool
+
+    @property
+    def name(self) -> str:
+        return self.uses[0].name
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class FlatParam:
+    slots: list[ParamSlot]
+    requires_grad: bool
+    world_size: int
+    rank: int
+    device: torch.device
+    numel: int = field(init=False)
+    padded_numel: int = field(init=False)
+    shard_numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.numel = sum(s.numel for s in self.slots)
+        self.shard_numel = -(-self.numel // self.world_size)  # ceil
+        self.padded_numel = self.shard_numel * self.world_size
+        self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        self.grad = torch.zeros_like(self.shard) if self.requires_grad else None
+        self.shard_params: list[nn.Parameter] = []
+        for slot in self.slots:
+            lo, hi = self.local_range(slot)
+            view = self.shard[lo - self.shard_start : hi - self.shard_start]
+            # nn.Parameter shares storage (and the version counter) with the flat shard.
+            p = nn.Parameter(view, requires_grad=self.requires_grad)
+            if self.requires_grad:
+                p.grad = self.grad[lo - self.shard_start : hi - self.shard_start]
+            self.shard_params.append(p)
+
+    @property
+    def shard_start(self) -> int:
+        return self.rank * self.shard_numel
+
+    def local_range(self, slot: ParamSlot) -> tuple[int, int]:
+        """The part of ``slot`` held by this rank, in flat coordinates (may be empty)."""
+        lo = min(max(slot.offset, self.shard_start), self.shard_start + self.shard_numel)
+        hi = max(min(slot.offset + slot.numel, self.shard_start + self.shard_numel), lo)
+        return lo, hi
+
+    def local_param_range(self, slot: ParamSlot) -> tuple[int, int]:
+        """The part of ``slot`` held by this rank, in the flattened parameter's coordinates."""
+        lo, hi = self.local_range(slot)
+        return lo - slot.offset, hi - slot.offset
+
+    @torch.no_grad()
+    def copy_from_full(self, slot: ParamSlot, full: torch.Tensor) -> None:
+        """Store this rank's part of ``full`` (the whole parameter ``slot``)."""
+        a, b = self.local_param_range(slot)
+        lo = slot.offset + a - self.shard_start
+        self.shard[lo : lo + b - a].copy_(full.detach().reshape(-1)[a:b])
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        lo, hi = self.local_range(self.slots[i])
+        return self.grad[lo - self.shard_start : hi - self.shard_start]

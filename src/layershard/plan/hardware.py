@@ -1,0 +1,90 @@
+"""GPU types the planner knows, with vendor numbers, and the cluster shape.
+
+Sources (vendor datasheets; dense numbers, i.e. without 2:4 sparsity):
+- H100 SXM5 80GB (NVIDIA H100 Tensor Core GPU datasheet): 989 TFLOP/s BF16 dense
+  (1,979 with sparsity), HBM3 3.35 TB/s, NVLink 4 900 GB/s bidirectional = 450 GB/s per
+  direction. DGX H100 / HGX H100 nodes: 8x ConnectX-7 NDR 400 Gb/s, one per GPU = 50 GB/s per GPU.
+- H200 SXM 141GB (NVIDIA H200 datasheet): same compute and NVLink as H100, HBM3e 4.8 TB/s;
+  HGX H200 nodes ship with 400 Gb/s NDR per GPU as well.
+- A100 SXM4 80GB / 40GB (NVIDIA A100 datasheet): 312 TFLOP/s BF16 dense, NVLink 3 600 GB/s
+  bidirectional = 300 GB/s per direction, HBM2e 2.04 TB/s (80GB) / HBM2 1.56 TB/s (40GB).
+  DGX A100: 8x HDR 200 Gb/s = 25 GB/s per GPU.
+Memory is the framebuffer size ``nvidia-smi`` reports (81559 MiB for H100 80GB, 143771 MiB for
+H200, 81920 / 40960 MiB for A100); the CUDA context and allocator fragmentation come out of the
+planner's headroom fraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bf16_tflops: float  # dense peak
+    intra_bw_gbs: float  # intra-node (NVLink) GB/s per GPU per direction
+    inter_bw_gbs: float  # inter-node (NIC) GB/s per GPU per direction
+    hbm_bw_gbs: float  # for the memory-bound optimizer step
+
+    @property
+    def peak_flops(self) -> float:
+        return self.bf16_tflops * 1e12
+
+
+GPUS: dict[str, GPU] = {
+    "h100": GPU("h100", 81559 * MiB, 989.0, 450.0, 50.0, 3350.0),
+    "h200": GPU("h200", 143771 * MiB, 989.0, 450.0, 50.0, 4800.0),
+    "a100-80g": GPU("a100-80g", 81920 * MiB, 312.0, 300.0, 25.0, 2039.0),
+    "a100-40g": GPU("a100-40g", 40960 * MiB, 312.0, 300.0, 25.0, 1555.0),
+}
+
+
+def get_gpu(
+    name: str,
+    memory_gb: float | None = None,
+    tflops: float | None = None,
+    intra_bw: float | None = None,
+    inter_bw: float | None = None,
+) -> GPU:
+    """A GPU from the table with optional overrides (memory in GiB, bandwidths in GB/s)."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    gpu = GPUS[key]
+    if memory_gb is not None:
+        gpu = replace(gpu, memory_bytes=int(memory_gb * GiB))
+    if tflops is not None:
+        gpu = replace(gpu, bf16_tflops=float(tflops))
+    if intra_bw is not None:
+        gpu = replace(gpu, intra_bw_gbs=float(intra_bw))
+    if inter_bw is not None:
+        gpu = replace(gpu, inter_bw_gbs=float(inter_bw))
+    return gpu
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError("--gpus and --gpus-per-node must be >= 1")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(
+                f"--gpus={self.gpus} is not a multiple of --gpus-per-node={self.gpus_per_node}"
+            )
+
+    @property
+    def local(self) -> int:
+        """GPUs per node actually used."""
+        return min(self.gpus, self.gpus_per_node)
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)

@@ -1,0 +1,270 @@
+"""Per-GPU memory: model states (exactly as layershard lays them out) and activations.
+
+Model states, per rank, for the ``full`` strategy (ZeRO-3, what ``shard()`` does). N = world
+size; every unit's flat tensor is padded to a multiple of N and each rank holds
+``S_u = ceil(numel_u / N)``; ``S = sum_u S_u`` (~P/N), ``U_max`` = padded numel of the largest
+non-root unit, ``R`` = padded numel of the root unit (0 without tied/root-owned parameters),
+``G_max`` = padded numel of the largest unit including the root (the root unit shares gradient
+slot 0), ``c`` = bytes per element of the compute (param) dtype, ``r`` = of the reduce dtype:
+
+    params          4 S                 fp32 master shards
+    grads           4 S                 fp32 sharded gradients
+    optimizer       K_opt S' + 4 n_t    AdamW: exp_avg + exp_avg_sq per parameter view = 8 S'
+                                        (S' = S without the padding) + a 4-byte ``step`` per
+                                        parameter tensor (n_t of them)
+    params_lowp     c S                 compute-dtype copy of the shard (0 when param dtype is fp32)
+    gather_buffers  c (2 U_max + R)     two alternating gather buffers + the root unit's buffer
+    grad_buffers    r 2 G_max           two alternating gradient slots
+    reduce_scratch  r 2 max_u S_u       the slots' reduce-scatter outputs
+    module_buffers  4 * 2 T hd          Rotary's fp32 cos/sin tables (T = max_seq_len)
+    no_sync         r sum_u N S_u       unsharded accumulators, only if ``no_sync()`` was used
+
+The model-state part is the ZeRO paper's ``(2 + 2 + K) Psi / N_d`` with a different split: the
+paper keeps fp16 params (2) and fp16 grads (2) and puts the fp32 master into K = 12; layershard
+keeps fp32 grads (4), the fp32 master (4), Adam (8) and a bf16 shard copy (2): 18 bytes/param/N,
+plus buffers that do not shrink with N. ``zero_paper_model_states`` and ``bytes_per_param`` show
+both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from layershard.plan.model import ModelShape, units
+
+GB = 10**9  # the ZeRO paper's GB
+
+# The keys of ShardedModule.memory_report(), in order ("total" is their sum).
+STATE_KEYS = (
+    "params",
+    "grads",
+    "optimizer",
+    "params_lowp",
+    "gather_buffers",
+    "grad_buffers",
+    "reduce_scratch",
+    "module_buffers",
+    "no_sync",
+)
+
+# Optimizer state bytes per parameter (fp32 states).
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
+
+# shard(strategy=...) names; "full" is what the engine implements, the others are for comparison.
+STRATEGIES = ("full", "grad_op", "no_shard")
+_STRATEGY_ALIASES = {"zero3": "full", "zero2": "grad_op", "ddp": "no_shard"}
+
+
+def strategy_name(strategy: str) -> str:
+    """``full`` / ``grad_op`` / ``no_shard`` (also accepts ``zero3`` / ``zero2`` / ``ddp``)."""
+    name = _STRATEGY_ALIASES.get(strategy, strategy)
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    return name
+
+
+_DTYPE_BYTES = {
+    "fp32": 4, "float32": 4, "float": 4,
+    "bf16": 2, "bfloat16": 2,
+    "fp16": 2, "float16": 2, "half": 2,
+}  # fmt: skip
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a ``torch.dtype`` or a name such as ``"bf16"`` / ``"float32"``."""
+    if dtype is None:
+        return 4
+    itemsize = getattr(dtype, "itemsize", None)
+    if isinstance(itemsize, int):
+        return itemsize
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+    return _DTYPE_BYTES[name]
+
+
+def optimizer_bytes(optimizer: str) -> int:
+    key = optimizer.lower()
+    if key not in OPTIMIZER_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_BYTES)}")
+    return OPTIMIZER_BYTES[key]
+
+
+# --- the ZeRO paper ----------------------------------------------------------------------------
+
+
+def zero_paper_model_states(psi: float, nd: int, k: int = 12, stage: int = 3) -> float:
+    """Model-state bytes per device from Rajbhandari et al. 2020 (ZeRO), Figure 1 / Section 5.
+
+    ``psi`` parameters, ``nd`` data-parallel degree, ``k`` optimizer bytes per parameter
+    (12 for mixed-precision Adam: fp32 params, momentum, variance); fp16 params and grads.
+
+        stage 0 (baseline DP):   (2 + 2 + K) Psi
+        stage 1 (P_os):          2 Psi + 2 Psi + K Psi / Nd
+        stage 2 (P_os+g):        2 Psi + (2 + K) Psi / Nd
+        stage 3 (P_os+g+p):      (2 + 2 + K) Psi / Nd
+
+    Psi = 7.5B, Nd = 64, K = 12 gives 120 GB, 31.4 GB, 16.6 GB and 1.88 GB (the paper's Figure 1).
+    """
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 2 * psi + 2 * psi + k * psi / nd
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / nd
+    if stage == 3:
+        return (2 + 2 + k) * psi / nd
+    raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+
+
+def bytes_per_param(param_dtype: Any = "bf16", optimizer: str = "adamw") -> dict[str, int]:
+    """layershard's sharded model-state bytes per parameter (multiply by P / N), next to the
+    ZeRO paper's 2 + 2 + K split of the same total minus the bf16 copy and with fp32 grads."""
+    c = dtype_bytes(param_dtype)
+    out = {
+        "params": 4,
+        "grads": 4,
+        "optimizer": optimizer_bytes(optimizer),
+        "params_lowp": 0 if c == 4 else c,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+# --- layershard's layout -----------------------------------------------------------------------
+
+
+def predict_memory(
+    config: Any,
+    world_size: int,
+    param_dtype: Any = "bf16",
+    reduce_dtype: Any = "fp32",
+    optimizer: str | None = "adamw",
+    strategy: str = "full",
+    no_sync: bool = False,
+    rank: int = 0,
+) -> dict[str, int]:
+    """Per-rank bytes of layershard's model states, keyed as ``ShardedModule.memory_report()``.
+
+    ``config`` is a ``layershard.models.LlamaConfig`` or a ``ModelShape``; dtypes are
+    ``torch.dtype`` or names (``"bf16"``). ``optimizer=None`` leaves out the ``optimizer`` key, as
+    ``memory_report()`` without an optimizer does. ``no_sync`` adds the unsharded gradient
+    accumulators that ``ShardedModule.no_sync()`` allocates. ``rank`` matters only for the
+    optimizer state, which is per parameter view and so skips the padding on the last ranks.
+    Activations are not included (see ``predict_activations``).
+
+    ``strategy`` is ``full`` (ZeRO-3, the engine), or for comparison ``grad_op`` (ZeRO-2: the
+    weights stay gathered, so ``gather_buffers`` holds the whole model in the compute dtype) or
+    ``no_shard`` (DDP: everything replicated; autocast's compute-dtype weight copies count as
+    ``params_lowp``).
+    """
+    shape = ModelShape.from_config(config)
+    strategy = strategy_name(strategy)
+    n = int(world_size)
+    if n < 1:
+        raise ValueError("world_size must be >= 1")
+    c = dtype_bytes(param_dtype)
+    r = dtype_bytes(reduce_dtype)
+    k_opt = 0 if optimizer is None else optimizer_bytes(optimizer)
+    # torch's Adam/AdamW keep a 4-byte fp32 ``step`` tensor per parameter
+    adam = optimizer is not None and optimizer.lower() in ("adam", "adamw")
+    step_bytes = 4 * shape.n_param_tensors if adam else 0
+    us = units(shape)
+    module_buffers = 4 * shape.rope_buffer_numel
+
+    if strategy == "no_shard":
+        p = shape.total_params
+        out = {
+            "params": 4 * p,
+            "grads": 4 * p,
+            "optimizer": k_opt * p + step_bytes,
+            "params_lowp": 0 if c == 4 else c * p,
+            "gather_buffers": 0,
+            "grad_buffers": 0,
+            "reduce_scratch": 0,
+            "module_buffers": module_buffers,
+            "no_sync": 0,
+        }
+    else:
+        shard = sum(u.shard_numel(n) for u in us)
+        u_max = max((u.padded_numel(n) for u in us if not u.persistent), default=0)
+        root = sum(u.padded_numel(n) for u in us if u.persistent)
+        g_max = max(u.padded_numel(n) for u in us)
+        s_max = max(u.shard_numel(n) for u in us)
+        if strategy == "full":
+            gather = c * (2 * u_max + root)
+        else:  # grad_op: every unit stays gathered
+            gather = c * sum(u.padded_numel(n) for u in us)
+        out = {
+            "params": 4 * shard,
+            "grads": 4 * shard,
+            "optimizer": k_opt * sum(u.local_numel(n, rank) for u in us) + step_bytes,
+            "params_lowp": 0 if c == 4 else c * shard,
+            "gather_buffers": gather,
+            "grad_buffers": r * 2 * g_max,
+            "reduce_scratch": r * 2 * s_max,
+            "module_buffers": module_buffers,
+            "no_sync": r * sum(u.padded_numel(n) for u in us) if no_sync else 0,
+        }
+    if optimizer is None:
+        del out["optimizer"]
+    out["total"] = sum(out.values())
+    return out
+
+
+# --- activations -------------------------------------------------------------------------------
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, compute_dtype: Any = "bf16") -> int:
+    """Bytes one Llama block saves for backward per token, counted tensor by tensor for
+    ``layershard.models.llama.Block`` (the method of Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models", Sec. 4.1), with fused SDPA
+    (flash / memory-efficient attention: no s^2 term, only a fp32 log-sum-exp per head).
+
+    With c = bytes of the compute dtype, d = dim, f = ffn_dim, h = heads, hd = head_dim:
+
+        2 RMSNorms    2 x (fp32 input copy 4d + fp32 rsqrt 4 + normalized input to *weight c d)
+        attention     norm output c d (shared by wq/wk/wv)  +  q, k, v as SDPA sees them
+                      3 c h hd (GQA's k, v are repeated to h heads before SDPA)  +  SDPA output
+                      c h hd (wo's input is a view of it)  +  log-sum-exp 4 h
+        SwiGLU MLP    norm output c d  +  w1 x (silu input) c f  +  silu(w1 x) c f
+                      +  w3 x c f  +  the product (w2 input) c f
+
+        total = c (4 d + 4 h hd + 4 f) + 8 d + 8 + 4 h
+
+    For bf16 and h hd = d that is 24 d + 8 f + 8 + 4 h (Korthikanti's GPT block: 34 d with
+    f = 4 d, dropout masks and GELU instead of SwiGLU). tests/test_plan.py checks it exactly
+    against the tensors autograd saves (``saved_tensors_hooks``) for the reference Block.
+    """
+    c = dtype_bytes(compute_dtype)
+    d, f, h, hd = shape.dim, shape.ffn_dim, shape.n_heads, shape.hd
+    return c * (4 * d + 4 * h * hd + 4 * f) + 8 * d + 8 + 4 * h
+
+
+def predict_activations(
+    config: Any,
+    micro_batch: int,
+    seq_len: int,
+    checkpoint_layers: int = 0,
+    compute_dtype: Any = "bf16",
+) -> dict[str, int]:
+    """Peak activation bytes per rank, at the start of backward (all saved tensors alive).
+
+    - Blocks: ``(L - k) * A`` for the non-checkpointed layers plus ``k * c d`` (only the block
+      input is kept for the ``k`` checkpointed layers) plus one more ``A`` while a checkpointed
+      layer recomputes its forward (if ``k > 0``); ``A = layer_activation_bytes_per_token * b s``.
+    - Outside the blocks: the RoPE tables in the compute dtype (2 s hd c, shared by all
+      blocks), the final RMSNorm (4 d + 4 + c d per token) and the LM head's input (c d).
+    - Logits: the LM head's output in the compute dtype (c V), the fp32 log-softmax that
+      cross-entropy saves (4 V) and its fp32 gradient at the start of backward (4 V), per token.
+    """
+    shape = ModelShape.from_config(config)
+    L = shape.n_layers
+    k = max(0, min(int(checkpoint_layers), L))
+    c = dtype_bytes(compute_dtype)
+    tokens = int(micro_batch) * int(seq_len)
+    per_layer = layer_activation_bytes_per_token(shape, compute_dtype) * tokens
+    blocks = (L - k) * per_layer + k * c * shape.dim * tokens + (per_layer if k else 0)
+    tail = (4 * shape.dim + 4 + 2 * c * shape.dim) * tokens + 2 * int(seq_len) * shape.hd * c
+    logits = (c + 8) * shape.vocab_size * tokens
+    return {"activations": blocks + tail, "logits": logits}

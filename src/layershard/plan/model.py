@@ -1,0 +1,174 @@
+"""The model as the planner sees it: a Llama shape, its parameter counts, and layershard's units.
+
+Parameter counts follow ``layershard.models.llama`` exactly (bias-free linears, RMSNorm weights,
+SwiGLU MLP, grouped-query attention, optional tied embedding/LM head):
+
+    per block:  attn_norm d  +  wq d*h*hd  +  wk, wv d*kv*hd each  +  wo h*hd*d
+                +  mlp_norm d  +  w1, w3 d*f each  +  w2 f*d
+    extras:     embedding V*d,  final norm d,  LM head V*d (absent when tied)
+
+Units mirror ``layershard.units.find_units``: one per block, one per top-level module outside the
+blocks that owns parameters (embedding, final norm, LM head), and a *root unit* holding tied
+parameters (the shared embedding/LM-head weight), which stays gathered for the whole step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a Llama-style model that memory and time depend on."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    head_dim: int | None = None  # dim // n_heads unless the config says otherwise
+    name: str = "custom"
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    # --- parameter counts ---------------------------------------------------------------------
+    @property
+    def block_params(self) -> int:
+        d, f, hd = self.dim, self.ffn_dim, self.hd
+        attn = d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd + self.n_heads * hd * d
+        return 2 * d + attn + 3 * d * f
+
+    @property
+    def block_matmul_params(self) -> int:
+        """Block parameters that are matmul weights (everything but the two norm vectors)."""
+        return self.block_params - 2 * self.dim
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def head_params(self) -> int:
+        """LM head weight as a matmul (also when it is tied to the embedding)."""
+        return self.vocab_size * self.dim
+
+    @property
+    def total_params(self) -> int:
+        """Unique parameters (a tied weight counts once), as ``LlamaForCausalLM.num_params()``."""
+        n = self.n_layers * self.block_params + self.embedding_params + self.dim
+        return n + (0 if self.tie_embeddings else self.head_params)
+
+    @property
+    def n_param_tensors(self) -> int:
+        """Parameter tensors: 9 per block (2 norms, wq wk wv wo, w1 w2 w3), embed, norm, head."""
+        return 9 * self.n_layers + 2 + (0 if self.tie_embeddings else 1)
+
+    @property
+    def rope_buffer_numel(self) -> int:
+        """Rotary's fp32 ``cos`` and ``sin`` tables, each (max_seq_len, head_dim)."""
+        return 2 * self.max_seq_len * self.hd
+
+    @classmethod
+    def from_config(cls, cfg: Any, name: str = "custom") -> ModelShape:
+        """From a ``layershard.models.LlamaConfig`` (or anything with its attribute names)."""
+        if isinstance(cfg, ModelShape):
+            return cfg
+        return cls(
+            vocab_size=int(cfg.vocab_size),
+            dim=int(cfg.dim),
+            n_layers=int(cfg.n_layers),
+            n_heads=int(cfg.n_heads),
+            n_kv_heads=int(cfg.n_kv_heads),
+            ffn_dim=int(cfg.ffn_dim),
+            max_seq_len=int(cfg.max_seq_len),
+            tie_embeddings=bool(cfg.tie_embeddings),
+            head_dim=getattr(cfg, "head_dim", None),
+            name=name,
+        )
+
+    @classmethod
+    def from_preset(cls, name: str) -> ModelShape:
+        from layershard.models import build_config
+
+        return cls.from_config(build_config(name), name=name)
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> ModelShape:
+        """From a Hugging Face ``config.json`` (or a directory holding one); no transformers."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        raw = json.loads(p.read_text())
+        raw = raw.get("text_config", raw)  # multimodal wrappers keep the LM under text_config
+        missing = [
+            k
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if k not in raw
+        ]
+        if missing:
+            raise ValueError(f"{p}: not a Llama-style config, missing {', '.join(missing)}")
+        heads = int(raw["num_attention_heads"])
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            dim=int(raw["hidden_size"]),
+            n_layers=int(raw["num_hidden_layers"]),
+            n_heads=heads,
+            n_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            ffn_dim=int(raw.get("intermediate_size") or 4 * int(raw["hidden_size"])),
+            max_seq_len=int(raw.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            head_dim=raw.get("head_dim"),
+            name=raw.get("_name_or_path") or p.parent.name or "hf-config",
+        )
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A gather/reduce unit: ``numel`` parameters, padded to a multiple of the world size."""
+
+    name: str
+    numel: int
+    kind: str  # "block" | "extra" | "root"
+
+    @property
+    def persistent(self) -> bool:
+        return self.kind == "root"
+
+    def shard_numel(self, world_size: int) -> int:
+        return -(-self.numel // world_size)  # ceil, as FlatParam
+
+    def padded_numel(self, world_size: int) -> int:
+        return self.shard_numel(world_size) * world_size
+
+    def local_numel(self, world_size: int, rank: int) -> int:
+        """Real (non-padding) elements in ``rank``'s slice; the padding sits on the last ranks."""
+        s = self.shard_numel(world_size)
+        return max(0, min(s, self.numel - rank * s))
+
+
+def units(shape: ModelShape) -> list[Unit]:
+    """layershard's units in forward order (root unit first, as ``find_units`` lists it)."""
+    out: list[Unit] = []
+    if shape.tie_embeddings:
+        out.append(Unit("root (tied embed/lm_head)", shape.embedding_params, "root"))
+    else:
+        out.append(Unit("embed", shape.embedding_params, "extra"))
+    out += [Unit(f"layers.{i}", shape.block_params, "block") for i in range(shape.n_layers)]
+    out.append(Unit("norm", shape.dim, "extra"))
+    if not shape.tie_embeddings:
+        out.append(Unit("lm_head", shape.head_params, "extra"))
+    return out
+
+
+def load_model(preset: str | None = None, hf_config: str | None = None) -> ModelShape:
+    if hf_config:
+        return ModelShape.from_hf_config(hf_config)
+    return ModelShape.from_preset(preset or "llama-7b")

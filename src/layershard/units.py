@@ -1,0 +1,124 @@
+"""Finding the units of a model.
+
+A unit is what is gathered and reduced as one: each repeated block (by default the children of the
+longest ``nn.ModuleList`` of same-class modules, e.g. a Llama's decoder layers), plus one extra unit
+per top-level module outside the blocks that owns parameters (embeddings, final norm, LM head).
+Parameters reachable from two units (tied embeddings) or owned directly by a module above the blocks
+go to the *root unit*, which stays gathered from the model's forward to the end of its backward.
+Every parameter belongs to exactly one unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from layershard.flat import ParamUse
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    module: nn.Module | None  # whose forward triggers the gather; None for the root unit
+    is_block: bool
+    params: list[tuple[nn.Parameter, list[ParamUse]]] = field(default_factory=list)
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the longest ``nn.ModuleList`` whose children all share one class."""
+    best: list[nn.Module] = []
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > len(best):
+            classes = {type(m) for m in mod}
+            if len(classes) == 1:
+                best = list(mod)
+    return best
+
+
+def _resolve_layers(model: nn.Module, layers) -> list[nn.Module]:
+    if layers is None:
+        return find_blocks(model)
+    if isinstance(layers, nn.Module) and not isinstance(layers, nn.ModuleList):
+        layers = [layers]
+    names = dict((id(m), n) for n, m in model.named_modules())
+    out: list[nn.Module] = []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, str):
+            try:
+                layer = model.get_submodule(layer)
+            except AttributeError:
+                raise ValueError(
+                    f"shard(layers=...): {layer!r} is not a submodule name of the model; "
+                    "pass module objects or names from model.named_modules()"
+                ) from None
+        if not isinstance(layer, nn.Module) or id(layer) not in names or layer is model:
+            raise ValueError(
+                f"shard(layers=...): layers[{i}] ({type(layer).__name__}) is not a submodule of "
+                "the model passed to shard(); pass modules of that model (e.g. model.layers)"
+            )
+        out.append(layer)
+    block_names = [names[id(m)] for m in out]
+    for a in block_names:
+        for b in block_names:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(
+                    f"shard(layers=...): {b!r} is nested inside {a!r}; units must not nest"
+                )
+    return out
+
+
+def find_units(model: nn.Module, layers: Iterable | None = None) -> list[UnitSpec]:
+    """Units in registration order: the root unit first (if any), then blocks and extra units."""
+    blocks = _resolve_layers(model, layers)
+    named = list(model.named_modules())
+    block_names = {n for n, m in named if any(m is b for b in blocks)}
+
+    def inside_block(name: str) -> str | None:
+        for b in block_names:
+            if name == b or name.startswith(b + "."):
+                return b
+        return None
+
+    def is_ancestor(name: str) -> bool:  # strictly above some block
+        return name == "" or any(b.startswith(name + ".") for b in block_names)
+
+    # Each module is owned by a unit root: a block, an extra unit, or the root ("").
+    owner_of: dict[str, str] = {}
+    extra_roots: list[str] = []
+    for name, _ in named:
+        b = inside_block(name)
+        if b is not None:
+            owner_of[name] = b
+        elif is_ancestor(name):
+            owner_of[name] = ""
+        else:
+            parent = name.rpartition(".")[0]
+            if owner_of.get(parent, "") == "" and is_ancestor(parent):
+                extra_roots.append(name)
+                owner_of[name] = name
+            else:
+                owner_of[name] = owner_of[parent]
+
+    # Where is each parameter used? (identity, so tied parameters are found)
+    uses: dict[int, list[ParamUse]] = {}
+    param_of: dict[int, nn.Parameter] = {}
+    for mod_name, mod in named:
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            uses.setdefault(id(p), []).append(ParamUse(full, mod, attr))
+            param_of[id(p)] = p
+
+    modules = dict(named)
+    specs: dict[str, UnitSpec] = {"": UnitSpec("<root>", None, False)}
+    for name, _ in named:
+        if name in block_names or name in extra_roots:
+            specs[name] = UnitSpec(name, modules[name], name in block_names)
+    for pid, us in uses.items():
+        unit_names = {owner_of[u.name.rpartition(".")[0]] for u in us}
+        home = unit_names.pop() if len(unit_names) == 1 else ""  # tied across units -> root
+        specs[home].params.append((param_of[pid], us))
+    return [s for s in specs.values() if s.params]

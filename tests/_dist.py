@@ -1,0 +1,47 @@
+"""Run a test function on N local gloo ranks (127.0.0.1), each a fresh spawned process.
+
+Checks run inside the ranks and raise on failure; the exception and its traceback reach pytest
+through ``torch.multiprocessing.spawn``. Spawning costs ~1 s per rank here, so put several checks
+into one function rather than one spawn per assertion.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LAYERSHARD_TIMEOUT_S="120",
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import layershard as ls
+
+    ls.init_distributed(backend="gloo")
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise any failure."""
+    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)

@@ -1,0 +1,312 @@
+"""Features against the single-process reference: odd sizes with tied and frozen parameters,
+activation checkpointing, gradient accumulation (both ways), clip_grad_norm_, bf16 mixed precision,
+meta-device init, and HF transformers' Llama with units found automatically."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+from _parity import (
+    LOSS_RTOL,
+    LR,
+    PARAM_TOL,
+    SEQ,
+    TINY,
+    batches,
+    clone,
+    global_mean,
+    lm_loss,
+    local,
+    max_diff,
+    tiny_llama,
+)
+from torch import nn
+
+import layershard as ls
+from layershard.models import LlamaConfig, LlamaForCausalLM
+
+
+# ---- odd sizes, tied and frozen parameters ---------------------------------------------------------
+class OddBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(7))  # numel 7
+        self.lin = nn.Linear(7, 7)
+        self.gate = nn.Parameter(torch.randn(17) * 0.1)  # numel 17
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x * self.scale)) * self.gate.sum()
+
+
+class OddModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(17, 7)
+        self.layers = nn.ModuleList([OddBlock() for _ in range(3)])
+        self.head = nn.Linear(7, 17, bias=False)
+        self.head.weight = self.embed.weight  # tied: one Parameter in two modules
+
+    def forward(self, x, labels=None):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _freeze(m: OddModel) -> OddModel:
+    m.layers[0].lin.requires_grad_(False)  # a unit with trainable and frozen parameters
+    m.layers[2].requires_grad_(False)  # a wholly frozen unit
+    return m
+
+
+def _odd_tied_frozen(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    base = _freeze(OddModel())
+    reference, model = clone(base), ls.shard(clone(base))
+    names = [u.name for u in model.units]
+    assert names == ["<root>", "layers.0", "layers.1", "layers.2"], (
+        names
+    )  # tied weight -> root unit
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    trainable_bytes = 4 * sum(f.padded_numel for f in model.flat_params if f.requires_grad)
+    for step, x in enumerate(batches(10, vocab=17)):
+        model.comm_stats(reset=True)
+        loss = model(local(x, rank, world), labels=local(x, rank, world))
+        loss.backward()
+        stats = model.comm_stats()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference(x, labels=x)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(global_mean(loss) - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), step
+        if world > 1:  # frozen parameters are gathered but never reduced
+            assert stats["reduce_scatter"]["count"] == 3
+            assert stats["reduce_scatter"]["bytes"] == trainable_bytes
+    frozen = [p for n, p in model.named_parameters() if n.startswith(("layers.0.lin", "layers.2"))]
+    assert frozen and all(
+        not p.requires_grad and p.grad is None and p not in opt.state for p in frozen
+    )
+    full = model.full_state_dict()
+    if rank == 0:
+        assert full["head.weight"] is full["embed.weight"]
+        dev, where = max_diff(full, reference)
+        print(f"odd world {world}: max |param - ref| {dev:.2e} ({where})", flush=True)
+        assert dev <= PARAM_TOL, (dev, where)
+        for n, p in base.named_parameters():
+            if not p.requires_grad:
+                assert torch.equal(full[n], p.detach()), n
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_odd_sizes_tied_and_frozen(world):
+    run_ranks(_odd_tied_frozen, world)
+
+
+# ---- activation checkpointing, gradient accumulation, clipping -------------------------------------
+def _train_variant(rank, world, variant: str) -> None:
+    base = tiny_llama()
+    reference = clone(base)
+    model = ls.shard(clone(base), activation_checkpointing=2 if variant == "checkpoint" else 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for step, batch in enumerate(batches(6)):
+        x = local(batch, rank, world)
+        if variant in ("accumulate", "no_sync"):  # two micro-batches == one batch of both
+            half = x.shape[0] // 2
+            model.comm_stats(reset=True)
+            if variant == "no_sync":
+                with model.no_sync():
+                    (lm_loss(model, x[:half]) / 2).backward()
+                assert "reduce_scatter" not in model.comm_stats()
+            else:
+                (lm_loss(model, x[:half]) / 2).backward()
+            (lm_loss(model, x[half:]) / 2).backward()
+            with torch.no_grad():
+                loss = lm_loss(model, x)
+        else:
+            loss = lm_loss(model, x)
+            loss.backward()
+        ref_loss = lm_loss(reference, batch)
+        ref_loss.backward()
+        if variant.startswith("clip"):
+            norm_type = math.inf if variant == "clip_inf" else 2.0
+            ours = model.clip_grad_norm_(0.05, norm_type)
+            theirs = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type)
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+            gathered = [torch.zeros(1) for _ in range(world)]
+            dist.all_gather(gathered, ours.reshape(1))
+            assert all(torch.equal(g, gathered[0]) for g in gathered)  # same value on every rank
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            ref_after = ref_loss.item() if variant not in ("accumulate", "no_sync") else None
+        if ref_after is not None:
+            assert abs(global_mean(loss) - ref_after) <= LOSS_RTOL * abs(ref_after), (variant, step)
+    full = model.full_state_dict()
+    if rank == 0:
+        dev, where = max_diff(full, reference)
+        assert dev <= PARAM_TOL, (variant, dev, where)
+
+
+def _variants(rank, world):
+    for v in ("checkpoint", "accumulate", "no_sync", "clip_2", "clip_inf"):
+        _train_variant(rank, world, v)
+
+
+def test_checkpointing_accumulation_and_clipping():
+    run_ranks(_variants, 2)
+
+
+# ---- bf16 mixed precision ---------------------------------------------------------------------------
+def _relative_distance(params: dict, reference: nn.Module, start: nn.Module) -> float:
+    """||params - reference|| / ||reference - start||: distance relative to how far training went."""
+    num = sum(((params[n] - p.detach()) ** 2).sum().item() for n, p in reference.named_parameters())
+    den = sum(
+        ((p.detach() - q.detach()) ** 2).sum().item()
+        for p, q in zip(reference.parameters(), start.parameters())
+    )
+    return math.sqrt(num / den)
+
+
+def _bf16(rank, world) -> None:
+    base = tiny_llama()
+    model = ls.shard(clone(base), mixed_precision=ls.MixedPrecision(param_dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    # Reference: bf16 compute on the whole batch, fp32 master weights and optimizer. An fp32 run
+    # beside it shows how far "not computing in bf16" would land.
+    master, compute, fp32 = clone(base), clone(base).to(torch.bfloat16), clone(base)
+    ref_opt = torch.optim.AdamW(master.parameters(), lr=LR)
+    fp32_opt = torch.optim.AdamW(fp32.parameters(), lr=LR)
+    for step, batch in enumerate(batches(10)):
+        loss = lm_loss(model, local(batch, rank, world))
+        assert model.module.layers[0].attn.wq.weight.dtype == torch.bfloat16
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for c, m in zip(compute.parameters(), master.parameters()):
+                c.copy_(m)
+        ref_loss = lm_loss(compute, batch)
+        ref_loss.backward()
+        for c, m in zip(compute.parameters(), master.parameters()):
+            m.grad = c.grad.float()
+            c.grad = None
+        ref_opt.step()
+        ref_opt.zero_grad()
+        lm_loss(fp32, batch).backward()
+        fp32_opt.step()
+        fp32_opt.zero_grad()
+        # Per-rank bf16 gradients summed in fp32 differ from the whole-batch bf16 gradient by bf16
+        # rounding: measured <= 5e-4 relative over these 10 steps (fp32 runs agree to 1e-7).
+        assert abs(global_mean(loss) - ref_loss.item()) <= 2e-3 * abs(ref_loss.item()), step
+    assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+    full = model.full_state_dict()
+    if rank == 0:
+        assert all(v.dtype == torch.float32 for v in full.values() if v.is_floating_point())
+        ours = _relative_distance(full, master, base)
+        fp32_run = _relative_distance(dict(fp32.named_parameters()), master, base)
+        # Measured: ours 0.08, the fp32 run 0.185.
+        assert ours <= 0.15 and ours < 0.6 * fp32_run, (ours, fp32_run)
+
+
+def test_bf16_mixed_precision():
+    run_ranks(_bf16, 2)
+
+
+# ---- meta-device init --------------------------------------------------------------------------------
+def _meta(rank, world) -> None:
+    for tied in (False, True):
+        eager = ls.shard(tiny_llama(seed=3, tie_embeddings=tied))
+        torch.manual_seed(3)
+        with torch.device("meta"):
+            meta_model = LlamaForCausalLM(LlamaConfig(**{**TINY, "tie_embeddings": tied}))
+        lazy = ls.shard(meta_model)
+        a, b = eager.full_state_dict(), lazy.full_state_dict()
+        if rank == 0:
+            assert list(a) == list(b)
+            for k in a:
+                assert torch.equal(a[k], b[k]), (tied, k)
+        x = local(batches(1)[0], rank, world)
+        with torch.no_grad():
+            torch.testing.assert_close(eager(x).logits, lazy(x).logits, rtol=0, atol=0)
+
+
+def test_meta_init_equals_eager_init():
+    run_ranks(_meta, 2)
+
+
+# ---- HF transformers Llama -----------------------------------------------------------------------------
+def _hf_model(tied: bool):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _hf(rank, world) -> None:
+    for tied in (False, True):
+        base = _hf_model(tied)
+        reference, model = clone(base), ls.shard(clone(base))
+        names = [u.name for u in model.units]
+        expected = [
+            "model.embed_tokens",
+            "model.layers.0",
+            "model.layers.1",
+            "model.layers.2",
+            "model.norm",
+            "lm_head",
+        ]
+        if tied:
+            expected = ["<root>"] + expected[1:-1]  # embedding == head: one root unit
+        assert names == expected, names
+        assert (
+            model.config.vocab_size == 96
+            and model.get_input_embeddings() is model.module.model.embed_tokens
+        )
+        prompt = batches(1, seed=5)[0][:1, :4]
+        assert torch.equal(
+            model.generate(prompt, max_new_tokens=4, do_sample=False),
+            reference.generate(prompt, max_new_tokens=4, do_sample=False),
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+        for step, batch in enumerate(batches(10)):
+            loss = lm_loss(model, local(batch, rank, world))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = lm_loss(reference, batch)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert abs(global_mean(loss) - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), (
+                tied,
+                step,
+            )
+        full = model.full_state_dict()
+        if rank == 0:
+            assert set(full) == set(reference.state_dict())
+            dev, where = max_diff(full, reference)
+            assert dev <= PARAM_TOL, (tied, dev, where)
+        model.eval()
+        with torch.no_grad():
+            logits = model(local(batch, rank, world)).logits
+        assert logits.shape == (batch.shape[0] // world, SEQ, 96)
+
+
+def test_hf_llama_units_found_automatically():
+    run_ranks(_hf, 2)

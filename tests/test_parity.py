@@ -1,0 +1,125 @@
+"""layershard vs single-process training on the same global batch (and torch DDP beside it), on
+our Llama at world sizes 1, 2 and 4: losses, parameters, exact collective counts, bytes held per
+rank, and the full-state-dict round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+from _parity import (
+    LOSS_RTOL,
+    LR,
+    PARAM_TOL,
+    STEPS,
+    batches,
+    clone,
+    global_mean,
+    lm_loss,
+    local,
+    max_diff,
+    tiny_llama,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import layershard as ls
+
+
+def _llama_parity(rank: int, world: int) -> None:
+    base = tiny_llama()
+    reference, ddp = clone(base), DDP(clone(base))
+    model = ls.shard(clone(base))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
+
+    n_units = len(model.units)  # embed, 3 blocks, norm, lm_head
+    assert n_units == 6 and all(u.trainable is not None for u in model.units)
+    padded = sum(f.padded_numel for f in model.flat_params)
+    memory = []
+    for step, batch in enumerate(batches(STEPS)):
+        model.comm_stats(reset=True)
+        loss = lm_loss(model, local(batch, rank, world))
+        fwd = model.comm_stats()
+        loss.backward()
+        stats = model.comm_stats()
+        opt.step()
+        opt.zero_grad()
+
+        ref_loss = lm_loss(reference, batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        lm_loss(ddp, local(batch, rank, world)).backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+
+        ours = global_mean(loss)
+        assert abs(ours - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), (
+            step,
+            ours,
+            ref_loss.item(),
+        )
+        # Exactly one all-gather per unit in forward, one per unit in backward except the last two
+        # units of the forward (still gathered when backward starts), one reduce-scatter per unit.
+        if world == 1:
+            assert stats == {}, stats
+        else:
+            assert fwd == {
+                "all_gather": {"count": n_units, "bytes": padded * 4, "forward": n_units}
+            }, fwd
+            assert stats["all_gather"]["forward"] == n_units
+            assert stats["all_gather"]["backward"] == n_units - 2
+            assert stats["reduce_scatter"] == {
+                "count": n_units,
+                "bytes": padded * 4,
+                "backward": n_units,
+            }
+            assert set(stats) == {"all_gather", "reduce_scatter"}
+        memory.append(model.memory_report(opt))
+
+    # Bytes held per rank: (params + grads + Adam state) / N plus the buffers, constant from step 2.
+    assert all(m == memory[1] for m in memory[1:]), memory
+    m = memory[-1]
+    shard = padded // world
+    n_params = len(list(model.parameters()))
+    assert m["params"] == 4 * shard and m["grads"] == 4 * shard
+    assert m["optimizer"] == 8 * shard + 4 * n_params  # exp_avg, exp_avg_sq, and a step scalar each
+    biggest = max(u.gather_numel for u in model.units)
+    assert m["gather_buffers"] == 2 * biggest * 4 and m["grad_buffers"] == 2 * biggest * 4
+    total_model_state = torch.tensor([m["params"] + m["grads"]])
+    dist.all_reduce(total_model_state)
+    assert total_model_state.item() == 8 * padded  # each rank holds exactly 1/N
+
+    full = model.full_state_dict()
+    ddp_full = {k.removeprefix("module."): v for k, v in ddp.state_dict().items()}
+    if rank == 0:
+        assert list(full) == list(reference.state_dict())
+        ours_dev, where = max_diff(full, reference)
+        ddp_dev, _ = max_diff(ddp_full, reference)
+        print(
+            f"world {world}: max |param - ref| layershard {ours_dev:.2e} ({where}), DDP {ddp_dev:.2e}",
+            flush=True,
+        )
+        assert ours_dev <= PARAM_TOL, (ours_dev, where)
+        assert ours_dev <= 1.5 * ddp_dev + 1e-7, (ours_dev, ddp_dev)  # no farther than DDP gets
+        assert ddp_dev <= PARAM_TOL, f"calibration drifted: DDP now {ddp_dev:.2e}"
+
+    # Round trip: load into a differently initialized sharded model, read back, same outputs.
+    other = ls.shard(tiny_llama(seed=7))
+    other.load_full_state_dict(full if rank == 0 else None)
+    again = other.full_state_dict()
+    x = local(batches(1, seed=9)[0], rank, world)
+    with torch.no_grad():
+        torch.testing.assert_close(other(x).logits, model(x).logits, rtol=0, atol=0)
+    if rank == 0:
+        assert all(torch.equal(again[k], full[k]) for k in full)
+        torch.testing.assert_close(
+            full["embed.weight"], reference.embed.weight.detach(), rtol=0, atol=PARAM_TOL
+        )
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_llama_matches_single_process_and_ddp(world):
+    run_ranks(_llama_parity, world)
