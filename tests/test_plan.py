@@ -438,7 +438,9 @@ def _engine_matches_prediction(rank: int, world: int) -> None:
             stats = model.comm_stats()
             opt.step()
             report = model.memory_report(opt)
-            pred = predict_memory(cfg, world, pd, rd, "adamw", no_sync=True, rank=rank)
+            pred = predict_memory(
+                cfg, world, pd, rd, "adamw", no_sync=True, rank=rank, backend="gloo"
+            )
             assert report == pred, (kw, pd, report, pred)
             assert stats == collectives_per_step(cfg, world, pd, rd, grad_accum=2, no_sync=True)
 

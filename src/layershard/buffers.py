@@ -12,7 +12,8 @@ buffer): it has its own version counter, so refilling the buffer does not trip a
 
 A gradient slot holds one unit's unsharded gradients (cast to the reduce dtype) from the end of
 the unit's backward until its reduce-scatter has read them; ``pending`` is that reduce-scatter,
-which writes this rank's chunk into ``scratch`` and then adds it into the fp32 gradient slices.
+which leaves this rank's chunk of the sum in ``scratch`` (or, on gloo, in the buffer itself) and
+then adds it into the fp32 gradient slices.
 """
 
 from __future__ import annotations
@@ -44,8 +45,17 @@ class GatherSlot:
 class GradSlot:
     def __init__(self, numel: int, shard_numel: int, dtype: torch.dtype, device: torch.device):
         self.data = torch.empty(numel, dtype=dtype, device=device)
-        self.scratch = torch.empty(shard_numel, dtype=dtype, device=device)
+        self._scratch_spec = (shard_numel, dtype, device)
+        self.scratch: torch.Tensor | None = (
+            None  # allocated on first use (not all backends need it)
+        )
         self.pending: list[Pending] = []
+
+    def get_scratch(self) -> torch.Tensor:
+        if self.scratch is None:
+            n, dtype, device = self._scratch_spec
+            self.scratch = torch.empty(n, dtype=dtype, device=device)
+        return self.scratch
 
     def wait(self) -> None:
         for p in self.pending:

@@ -11,10 +11,18 @@ queued before them is the work that last read or wrote the buffer being reused. 
 waits for a collective only through ``Pending.wait()`` (an event), never for the whole comm stream,
 and the CPU never blocks. Buffers are preallocated and never freed, so no ``record_stream`` is needed.
 On CPU (gloo) the collective runs on gloo's own thread; ``Pending.wait()`` waits for its work handle.
+
+On gloo, all-gather and reduce-scatter are carried out by ``all_reduce``: gloo's all_reduce is
+pipelined and its all_gather/reduce_scatter are not, so for a 144 MB buffer on 2 ranks over
+loopback all_reduce took 0.074 s against 0.165 s (all-gather) and 0.192 s (reduce-scatter); on 4
+ranks 0.21 s against 0.30 s and 0.44 s. An all-gather becomes "zero the buffer, place my slice,
+sum" (bitwise exact); a reduce-scatter becomes "sum, keep my chunk". On 2 cores that CPU time is
+taken from compute, so it matters. ``LAYERSHARD_GLOO_ALLREDUCE=0`` uses the native collectives.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,9 +89,14 @@ class Comm:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group = group
+        self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self.via_all_reduce = (
+            dist.get_backend(group) == "gloo"
+            and os.environ.get("LAYERSHARD_GLOO_ALLREDUCE", "1") != "0"
+        )
 
     def _issue(self, run: Callable[[bool], object], post: Callable[[], None] | None) -> Pending:
         if self.stream is None:  # CPU: async gloo work, post-processing at wait()
@@ -98,18 +111,34 @@ class Comm:
         return Pending(event=event)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, phase: str) -> Pending:
+        """Concatenate every rank's ``inp`` (equal sizes) into ``out``."""
         self.stats.record("all_gather", phase, out.numel() * out.element_size())
+        if self.via_all_reduce:
+            lo, hi = self.rank * inp.numel(), (self.rank + 1) * inp.numel()
+            out[:lo].zero_()
+            out[hi:].zero_()
+            out[lo:hi].copy_(inp)
+            return self._issue(lambda a: dist.all_reduce(out, group=self.group, async_op=a), None)
         return self._issue(lambda a: _all_gather(out, inp, group=self.group, async_op=a), None)
 
     def reduce_scatter(
-        self, out: torch.Tensor, inp: torch.Tensor, phase: str, post: Callable[[], None]
+        self,
+        inp: torch.Tensor,
+        scratch: Callable[[], torch.Tensor],
+        phase: str,
+        post: Callable[[torch.Tensor], None],
     ) -> Pending:
-        """Sum ``inp`` across ranks into this rank's chunk ``out``, then run ``post``."""
+        """Sum ``inp`` across ranks; then ``post(chunk)`` with this rank's chunk of the sum.
+        ``scratch()`` provides the chunk's storage when the backend needs one."""
         self.stats.record("reduce_scatter", phase, inp.numel() * inp.element_size())
-        return self._issue(
-            lambda a: _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
-            post,
-        )
+        n = inp.numel() // self.world_size
+        if self.via_all_reduce:
+            chunk = inp[self.rank * n : (self.rank + 1) * n]
+            run = lambda a: dist.all_reduce(inp, group=self.group, async_op=a)  # noqa: E731
+        else:
+            chunk = scratch()[:n]
+            run = lambda a: _reduce_scatter(chunk, inp, group=self.group, async_op=a)  # noqa: E731
+        return self._issue(run, lambda: post(chunk))
 
     def all_reduce(self, t: torch.Tensor, op, phase: str) -> None:
         self.stats.record("all_reduce", phase, t.numel() * t.element_size())

@@ -314,17 +314,19 @@ class Schedule:
             buf.add_(f.acc)
             f.acc.zero_()
             f.acc_dirty = False
-        self._attach_grads(f)
+        fresh = self._attach_grads(f)
+        scale = 1.0 / self.world_size  # the one division by the world size
+
+        def post(chunk: torch.Tensor, f=f, fresh=fresh, scale=scale) -> None:
+            if fresh:  # every slice's .grad was None: overwrite instead of zero-then-add
+                torch.mul(chunk, scale, out=f.grad)
+            else:
+                f.grad.add_(chunk, alpha=scale)
+
         if self.world_size == 1:
-            f.grad.add_(buf)
-            return
-        out = gs.scratch[: f.shard_numel]
-        scale = 1.0 / self.world_size
-
-        def post(out=out, f=f, scale=scale):
-            f.grad.add_(out, alpha=scale)  # the one division by the world size
-
-        gs.pending.append(self.comm.reduce_scatter(out, buf, "backward", post))
+            post(buf)
+        else:
+            gs.pending.append(self.comm.reduce_scatter(buf, gs.get_scratch, "backward", post))
 
     def _accumulator(self, f: FlatParam) -> torch.Tensor:
         if getattr(f, "acc", None) is None:
@@ -335,10 +337,15 @@ class Schedule:
         return f.acc
 
     @staticmethod
-    def _attach_grads(f: FlatParam) -> None:
-        """Slices whose ``.grad`` the user set to None start again from zero."""
-        for i, p in enumerate(f.shard_params):
-            if p.grad is None:
-                g = f.grad_view(i)
+    def _attach_grads(f: FlatParam) -> bool:
+        """Point every slice's ``.grad`` at the flat gradient; return True when all were None
+        (after ``zero_grad(set_to_none=True)``: the reduction overwrites). Slices whose ``.grad``
+        alone was None start again from zero."""
+        missing = [i for i, p in enumerate(f.shard_params) if p.grad is None]
+        fresh = len(missing) == len(f.shard_params)
+        for i in missing:
+            g = f.grad_view(i)
+            if not fresh:
                 g.zero_()
-                p.grad = g
+            f.shard_params[i].grad = g
+        return fresh

@@ -143,6 +143,7 @@ def predict_memory(
     strategy: str = "full",
     no_sync: bool = False,
     rank: int = 0,
+    backend: str = "nccl",
 ) -> dict[str, int]:
     """Per-rank bytes of layershard's model states, keyed as ``ShardedModule.memory_report()``.
 
@@ -151,7 +152,8 @@ def predict_memory(
     ``memory_report()`` without an optimizer does. ``no_sync`` adds the unsharded gradient
     accumulators that ``ShardedModule.no_sync()`` allocates. ``rank`` matters only for the
     optimizer state, which is per parameter view and so skips the padding on the last ranks.
-    Activations are not included (see ``predict_activations``).
+    Activations are not included (see ``predict_activations``). ``backend="gloo"`` (CPU) has no
+    ``reduce_scratch``: there the engine reduce-scatters through an in-place all_reduce.
 
     ``strategy`` is ``full`` (ZeRO-3, the engine), or for comparison ``grad_op`` (ZeRO-2: the
     weights stay gathered, so ``gather_buffers`` holds the whole model in the compute dtype) or
@@ -202,7 +204,7 @@ def predict_memory(
             "params_lowp": 0 if c == 4 else c * shard,
             "gather_buffers": gather,
             "grad_buffers": r * 2 * g_max,
-            "reduce_scratch": r * 2 * s_max,
+            "reduce_scratch": 0 if backend == "gloo" or n == 1 else r * 2 * s_max,
             "module_buffers": module_buffers,
             "no_sync": r * sum(u.padded_numel(n) for u in us) if no_sync else 0,
         }
