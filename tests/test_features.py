@@ -219,8 +219,51 @@ def _bf16(rank, world) -> None:
         assert ours <= 0.15 and ours < 0.6 * fp32_run, (ours, fp32_run)
 
 
-def test_bf16_mixed_precision():
-    run_ranks(_bf16, 2)
+def _fp16(rank, world) -> None:
+    """fp16 compute with the sharded loss scaler: trains like an fp16 reference, and an inf in one
+    rank's gradient slice makes every rank skip the step (the inf check is all-reduced)."""
+    base = tiny_llama()
+    model = ls.shard(clone(base), mixed_precision=ls.MixedPrecision(param_dtype=torch.float16))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler = ls.GradScaler(init_scale=1024.0)
+    master, compute = clone(base), clone(base).to(torch.float16)
+    ref_opt = torch.optim.AdamW(master.parameters(), lr=LR)
+    for step, batch in enumerate(batches(4)):
+        loss = lm_loss(model, local(batch, rank, world))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        with torch.no_grad():
+            for c, m in zip(compute.parameters(), master.parameters()):
+                c.copy_(m)
+        ref_loss = lm_loss(compute, batch)
+        (ref_loss * 1024.0).backward()
+        for c, m in zip(compute.parameters(), master.parameters()):
+            m.grad = c.grad.float() / 1024.0
+            c.grad = None
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(global_mean(loss) - ref_loss.item()) <= 2e-3 * abs(ref_loss.item()), step
+    # One non-finite gradient element, on rank 0's slice only.
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = scaler.get_scale()
+    lm_loss(model, local(batches(1)[0], rank, world)).backward()
+    if rank == 0:
+        next(p for p in model.parameters() if p.numel() > 0).grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))  # skipped
+    assert scaler.get_scale() == scale / 2
+
+
+def _low_precision(rank, world) -> None:
+    _bf16(rank, world)
+    _fp16(rank, world)
+
+
+def test_bf16_and_fp16_mixed_precision():
+    run_ranks(_low_precision, 2)
 
 
 # ---- meta-device init --------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The `layershard` command. Each subcommand lives in its own package and registers itself
-through two functions: ``add_arguments(parser)`` and ``run(args) -> int``."""
+"""The `layershard` command. Each subcommand lives in its own package and provides two functions:
+``add_arguments(parser)`` and ``run(args) -> int``; its module is imported only when it is used."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the subcommand named in ``argv`` imports its module (keeps --help fast)."""
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(
         prog="layershard",
         description="Layer-sharded data parallel training (ZeRO-3) for PyTorch.",
@@ -31,24 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        try:
+        if name == chosen:
             importlib.import_module(module).add_arguments(p)
-        except ModuleNotFoundError as e:
-            if e.name is None or not module.startswith(e.name):
-                raise
-            p.set_defaults(_missing=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     if args.command is None:
-        parser.print_help()
+        build_parser([]).print_help()
         return 0
-    if getattr(args, "_missing", False):
-        print(f"layershard {args.command}: not available in this build", file=sys.stderr)
-        return 2
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from layershard.cli import main
+
+sys.exit(main())
