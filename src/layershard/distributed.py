@@ -29,6 +29,9 @@ def init_distributed(
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Our collective buffers are preallocated and ordered by events (collectives.py), so c10d
+        # need not record_stream them.
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:

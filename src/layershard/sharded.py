@@ -423,7 +423,8 @@ class ShardedModule(nn.Module):
         Either every rank passes the dict, or rank 0 does and the others pass ``None``."""
         comm, world = self._schedule.comm, self._schedule.world_size
         rank = dist.get_rank(comm.group)
-        has = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64)
+        device = self.flat_params[0].shard.device  # NCCL reduces device tensors only
+        has = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64, device=device)
         if world > 1:
             dist.all_reduce(has, group=comm.group)
         everyone = int(has) == world
@@ -432,7 +433,7 @@ class ShardedModule(nn.Module):
         error = ""
         if state_dict is not None:
             error = self._validate(state_dict, strict)
-        flag = torch.tensor([1 if error else 0], dtype=torch.int64)
+        flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=device)
         if world > 1:
             dist.all_reduce(flag, group=comm.group)
         if int(flag):
