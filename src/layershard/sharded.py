@@ -52,7 +52,8 @@ def shard(
         activation_checkpointing: recompute the first K blocks in backward.
         device: where shards and compute live; default: this rank's GPU under NCCL, else CPU.
         param_init_fn: for a model on the meta device, called as ``param_init_fn(module)`` for
-            each module with parameters (default: the module's own ``reset_parameters()``).
+            each module with parameters (default: a HF transformers model's ``_init_weights``,
+            else the module's own ``reset_parameters()``).
 
     Build the optimizer *after* this call, from the returned module's ``parameters()``.
     """
@@ -82,6 +83,8 @@ def shard(
             f"the number of blocks ({n_blocks})"
         )
     state_keys = list(model.state_dict(keep_vars=True).items())
+    if param_init_fn is None and callable(getattr(model, "_init_weights", None)):
+        param_init_fn = model._init_weights  # how HF transformers initializes its modules
 
     # 1. Flat storage: one trainable and/or one frozen FlatParam per unit; fill this rank's slice.
     flats_of = [_make_flats(s, world, rank, device) for s in specs]

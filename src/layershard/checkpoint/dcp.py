@@ -1,0 +1,816 @@
+"""Sharded, resumable checkpoints on ``torch.distributed.checkpoint`` (DCP).
+
+Every rank writes only its own slices, in parallel; a checkpoint saved at world size N loads at
+any world size M because each entry records which part of the whole tensor every rank held, and
+DCP reads, per rank, the overlap of the saved chunks with the slice the rank holds now.
+
+Keys (one per original parameter, under its original name, whatever the unit layout):
+
+    model/<name>             fp32, 1-D: the flattened parameter; each rank writes [a, b) of it
+    model/<buffer>           persistent module buffers (replicated; written once)
+    optim/<name>/<state>     per-element optimizer state (AdamW's exp_avg, exp_avg_sq): sharded
+                             like the parameter; 0-d state (step): replicated
+    rng/<rank>/torch|cuda|py the RNG states of every rank (uint8; "py" is JSON for random/numpy)
+
+``layershard.json`` (the manifest) holds everything else as JSON: step, world size, the model's
+config, names/shapes/dtypes, optimizer class and param groups, extra (e.g. the data loader's
+position), the run config, and the size and SHA-256 of every file. Nothing is ever unpickled from
+disk: tensors are read with ``torch.load(weights_only=True)`` (DCP), DCP's ``.metadata`` through
+an unpickler that admits only DCP's own metadata classes, everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import pickle
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+)
+from torch.distributed._shard.sharded_tensor.metadata import (
+    TensorProperties as STProperties,
+)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from layershard.checkpoint import publish as pub
+from layershard.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
+
+log = logging.getLogger("layershard")
+
+_DCP_METADATA = ".metadata"
+_ERRORS = {
+    c.__name__: c
+    for c in (
+        CheckpointError,
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+    )
+}
+
+
+# ---- reading DCP metadata without unpickling arbitrary objects ----------------------------------
+
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format)
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not DCP metadata")
+
+
+def read_dcp_metadata(folder: Path) -> Metadata:
+    path = folder / _DCP_METADATA
+    if not path.is_file():
+        raise CheckpointCorruptError(f"{path}: missing (DCP metadata)")
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except Exception as e:
+        raise CheckpointCorruptError(f"{path}: corrupt or untrusted DCP metadata ({e})") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointCorruptError(f"{path}: not DCP metadata ({type(md).__name__})")
+    return md
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's reader, with the metadata read by the restricted unpickler above."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = read_dcp_metadata(Path(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+# ---- shards as DCP-native sharded tensors -------------------------------------------------------
+
+
+def slot_ranges(f, slot) -> list[tuple[int, int]]:
+    """For every rank of ``f``'s layout, the part [a, b) of the flattened parameter it holds."""
+    out = []
+    for r in range(f.world_size):
+        s = r * f.shard_numel
+        lo = min(max(slot.offset, s), s + f.shard_numel)
+        hi = max(min(slot.offset + slot.numel, s + f.shard_numel), lo)
+        out.append((lo - slot.offset, hi - slot.offset))
+    return out
+
+
+def _sharded_1d(local: torch.Tensor, numel: int, ranges, rank: int, granks: list[int], group):
+    """A 1-D ShardedTensor of ``numel`` elements whose rank-r part is ``ranges[r]``; ``local`` is
+    this rank's part (a view: DCP reads into it in place). Ranks with an empty part hold no shard.
+    The global layout is computed, not communicated: no collective per tensor."""
+    if numel == 0:
+        return local
+    dev = "cpu" if local.device.type == "cpu" else f"{local.device.type}:{local.device.index or 0}"
+    mds, mine = [], None
+    for r, (a, b) in enumerate(ranges):
+        if b > a:
+            md = ShardMetadata(
+                shard_offsets=[a], shard_sizes=[b - a], placement=f"rank:{granks[r]}/{dev}"
+            )
+            mds.append(md)
+            if r == rank:
+                mine = md
+    meta = ShardedTensorMetadata(
+        shards_metadata=mds,
+        size=torch.Size([numel]),
+        tensor_properties=STProperties(dtype=local.dtype),
+    )
+    shards = [Shard(local, mine)] if mine is not None else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, meta, process_group=group
+        )
+
+
+def _group(model):
+    group = model.process_group
+    return (
+        group,
+        dist.get_rank(group),
+        dist.get_world_size(group),
+        dist.get_process_group_ranks(group),
+    )
+
+
+def _params(model):
+    """``(flat, slot, shard_param)`` for every parameter, in unit order."""
+    for f in model.flat_params:
+        for slot, p in zip(f.slots, f.shard_params):
+            yield f, slot, p
+
+
+def _buffers(model):
+    for key, kind, ref in model._entries:
+        if kind == "buffer":
+            yield key, getattr(ref[0], ref[1])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _agree(group, error: BaseException | None) -> None:
+    """Raise on every rank if any rank failed (so no rank waits in a collective that never comes)."""
+    world = dist.get_world_size(group)
+    mine = None if error is None else (type(error).__name__, str(error))
+    if world == 1:
+        errors = [mine]
+    else:
+        errors = [None] * world
+        dist.all_gather_object(errors, mine, group=group)
+    for r, e in enumerate(errors):
+        if e is not None:
+            if error is not None and mine == e:
+                raise error
+            cls = _ERRORS.get(e[0], CheckpointError)
+            raise cls(e[1] if world == 1 else f"{e[1]} (on rank {r})")
+
+
+def _broadcast(group, obj):
+    if dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return box[0]
+
+
+def _jsonable(value, what: str):
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{what} must be JSON-serializable (dicts, lists, numbers, strings): {e}"
+        ) from None
+
+
+# ---- model description --------------------------------------------------------------------------
+
+
+def model_kind(module: torch.nn.Module) -> str:
+    from layershard.models.llama import LlamaForCausalLM
+
+    if isinstance(module, LlamaForCausalLM):
+        return "layershard-llama"
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(module, transformers.PreTrainedModel):
+        return "hf"
+    return "module"
+
+
+def model_config(module: torch.nn.Module) -> dict | None:
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        return None
+    if hasattr(cfg, "to_json_string"):  # transformers (its configs may be dataclasses too)
+        d = json.loads(cfg.to_json_string(use_diff=False))
+        if not d.get("architectures"):
+            d["architectures"] = [type(module).__name__]
+        return d
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return _jsonable(dataclasses.asdict(cfg), "the model config")
+    if hasattr(cfg, "to_dict"):
+        return _jsonable(cfg.to_dict(), "the model config")
+    return None
+
+
+def describe_model(model) -> dict:
+    module = model.module
+    return {
+        "class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "kind": model_kind(module),
+        "config": model_config(module),
+        "params": {
+            slot.name: {
+                "shape": list(slot.shape),
+                "dtype": "float32",
+                "requires_grad": slot.requires_grad,
+                "aliases": [u.name for u in slot.uses[1:]],
+            }
+            for _, slot, _ in _params(model)
+        },
+        "buffers": {
+            key: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
+            for key, b in _buffers(model)
+        },
+    }
+
+
+# ---- optimizer ---------------------------------------------------------------------------------
+
+
+def _param_names(model, optimizer) -> list[list[tuple[Any, Any, torch.Tensor]]]:
+    """The optimizer's groups as lists of ``(flat, slot, param)``."""
+    by_id = {id(p): (f, slot, p) for f, slot, p in _params(model)}
+    groups = []
+    for i, g in enumerate(optimizer.param_groups):
+        items = []
+        for p in g["params"]:
+            if id(p) not in by_id:
+                raise CheckpointError(
+                    f"optimizer param group {i} holds a tensor of shape {tuple(p.shape)} that is not "
+                    "a parameter of this sharded model; build the optimizer from model.parameters()"
+                )
+            items.append(by_id[id(p)])
+        groups.append(items)
+    return groups
+
+
+def _hyper_to_json(key: str, value):
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise CheckpointError(
+                f"optimizer hyperparameter {key!r} is a tensor with {value.numel()} elements"
+            )
+        return {"__tensor__": value.item()}
+    if isinstance(value, tuple):
+        return [_hyper_to_json(key, v) for v in value]
+    return _jsonable(value, f"optimizer hyperparameter {key!r}")
+
+
+def _hyper_from_json(value, current):
+    if isinstance(value, dict) and "__tensor__" in value:
+        if isinstance(current, torch.Tensor):
+            current.fill_(value["__tensor__"])
+            return current
+        return torch.tensor(value["__tensor__"])
+    if isinstance(value, list) and isinstance(current, tuple):
+        return tuple(_hyper_from_json(v, c) for v, c in zip(value, current))
+    return value
+
+
+def _optim_save(model, optimizer, rank, granks, group):
+    tensors, kinds = {}, {}
+    groups = _param_names(model, optimizer)
+    for items in groups:
+        for f, slot, p in items:
+            st = optimizer.state.get(p, {})
+            k_of = {}
+            for k, v in st.items():
+                key = f"optim/{slot.name}/{k}"
+                if isinstance(v, torch.Tensor) and v.dim() == 0:
+                    k_of[k] = {"kind": "scalar", "dtype": _dtype_name(v.dtype)}
+                    tensors[key] = v.detach()
+                elif isinstance(v, torch.Tensor) and v.shape == p.shape:
+                    k_of[k] = {"kind": "sharded", "dtype": _dtype_name(v.dtype)}
+                    tensors[key] = _sharded_1d(
+                        v.detach(), slot.numel, slot_ranges(f, slot), rank, granks, group
+                    )
+                elif isinstance(v, torch.Tensor):
+                    raise CheckpointError(
+                        f"optimizer state {k!r} of {slot.name} has shape {tuple(v.shape)}: only "
+                        "per-element state (like Adam's moments) and 0-d state can be saved sharded"
+                    )
+                else:
+                    k_of[k] = {"kind": "value", "value": _jsonable(v, f"optimizer state {k!r}")}
+            if k_of:
+                kinds[slot.name] = k_of
+    info = {
+        "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "param_groups": [
+            {"params": [slot.name for _, slot, _ in items]}
+            | {k: _hyper_to_json(k, v) for k, v in g.items() if k != "params"}
+            for items, g in zip(groups, optimizer.param_groups)
+        ],
+        "state": kinds,
+    }
+    return tensors, info
+
+
+# ---- RNG ---------------------------------------------------------------------------------------
+
+
+def _rng_save(rank: int) -> dict[str, torch.Tensor]:
+    out = {f"rng/{rank}/torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
+    version, state, gauss = random.getstate()
+    py: dict[str, Any] = {"python": [version, list(state), gauss]}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        py["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    out[f"rng/{rank}/py"] = torch.frombuffer(bytearray(json.dumps(py).encode()), dtype=torch.uint8)
+    return out
+
+
+def _rng_restore(tensors: dict[str, torch.Tensor], rank: int) -> None:
+    torch.set_rng_state(tensors[f"rng/{rank}/torch"])
+    if f"rng/{rank}/cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors[f"rng/{rank}/cuda"])
+    py = json.loads(bytes(tensors[f"rng/{rank}/py"].tolist()).decode())
+    version, state, gauss = py["python"]
+    random.setstate((version, tuple(state), gauss))
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in py:
+        kind, keys, pos, has_gauss, cached = py["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _reseed(step: int | None, rank: int) -> int:
+    seed = (0x6C73 + 1_000_003 * (step or 0) + 7919 * rank) % (2**63)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed % (2**32))
+    return seed
+
+
+# ---- save --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def save_checkpoint(
+    path: str | os.PathLike,
+    model,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+    extra: dict | None = None,
+    *,
+    keep_last: int | None = None,
+    run_config: dict | None = None,
+) -> Path:
+    """Save a resumable sharded checkpoint into the folder ``path``. Collective: every rank of the
+    model's process group calls it with the same arguments; ``path`` must be on a file system all
+    ranks share.
+
+    Each rank writes its own slices in parallel; the folder becomes visible (atomic rename) only
+    once every rank has finished and the manifest is written, then ``<parent>/latest`` names it.
+    ``extra`` (JSON: e.g. the data loader's position, an LR scheduler's state) and ``run_config``
+    (the resolved run config) come back from :func:`load_checkpoint`. With ``keep_last=K`` only the
+    K newest checkpoints in the parent folder remain. Returns the checkpoint folder.
+    """
+    from layershard import __version__
+
+    t0 = time.perf_counter()
+    group, rank, world, granks = _group(model)
+    final = Path(path).absolute()
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"save_checkpoint(keep_last={keep_last}): must be at least 1")
+    if step is not None and not isinstance(step, int):
+        raise TypeError(f"save_checkpoint(step={step!r}): must be an int")
+    extra = _jsonable(extra, "save_checkpoint(extra=...)")
+    run_config = _jsonable(run_config, "save_checkpoint(run_config=...)")
+
+    # Every part that can fail on one rank only is followed by an agreement, so no rank hangs.
+    err, tmp = None, None
+    if rank == 0:
+        try:
+            if (
+                final.exists()
+                and not (final / pub.MANIFEST).is_file()
+                and (not final.is_dir() or any(final.iterdir()))
+            ):
+                raise CheckpointError(
+                    f"save_checkpoint: {final} exists and is not a layershard checkpoint; "
+                    "refusing to replace it"
+                )
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = pub.tmp_name(final)
+            tmp.mkdir()
+        except CheckpointError as e:
+            err = e
+        except OSError as e:
+            err = CheckpointError(f"save_checkpoint: cannot create {final.parent}: {e}")
+    _agree(group, err)
+    tmp = Path(_broadcast(group, str(tmp)))
+
+    err, state, optim_info = None, {}, None
+    try:
+        for f, slot, p in _params(model):
+            state[f"model/{slot.name}"] = _sharded_1d(
+                p.detach(), slot.numel, slot_ranges(f, slot), rank, granks, group
+            )
+        for key, b in _buffers(model):
+            state[f"model/{key}"] = b.detach()
+        if optimizer is not None:
+            tensors, optim_info = _optim_save(model, optimizer, rank, granks, group)
+            state.update(tensors)
+        state.update(_rng_save(rank))
+    except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
+        err = e
+    _agree(group, err)
+    kinds = [optim_info["state"] if optim_info else None]
+    if world > 1:
+        kinds = [None] * world
+        dist.all_gather_object(kinds, optim_info["state"] if optim_info else None, group=group)
+    if optim_info is not None and any(k != kinds[0] for k in kinds):
+        raise CheckpointError(
+            "save_checkpoint: the ranks' optimizers hold different kinds of state (has every rank "
+            "stepped the same optimizer?)"
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp.save(
+            state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group
+        )
+    t_write = time.perf_counter() - t0
+
+    # Integrity: every rank hashes a share of the files (the DCP files are complete now).
+    err, digests = None, {}
+    try:
+        names = pub.data_files(tmp)
+        for name in names[rank::world]:
+            size, sha = pub.file_digest(tmp / name)
+            digests[name] = {"bytes": size, "sha256": sha}
+    except OSError as e:
+        err = CheckpointError(f"save_checkpoint: cannot read back {tmp}: {e}")
+    _agree(group, err)
+    parts = [digests]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, digests, group=group)
+
+    err = None
+    if rank == 0:
+        try:
+            files = {k: v for part in parts for k, v in sorted(part.items())}
+            manifest = {
+                "format": pub.FORMAT,
+                "format_version": pub.FORMAT_VERSION,
+                "layershard_version": __version__,
+                "torch_version": torch.__version__,
+                "created_unix": time.time(),
+                "step": step,
+                "world_size": world,
+                "extra": extra,
+                "run_config": run_config,
+                "model": describe_model(model),
+                "optimizer": optim_info,
+                "rng": {
+                    "world_size": world,
+                    "keys": sorted(k.split("/", 2)[2] for k in _rng_save(0)),
+                },
+                "files": dict(sorted(files.items())),
+                "total_bytes": sum(v["bytes"] for v in files.values()),
+                "write_seconds": round(t_write, 3),
+            }
+            pub.write_atomic(tmp / pub.MANIFEST, pub.dumps(manifest))
+            pub.publish(tmp, final, keep_last)
+        except Exception as e:  # noqa: BLE001
+            err = CheckpointError(f"save_checkpoint: publishing {final} failed: {e}")
+    _agree(group, err)
+    log.info("layershard: saved %s in %.2f s", final, time.perf_counter() - t0)
+    return final
+
+
+# ---- load --------------------------------------------------------------------------------------
+
+
+def _check_tensor(
+    md: Metadata, key: str, shape: list[int], dtype: str, where: Path, sharded: bool
+) -> str:
+    item = md.state_dict_metadata.get(key)
+    if item is None:
+        return f"{where}: the manifest lists {key} but the DCP metadata has no such entry (corrupt)"
+    if not isinstance(item, TensorStorageMetadata):
+        return f"{key}: stored as {type(item).__name__}, not a tensor"
+    if list(item.size) != shape:
+        return f"{key}: stored with shape {list(item.size)}, expected {shape}"
+    stored = _dtype_name(item.properties.dtype)
+    if stored != dtype:
+        return f"{key}: stored as {stored}, expected {dtype} (wrong dtype)"
+    if sharded and shape:  # the saved chunks must cover the whole tensor exactly once
+        pos = 0
+        for c in sorted(item.chunks, key=lambda c: c.offsets[0]):
+            if c.offsets[0] != pos:
+                return f"{where}: {key} has a gap or overlap at element {pos} (corrupt metadata)"
+            pos += c.sizes[0]
+        if pos != shape[0]:
+            return f"{where}: {key} covers {pos} of {shape[0]} elements (corrupt metadata)"
+    return ""
+
+
+def _names_diff(what: str, ours: list[str], theirs: list[str]) -> str:
+    missing = [n for n in ours if n not in set(theirs)]
+    unexpected = [n for n in theirs if n not in set(ours)]
+    if not missing and not unexpected:
+        return ""
+
+    def show(xs):
+        return ", ".join(xs[:6]) + (f", ... ({len(xs)} in all)" if len(xs) > 6 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {show(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the model: {show(unexpected)}")
+    return f"{what} differ from the checkpoint's ({'; '.join(parts)}); is it a checkpoint of this model?"
+
+
+def _validate(model, optimizer, folder: Path, manifest: dict, md: Metadata, strict: bool) -> None:
+    """Every check that needs no data: names, shapes, dtypes, coverage. Raises on the first error."""
+    saved = manifest["model"]
+    ours = {slot.name: (f, slot) for f, slot, _ in _params(model)}
+    if strict or any(n not in saved["params"] for n in ours):
+        msg = _names_diff("the model's parameters", list(ours), list(saved["params"]))
+        if msg:
+            raise CheckpointMismatchError(msg)
+    for name, (_, slot) in ours.items():
+        rec = saved["params"][name]
+        if list(rec["shape"]) != list(slot.shape):
+            raise CheckpointMismatchError(
+                f"model/{name}: the checkpoint has shape {tuple(rec['shape'])}, the model {tuple(slot.shape)}"
+            )
+        msg = _check_tensor(md, f"model/{name}", [slot.numel], "float32", folder, sharded=True)
+        if msg:
+            raise CheckpointMismatchError(msg) if "expected" in msg else CheckpointCorruptError(msg)
+    bufs = dict(_buffers(model))
+    msg = _names_diff("the model's buffers", list(bufs), list(saved["buffers"]))
+    if msg and strict:
+        raise CheckpointMismatchError(msg)
+    for key, b in bufs.items():
+        if key in saved["buffers"]:
+            msg = _check_tensor(
+                md, f"model/{key}", list(b.shape), _dtype_name(b.dtype), folder, sharded=False
+            )
+            if msg:
+                raise (
+                    CheckpointMismatchError(msg)
+                    if "expected" in msg
+                    else CheckpointCorruptError(msg)
+                )
+    if optimizer is None:
+        return
+    info = manifest.get("optimizer")
+    if info is None:
+        raise CheckpointMismatchError(
+            f"{folder}: the checkpoint has no optimizer state (saved without optimizer=)"
+        )
+    cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if info["class"] != cls:
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer is {info['class']}, this one is {cls}"
+        )
+    groups = _param_names(model, optimizer)
+    if len(groups) != len(info["param_groups"]):
+        raise CheckpointMismatchError(
+            f"the optimizer has {len(groups)} param groups, the checkpoint's had {len(info['param_groups'])}"
+        )
+    for i, (items, g) in enumerate(zip(groups, info["param_groups"])):
+        msg = _names_diff(
+            f"the parameters of optimizer param group {i}",
+            [s.name for _, s, _ in items],
+            g["params"],
+        )
+        if msg:
+            raise CheckpointMismatchError(msg)
+    for name, kinds in info["state"].items():
+        _, slot = ours[name]
+        for k, rec in kinds.items():
+            if rec["kind"] == "value":
+                continue
+            shape = [slot.numel] if rec["kind"] == "sharded" else []
+            msg = _check_tensor(
+                md, f"optim/{name}/{k}", shape, rec["dtype"], folder, rec["kind"] == "sharded"
+            )
+            if msg:
+                raise CheckpointCorruptError(msg)
+
+
+@torch.no_grad()
+def load_checkpoint(
+    path: str | os.PathLike,
+    model,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+    restore_rng: bool = True,
+    verify: bool = True,
+) -> dict:
+    """Load a checkpoint saved by :func:`save_checkpoint` at any world size. Collective.
+
+    ``path`` is a checkpoint folder, a ``latest`` file, or a folder holding ``latest``. Everything
+    is checked before anything is changed: names, shapes and dtypes against the model (and the
+    optimizer, when given), and, with ``verify``, the size and SHA-256 of every file (each rank
+    checks a share). RNG states are restored when the world size is the one saved; otherwise every
+    rank is re-seeded deterministically (from the step and its rank) and a warning says so.
+
+    Returns ``{"step", "extra", "run_config", "world_size" (saved), "path", "rng_restored",
+    "model_config", "layershard_version"}``.
+    """
+    t0 = time.perf_counter()
+    group, rank, world, granks = _group(model)
+
+    err, folder, manifest = None, None, None
+    if rank == 0:
+        try:
+            folder = pub.resolve(path)
+            manifest = pub.read_manifest(folder)
+            if "model" not in manifest or "files" not in manifest:
+                raise CheckpointCorruptError(f"{folder / pub.MANIFEST}: incomplete manifest")
+            if verify:  # sizes first (cheap): a truncated file is named before anything is parsed
+                msg = pub.verify_files(folder, manifest, digest=False)
+                if msg:
+                    raise CheckpointCorruptError(msg)
+            md = read_dcp_metadata(folder)
+            _validate(model, optimizer, folder, manifest, md, strict)
+        except CheckpointError as e:
+            err = e
+        except (KeyError, TypeError, ValueError) as e:  # a manifest of the wrong structure
+            err = CheckpointCorruptError(f"{path}: malformed manifest ({type(e).__name__}: {e})")
+    _agree(group, err)
+    folder, manifest = _broadcast(group, (str(folder), manifest))
+    folder = Path(folder)
+
+    if verify:
+        err = None
+        names = sorted(manifest["files"])
+        try:
+            msg = pub.verify_files(folder, manifest, names[rank::world])
+            if msg:
+                err = CheckpointCorruptError(msg)
+        except OSError as e:
+            err = CheckpointCorruptError(f"{folder}: {e}")
+        _agree(group, err)
+
+    saved_world = manifest["world_size"]
+    same_world = saved_world == world
+    state: dict[str, Any] = {}
+    for f, slot, p in _params(model):
+        state[f"model/{slot.name}"] = _sharded_1d(
+            p.detach(), slot.numel, slot_ranges(f, slot), rank, granks, group
+        )
+    for key, b in _buffers(model):
+        if key in manifest["model"]["buffers"]:
+            state[f"model/{key}"] = b
+
+    new_state: dict[Any, dict] = {}
+    info = manifest.get("optimizer") if optimizer is not None else None
+    if info is not None:
+        for items, g in zip(_param_names(model, optimizer), optimizer.param_groups):
+            fused = bool(g.get("fused") or g.get("capturable"))
+            for f, slot, p in items:
+                kinds = info["state"].get(slot.name)
+                if not kinds:
+                    continue
+                current = optimizer.state.get(p, {})
+                st = new_state[p] = {}
+                for k, rec in kinds.items():
+                    if rec["kind"] == "value":
+                        st[k] = rec["value"]
+                        continue
+                    dtype = getattr(torch, rec["dtype"])
+                    old = current.get(k)
+                    if rec["kind"] == "sharded":
+                        t = (
+                            old
+                            if isinstance(old, torch.Tensor)
+                            and old.shape == p.shape
+                            and old.dtype == dtype
+                            else torch.empty_like(p, dtype=dtype)
+                        )
+                        state[f"optim/{slot.name}/{k}"] = _sharded_1d(
+                            t, slot.numel, slot_ranges(f, slot), rank, granks, group
+                        )
+                    else:
+                        device = p.device if fused else torch.device("cpu")
+                        t = (
+                            old
+                            if isinstance(old, torch.Tensor)
+                            and old.dim() == 0
+                            and old.dtype == dtype
+                            else torch.zeros((), dtype=dtype, device=device)
+                        )
+                        state[f"optim/{slot.name}/{k}"] = t
+                    st[k] = t
+
+    rng: dict[str, torch.Tensor] = {}
+    if restore_rng and same_world:
+        md = None
+        for k in manifest["rng"]["keys"]:
+            key = f"rng/{rank}/{k}"
+            if k == "cuda" and not torch.cuda.is_available():
+                continue
+            md = md or SafeFileSystemReader(folder).read_metadata()
+            item = md.state_dict_metadata.get(key)
+            if not isinstance(item, TensorStorageMetadata):
+                raise CheckpointCorruptError(f"{folder}: {key} is missing from the DCP metadata")
+            rng[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        state.update(rng)
+
+    err = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            dcp.load(state, storage_reader=SafeFileSystemReader(folder), process_group=group)
+    except Exception as e:  # noqa: BLE001 - DCP gathers every rank's failure into one exception
+        raise CheckpointCorruptError(f"{folder}: reading the checkpoint failed: {e}") from e
+
+    if info is not None:
+        for p, st in new_state.items():
+            optimizer.state[p] = st
+        for g, saved in zip(optimizer.param_groups, info["param_groups"]):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = _hyper_from_json(v, g.get(k))
+    step = manifest.get("step")
+    if rng:
+        _rng_restore(rng, rank)
+    elif restore_rng:
+        seed = _reseed(step, rank)
+        if rank == 0:
+            warnings.warn(
+                f"load_checkpoint: the checkpoint was saved at world size {saved_world} and is loaded "
+                f"at {world}: RNG states are not restored; every rank was re-seeded deterministically "
+                f"(rank 0 with {seed})",
+                stacklevel=3,
+            )
+    log.info("layershard: loaded %s in %.2f s", folder, time.perf_counter() - t0)
+    return {
+        "step": step,
+        "extra": manifest.get("extra"),
+        "run_config": manifest.get("run_config"),
+        "world_size": saved_world,
+        "path": str(folder),
+        "rng_restored": bool(rng),
+        "model_config": manifest["model"].get("config"),
+        "layershard_version": manifest.get("layershard_version"),
+    }
+
+
+def total_numel(manifest: dict) -> int:
+    return sum(math.prod(p["shape"]) for p in manifest["model"]["params"].values())

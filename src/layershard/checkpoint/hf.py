@@ -1,0 +1,435 @@
+"""Hugging Face interop: sharded safetensors out (``export_hf``), slices in (``load_hf``).
+
+Export gathers one flat group (a unit's parameters) at a time; rank 0 writes them into
+``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` bytes with
+``model.safetensors.index.json`` and ``config.json``: no rank ever holds the whole model. Our
+Llama's names map to HF ``LlamaForCausalLM``'s (both use the ``rotate_half`` RoPE layout, so q/k
+need no permutation); a transformers model keeps its names. A tied parameter is written once,
+under its first name (``lm_head.weight`` is absent when tied, as in ``save_pretrained``).
+
+``load_hf`` opens the files with ``safetensors.safe_open`` and reads, per parameter, only the rows
+that cover the slice the rank holds (``get_slice``): a 70B model loads without being materialized
+on any rank. The model can come from the meta device (``ls.shard(meta_model)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from layershard.checkpoint import publish as pub
+from layershard.checkpoint.dcp import (
+    SafeFileSystemReader,
+    _agree,
+    _buffers,
+    _params,
+    model_config,
+    model_kind,
+)
+from layershard.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_ST_FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_IGNORED_HF_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def parse_size(size: int | str) -> int:
+    """``2_000_000_000``, ``"2GB"``, ``"500MB"``, ``"1GiB"`` -> bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size={size!r}: use bytes or e.g. '2GB', '500MB'")
+    unit = (m.group(2) or "B").upper()
+    mult = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
+    return int(float(m.group(1)) * mult[unit])
+
+
+# ---- names and config ----------------------------------------------------------------------------
+
+
+def _namer(kind: str):
+    if kind == "layershard-llama":
+        from layershard.models.llama import to_hf_name
+
+        return to_hf_name
+    return lambda name: name
+
+
+def _hf_config_dict(kind: str, config: dict | None, dtype: torch.dtype) -> dict | None:
+    dtype_name = str(dtype).removeprefix("torch.")
+    if kind == "layershard-llama":
+        from layershard.models.llama import LlamaConfig, hf_llama_config
+
+        cfg = hf_llama_config(LlamaConfig(**config))
+        cfg.architectures = ["LlamaForCausalLM"]
+        d = json.loads(cfg.to_json_string(use_diff=False))
+    elif config is not None:
+        d = dict(config)
+    else:
+        return None
+    d["torch_dtype"] = dtype_name
+    d["dtype"] = dtype_name
+    return d
+
+
+class ShardedSafetensorsWriter:
+    """Collects named tensors into safetensors files of at most ``max_bytes`` (a tensor larger
+    than that gets a file of its own), then names them ``model-0000i-of-0000N`` and writes the
+    index. Files appear under temporary names until ``close()``."""
+
+    def __init__(self, out_dir: Path, max_bytes: int):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.tag = uuid.uuid4().hex[:8]
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + n > self.max_bytes:
+            self.flush()
+        self.pending[name] = t.contiguous()
+        self.pending_bytes += n
+        self.total += n
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = self.out_dir / f".part-{self.tag}-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        self.flush()
+        n = len(self.files)
+        weight_map = {}
+        names = []
+        for i, (path, keys) in enumerate(self.files):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(path, self.out_dir / name)
+            names.append(name)
+            for k in keys:
+                weight_map[k] = name
+        index = {
+            "metadata": {"total_size": self.total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        pub.write_atomic(self.out_dir / INDEX, json.dumps(index, indent=2))
+        return names
+
+
+def _prepare_out(out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in list(out_dir.glob("model-*-of-*.safetensors")) + [out_dir / INDEX, out_dir / SINGLE]:
+        if old.exists():  # a previous export with another file count must not linger
+            old.unlink()
+
+
+# ---- export from a live sharded model ------------------------------------------------------------
+
+
+@torch.no_grad()
+def export_hf(
+    model,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: int | str = "2GB",
+) -> Path | None:
+    """Write the sharded model as Hugging Face safetensors shards + index + ``config.json`` into
+    ``out_dir`` (rank 0 writes; collective). Streams one flat group at a time. Loadable by
+    ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` for our Llama and for
+    transformers models. Returns ``out_dir`` on rank 0, None elsewhere."""
+    group = model.process_group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out = Path(out_dir)
+    module = model.module
+    kind = model_kind(module)
+    rename = _namer(kind)
+    cap = parse_size(max_shard_size)
+
+    err, writer = None, None
+    if rank == 0:
+        try:
+            _prepare_out(out)
+            writer = ShardedSafetensorsWriter(out, cap)
+        except OSError as e:
+            err = CheckpointError(f"export_hf: cannot write to {out}: {e}")
+    _agree(group, err)
+
+    err = None
+    for f in model.flat_params:
+        buf = torch.empty(f.padded_numel, dtype=torch.float32, device=f.shard.device)
+        if world == 1:
+            buf.copy_(f.shard)
+        else:
+            dist.all_gather(list(buf.chunk(world)), f.shard, group=group)
+        if rank == 0 and err is None:
+            try:
+                for slot in f.slots:
+                    t = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    writer.add(rename(slot.name), t.to("cpu", dtype, copy=True))
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                err = e
+        del buf
+    if rank == 0 and err is None:
+        try:
+            for key, b in _buffers(model):
+                writer.add(rename(key), b.detach().to("cpu", copy=True))
+            writer.close()
+            cfg = _hf_config_dict(kind, model_config(module), dtype)
+            if cfg is not None:
+                pub.write_atomic(out / "config.json", json.dumps(cfg, indent=2, sort_keys=True))
+        except Exception as e:  # noqa: BLE001
+            err = e
+    if err is not None and not isinstance(err, CheckpointError):
+        err = CheckpointError(f"export_hf: writing {out} failed: {err}")
+    _agree(group, err)
+    return out if rank == 0 else None
+
+
+# ---- offline export from a checkpoint folder (no process group, no GPU) -------------------------
+
+
+@torch.no_grad()
+def export_checkpoint(
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: int | str = "2GB",
+    verify: bool = True,
+) -> Path:
+    """Convert a layershard checkpoint into HF safetensors (+ config) in one process, without a
+    process group or GPU, reading at most ``max_shard_size`` of parameters at a time."""
+    import torch.distributed.checkpoint as dcp
+
+    from layershard.checkpoint.dcp import _check_tensor, read_dcp_metadata
+
+    folder = pub.resolve(path)
+    manifest = pub.read_manifest(folder)
+    if verify:
+        msg = pub.verify_files(folder, manifest)
+        if msg:
+            raise CheckpointCorruptError(msg)
+    md = read_dcp_metadata(folder)
+    info = manifest["model"]
+    kind = info["kind"]
+    rename = _namer(kind)
+    out = Path(out_dir)
+    _prepare_out(out)
+    cap = parse_size(max_shard_size)
+    writer = ShardedSafetensorsWriter(out, cap)
+
+    entries = [(name, rec["shape"], "float32") for name, rec in info["params"].items()]
+    entries += [(key, rec["shape"], rec["dtype"]) for key, rec in info["buffers"].items()]
+    batch: list[tuple[str, list[int], str]] = []
+
+    def run(batch):
+        sd = {}
+        for name, shape, dt in batch:
+            numel = 1
+            for s in shape:
+                numel *= s
+            is_param = name in info["params"]
+            msg = _check_tensor(
+                md, f"model/{name}", [numel] if is_param else list(shape), dt, folder, is_param
+            )
+            if msg:
+                raise CheckpointCorruptError(msg)
+            sd[f"model/{name}"] = torch.empty(
+                [numel] if is_param else shape, dtype=getattr(torch, dt)
+            )
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(sd, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+        for name, shape, _ in batch:
+            t = sd[f"model/{name}"].view(shape)
+            writer.add(rename(name), t.to(dtype) if t.is_floating_point() else t)
+
+    size = 0
+    for e in entries:
+        n = 4
+        for s in e[1]:
+            n *= s
+        if batch and size + n > cap:
+            run(batch)
+            batch, size = [], 0
+        batch.append(e)
+        size += n
+    if batch:
+        run(batch)
+    writer.close()
+    cfg = _hf_config_dict(kind, info.get("config"), dtype)
+    if cfg is not None:
+        pub.write_atomic(out / "config.json", json.dumps(cfg, indent=2, sort_keys=True))
+    return out
+
+
+# ---- load_hf ------------------------------------------------------------------------------------
+
+
+def _weight_map(src: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    if (src / INDEX).is_file():
+        try:
+            index = json.loads((src / INDEX).read_text())
+            return dict(index["weight_map"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointCorruptError(f"{src / INDEX}: corrupt index ({e})") from None
+    files = [src / SINGLE] if (src / SINGLE).is_file() else sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointNotFoundError(f"{src}: no *.safetensors files (nor {INDEX})")
+    out = {}
+    for p in files:
+        try:
+            with safe_open(str(p), "pt") as fh:
+                for k in fh.keys():
+                    out[k] = p.name
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointCorruptError(f"{p}: not a readable safetensors file ({e})") from None
+    return out
+
+
+@torch.no_grad()
+def load_hf(model, src_dir: str | os.PathLike, strict: bool = True) -> None:
+    """Initialize a sharded model from Hugging Face safetensors in ``src_dir`` (an index with
+    shards, or one ``model.safetensors``). Collective; each rank reads only the rows covering its
+    slices. Missing or unexpected names, shape mismatches and non-float data raise (naming the key
+    and file) before anything is copied; a truncated or corrupt file raises naming the file."""
+    from safetensors import safe_open
+
+    group = model.process_group
+    src = Path(src_dir)
+    kind = model_kind(model.module)
+    rename = _namer(kind)
+
+    handles: dict[str, object] = {}
+
+    def handle(fname: str):
+        if fname not in handles:
+            p = src / fname
+            if not p.is_file():
+                raise CheckpointCorruptError(f"{p}: missing (listed in {INDEX})")
+            try:
+                handles[fname] = safe_open(str(p), "pt").__enter__()
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointCorruptError(
+                    f"{p}: not a readable safetensors file ({e})"
+                ) from None
+        return handles[fname]
+
+    plan = []  # (flat, slot, key, file)
+    bufs = []
+    err = None
+    try:
+        wmap = _weight_map(src)
+        used, missing = set(), []
+        for f, slot, _ in _params(model):
+            names = [rename(u.name) for u in slot.uses]
+            key = next((n for n in names if n in wmap), None)
+            used.update(n for n in names if n in wmap)
+            if key is None:
+                missing.append(names[0])
+                continue
+            plan.append((f, slot, key, wmap[key]))
+        for key, b in _buffers(model):
+            k = rename(key)
+            if k in wmap:
+                used.add(k)
+                bufs.append((b, k, wmap[k]))
+            elif strict:
+                missing.append(k)
+        unexpected = [k for k in wmap if k not in used and not _IGNORED_HF_KEYS.search(k)]
+        if missing or (strict and unexpected):
+            raise CheckpointMismatchError(
+                f"load_hf({src}): missing keys {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+                f"unexpected keys {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}; "
+                "are these weights of this model?"
+            )
+        for _f, slot, key, fname in plan:
+            sl = handle(fname).get_slice(key)
+            shape, dt = list(sl.get_shape()), sl.get_dtype()
+            if shape != list(slot.shape):
+                raise CheckpointMismatchError(
+                    f"{src / fname}: {key} has shape {tuple(shape)}, the model expects {tuple(slot.shape)}"
+                )
+            if dt not in _ST_FLOAT:
+                raise CheckpointMismatchError(
+                    f"{src / fname}: {key} has dtype {dt}, expected a floating type"
+                )
+        for b, key, fname in bufs:
+            shape = list(handle(fname).get_slice(key).get_shape())
+            if shape != list(b.shape):
+                raise CheckpointMismatchError(
+                    f"{src / fname}: {key} has shape {tuple(shape)}, the model expects {tuple(b.shape)}"
+                )
+    except CheckpointError as e:
+        err = e
+    if err is not None:
+        _close(handles)
+    _agree(group, err)
+
+    err = None
+    try:
+        for f, slot, key, fname in plan:
+            a, b = f.local_param_range(slot)
+            if b <= a:
+                continue
+            try:
+                sl = handle(fname).get_slice(key)
+                if len(slot.shape) == 0:
+                    part = handle(fname).get_tensor(key).reshape(-1)
+                else:
+                    row = slot.numel // slot.shape[0] if slot.shape[0] else 1
+                    r0, r1 = a // row, -(-b // row)
+                    part = sl[r0:r1].reshape(-1)[a - r0 * row : b - r0 * row]
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointCorruptError(f"{src / fname}: reading {key} failed ({e})") from None
+            lo = slot.offset + a - f.shard_start
+            f.shard[lo : lo + b - a].copy_(part)
+        for buf, key, fname in bufs:
+            buf.copy_(handle(fname).get_tensor(key))
+    except CheckpointError as e:
+        err = e
+    finally:
+        _close(handles)
+    _agree(group, err)
+
+
+def _close(handles: dict) -> None:
+    for h in handles.values():
+        try:
+            h.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001
+            pass
+    handles.clear()
