@@ -36,10 +36,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     import layershard as ls
 
     ls.init_distributed(backend="gloo")
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    # Every rank's last collective must be complete before any rank closes its sockets: gloo
+    # aborts a peer whose connection closes with data in flight ("terminate called ...").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_ranks(fn, world_size: int, *args) -> None:

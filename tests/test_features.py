@@ -27,7 +27,7 @@ from _parity import (
 from torch import nn
 
 import layershard as ls
-from layershard.models import LlamaConfig, LlamaForCausalLM
+from layershard.models import CausalLMOutput, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 
 
 # ---- odd sizes, tied and frozen parameters ---------------------------------------------------------
@@ -111,10 +111,28 @@ def test_odd_sizes_tied_and_frozen(world):
 
 
 # ---- activation checkpointing, gradient accumulation, clipping -------------------------------------
+class ReentrantLlama(LlamaForCausalLM):
+    """Checkpoints whole blocks (``__call__``, hooks included) with reentrant checkpointing, as
+    older transformers releases do: the unit hooks then run again inside backward."""
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(input_ids.shape[1], x.dtype)
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=True)
+        logits = self.lm_head(self.norm(x))
+        return CausalLMOutput(logits=logits, loss=causal_lm_loss(logits, labels))
+
+
 def _train_variant(rank, world, variant: str) -> None:
     base = tiny_llama()
     reference = clone(base)
-    model = ls.shard(clone(base), activation_checkpointing=2 if variant == "checkpoint" else 0)
+    if variant == "reentrant":
+        sharded = ReentrantLlama(base.config)
+        sharded.load_state_dict(base.state_dict())
+    else:
+        sharded = clone(base)
+    model = ls.shard(sharded, activation_checkpointing=2 if variant == "checkpoint" else 0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     for step, batch in enumerate(batches(6)):
@@ -159,7 +177,7 @@ def _train_variant(rank, world, variant: str) -> None:
 
 
 def _variants(rank, world):
-    for v in ("checkpoint", "accumulate", "no_sync", "clip_2", "clip_inf"):
+    for v in ("checkpoint", "reentrant", "accumulate", "no_sync", "clip_2", "clip_inf"):
         _train_variant(rank, world, v)
 
 
@@ -301,9 +319,16 @@ def _hf_model(tied: bool):
 
 
 def _hf(rank, world) -> None:
-    for tied in (False, True):
+    # HF's own gradient checkpointing (reentrant: recompute runs the unit hooks inside backward).
+    for tied, hf_checkpointing in ((False, False), (True, False), (False, True)):
         base = _hf_model(tied)
-        reference, model = clone(base), ls.shard(clone(base))
+        reference, sharded = clone(base), clone(base)
+        if hf_checkpointing:
+            sharded.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": True}
+            )
+            sharded.train()
+        model = ls.shard(sharded)
         names = [u.name for u in model.units]
         expected = [
             "model.embed_tokens",
@@ -321,10 +346,11 @@ def _hf(rank, world) -> None:
             and model.get_input_embeddings() is model.module.model.embed_tokens
         )
         prompt = batches(1, seed=5)[0][:1, :4]
-        assert torch.equal(
-            model.generate(prompt, max_new_tokens=4, do_sample=False),
-            reference.generate(prompt, max_new_tokens=4, do_sample=False),
-        )
+        if not hf_checkpointing:  # (generation turns the KV cache off under checkpointing)
+            assert torch.equal(
+                model.generate(prompt, max_new_tokens=4, do_sample=False),
+                reference.generate(prompt, max_new_tokens=4, do_sample=False),
+            )
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
         for step, batch in enumerate(batches(10)):

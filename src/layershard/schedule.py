@@ -141,13 +141,23 @@ class Schedule:
             )
         return handles
 
+    @staticmethod
+    def _in_backward() -> bool:
+        """Is autograd executing a backward pass (a forward now is a checkpoint's recompute)?"""
+        return torch._C._current_graph_task_id() != -1
+
     def root_pre_forward(self) -> None:
-        if self.phase == "backward":  # a forward inside backward (reentrant recompute)
+        if self._in_backward():
             return
         self._learn_order()
-        for u in self.all_units():  # weights may have changed since the last forward
+        # A new forward: weights may have changed since the last one, and a backward that raised
+        # may have left state behind.
+        for u in self.all_units():
             u.slot.reset()
-        self.phase = "forward"
+            if u.grad_slot is not None:
+                u.grad_slot.wait()
+        self.phase, self._callback_queued = "forward", False
+        self._bw_seen.clear()
         if self.root is not None:
             self._issue_gather(self.root, "forward")
             self.root.slot.wait()
@@ -156,7 +166,10 @@ class Schedule:
             self.gather(self.order[0], "forward")
 
     def pre_forward(self, u: Unit) -> None:
-        if self.phase == "backward":
+        if self._in_backward():  # recompute under (reentrant) activation checkpointing
+            self._enter_backward()
+            self.ensure(u, "backward")
+            self._bind(u)
             return
         if self._recorded is not None:
             self._recorded.append(u)
@@ -167,9 +180,8 @@ class Schedule:
             self.gather(nxt, "forward")
 
     def post_forward(self, u: Unit, out):
-        if self.phase == "backward":
-            return None
-        self.release(u)
+        if not self._in_backward():
+            self.release(u)
         if torch.is_grad_enabled():
             for t in _tensors(out):
                 if t.requires_grad:

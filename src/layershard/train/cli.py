@@ -1,0 +1,167 @@
+"""``layershard train``: flags (every config key, plus launch options) and the entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from layershard.train.config import ConfigError, TrainConfig
+from layershard.train.launch import LaunchOptions, launch, prepare
+
+_HELP = {
+    "model": "model preset: tiny, small, llama-1b, llama-7b, llama-13b, llama-70b (architectures)",
+    "hf_config": "train any transformers causal LM from its config.json (file or folder), random init",
+    "init_from": "fine-tune: a folder with HF config.json, *.safetensors and tokenizer.json",
+    "tokenizer": "tokenizer.json (or a folder with one); default: a BPE trained on the corpus",
+    "vocab_size": "vocabulary of the BPE trained on the corpus",
+    "task": "pretrain (next-token on text) or sft (prompt/response or messages JSONL)",
+    "data": "text files, JSONL, folders or `datasets` folders; default: Python's stdlib sources",
+    "text_key": "JSONL / datasets field holding the text",
+    "val_fraction": "share of documents held out for validation",
+    "max_files": "use only the first N corpus files (sorted)",
+    "sft_packing": "pack examples into full sequences, or pad one example per sequence",
+    "seq_len": "tokens per sequence",
+    "micro_batch": "sequences per rank per forward/backward",
+    "grad_accum": "micro-batches per optimizer step (derived from --batch-tokens if unset)",
+    "batch_tokens": "global tokens per optimizer step",
+    "steps": "optimizer steps",
+    "lr": "peak learning rate",
+    "min_lr_ratio": "cosine decays to lr * this",
+    "warmup_steps": "linear warmup steps",
+    "weight_decay": "AdamW weight decay (not on --no-decay parameters)",
+    "no_decay": "name patterns without weight decay",
+    "beta1": "AdamW beta1",
+    "beta2": "AdamW beta2",
+    "grad_clip": "clip the global gradient norm (0: off)",
+    "precision": "auto (bf16 on GPU, fp32 on CPU), fp32 or bf16",
+    "activation_checkpointing": "number of blocks recomputed in backward",
+    "engine": "layershard (sharded) or replicated (plain data parallel, for comparison)",
+    "seed": "seed of the init and the data order",
+    "eval_interval": "validate every N steps (0: only at start and end)",
+    "eval_sequences": "validation sequences per evaluation",
+    "checkpoint_interval": "checkpoint every N steps (0: only the final one)",
+    "log_interval": "log metrics every N steps",
+    "run_dir": "run folder (default runs/<name or timestamp>)",
+    "name": "run name: the run folder becomes runs/<name>",
+    "sample_tokens": "tokens sampled from the trained model at the end",
+    "sample_prompt": "prompt of that sample",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.epilog = (
+        "Every flag is also a key of --config YAML (dashes or underscores); flags win. "
+        "With no flags: a small Llama on Python's stdlib sources, 2 CPU ranks, ~2 minutes."
+    )
+    defaults = TrainConfig()
+    run = parser.add_argument_group("run")
+    run.add_argument("--config", metavar="YAML", default=argparse.SUPPRESS, help="run config file")
+    run.add_argument("--overwrite", action="store_true", default=argparse.SUPPRESS,
+                     help="replace an existing, non-empty run folder")  # fmt: skip
+    run.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                     default=argparse.SUPPRESS,
+                     help="continue the run in --run-dir from its latest (or the given) checkpoint")  # fmt: skip
+    run.add_argument("--stop-at-step", type=int, default=argparse.SUPPRESS, metavar="N",
+                     help="checkpoint and stop at step N (the schedule still plans --steps)")  # fmt: skip
+    run.add_argument("--dry-run", action="store_true", default=argparse.SUPPRESS,
+                     help="check the config and prepare the data, print the config, do not train")  # fmt: skip
+    run.add_argument("--model-override", action="append", metavar="KEY=VALUE",
+                     default=argparse.SUPPRESS,
+                     help="change a preset field, e.g. --model-override dim=256 (repeatable)")  # fmt: skip
+
+    cfg_group = parser.add_argument_group("training (also YAML keys)")
+    for f in fields(TrainConfig):
+        if f.name == "model_overrides":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": _HELP.get(f.name, "")}
+        if default not in (None, [], {}):
+            kwargs["help"] += f" (default: {default})"
+        if f.name in ("data", "no_decay"):
+            kwargs["nargs"] = "*" if f.name == "no_decay" else "+"
+            kwargs["metavar"] = "PATH" if f.name == "data" else "PATTERN"
+        elif f.type in ("int", "int | None"):
+            kwargs["type"] = int
+        elif f.type in ("float",):
+            kwargs["type"] = float
+        cfg_group.add_argument(flag, **kwargs)
+
+    dist = parser.add_argument_group("launch (passed to torchrun)")
+    dist.add_argument("--nproc-per-node", type=int, default=argparse.SUPPRESS,
+                      help="ranks on this machine (default: one per GPU, else 2)")  # fmt: skip
+    dist.add_argument("--nnodes", default=argparse.SUPPRESS, help="number of machines (default 1)")
+    dist.add_argument("--node-rank", type=int, default=argparse.SUPPRESS,
+                      help="this machine's rank, 0..nnodes-1 (default 0)")  # fmt: skip
+    dist.add_argument("--rdzv-endpoint", default=argparse.SUPPRESS, metavar="HOST:PORT",
+                      help="node 0's address and a free port, identical on every node")  # fmt: skip
+    dist.add_argument("--rdzv-backend", default=argparse.SUPPRESS,
+                      help="torchrun rendezvous backend (default static: rank 0 on node 0)")  # fmt: skip
+    dist.add_argument("--rdzv-id", default=argparse.SUPPRESS, help="torchrun rendezvous id")
+    dist.add_argument("--max-restarts", type=int, default=argparse.SUPPRESS,
+                      help="torchrun restarts after a failure (default 0)")  # fmt: skip
+
+
+def _split_args(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchOptions]:
+    given = vars(args)
+    keys = {f.name for f in fields(TrainConfig)}
+    cli_layer = {k: v for k, v in given.items() if k in keys}
+    if "model_override" in given:
+        overrides = {}
+        for item in given["model_override"]:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--model-override {item}: expected KEY=VALUE, e.g. dim=256")
+            overrides[key.strip()] = yaml.safe_load(value)
+        cli_layer["model_overrides"] = overrides
+    opts = LaunchOptions(
+        **{f.name: given[f.name] for f in fields(LaunchOptions) if f.name in given}
+    )
+    opts.nnodes = str(opts.nnodes)
+    return cli_layer, opts
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    try:
+        cli_layer, opts = _split_args(args)
+        cfg, run_dir, manifest = prepare(cli_layer, opts)
+    except ConfigError as e:
+        print(f"layershard train: error: {e}", file=sys.stderr)
+        return 2
+    if opts.dry_run:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        print(f"# train tokens: {manifest['train']['n_tokens']}, val tokens: "
+              f"{manifest['val']['n_tokens']}")  # fmt: skip
+        return 0
+    print(f"run folder: {run_dir}", flush=True)
+    rc = launch(run_dir, opts)
+    if rc != 0:
+        print(
+            f"layershard train: error: the training ranks failed (exit code {rc}); the first "
+            "error above names the cause",
+            file=sys.stderr,
+        )
+        return rc
+    summary_path = Path(run_dir) / "summary.json"
+    if summary_path.is_file() and opts.node_rank == 0:
+        s = json.loads(summary_path.read_text())
+        wall = time.perf_counter() - t0
+        s["wall_time_s"] = wall
+        summary_path.write_text(json.dumps(s, indent=1))
+        start, end = s.get("val_loss_start"), s.get("val_loss_end")
+        val = f"validation loss {start:.3f} -> {end:.3f}, " if start and end else ""
+        print(
+            f"done in {wall:.0f}s: {val}{s['tokens_per_s']:,.0f} tokens/s over {s['steps']} steps"
+            f" on {s['world_size']} ranks. Run folder: {run_dir}/ (config.yaml, metrics.jsonl, "
+            "loss.png, checkpoints/, final/, sample.txt)"
+        )
+    return 0

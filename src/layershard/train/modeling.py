@@ -1,0 +1,127 @@
+"""Choosing and building the model: a layershard preset, any transformers config (random
+init), or local HF safetensors weights (fine-tuning); and exporting the result in HF format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from layershard.models import LlamaConfig, LlamaForCausalLM, build_config, hf_llama_config
+from layershard.train.config import ConfigError, TrainConfig
+
+
+def round_up(n: int, multiple: int = 64) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _hf_config(path: str) -> Any:
+    import transformers
+
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"{p} has no config.json; point at a transformers model folder")
+        return transformers.AutoConfig.from_pretrained(str(p))
+    if not p.is_file():
+        raise ConfigError(f"HF config {path} does not exist; pass a config.json or its folder")
+    raw = json.loads(p.read_text())
+    if "model_type" not in raw:
+        raise ConfigError(f"{p} has no model_type; is it a transformers config.json?")
+    return transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]:
+    """(kind, config, max sequence length) where kind is 'preset' or 'hf'. ``vocab_size`` is the
+    tokenizer's (None when not known yet); a preset's vocabulary follows the tokenizer."""
+    if cfg.hf_config or cfg.init_from:
+        hf = _hf_config(cfg.hf_config or cfg.init_from)
+        if vocab_size is not None and hf.vocab_size < vocab_size and not cfg.init_from:
+            hf.vocab_size = round_up(vocab_size)  # random init: room for every token
+        max_len = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 0)
+        return "hf", hf, int(max_len or 1 << 30)
+    overrides = dict(cfg.model_overrides)
+    if vocab_size is not None:
+        overrides.setdefault("vocab_size", round_up(vocab_size))
+    try:
+        lc = build_config(cfg.model, **overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--model {cfg.model}: {e}") from e
+    return "preset", lc, lc.max_seq_len
+
+
+def check_seq_len(cfg: TrainConfig, max_len: int) -> None:
+    if cfg.seq_len > max_len:
+        raise ConfigError(
+            f"seq_len={cfg.seq_len} exceeds the model's maximum sequence length {max_len}; "
+            f"lower --seq-len or raise it (--model-override max_seq_len={cfg.seq_len} for presets)"
+        )
+
+
+def build_model(
+    kind: str, spec: Any, cfg: TrainConfig, meta: bool = False, load_weights: bool = True
+) -> nn.Module:
+    """The model in fp32 on the CPU (or on the meta device), initialized from ``cfg.seed``;
+    with ``--init-from`` and ``load_weights``, the weights are loaded here, in full."""
+    torch.manual_seed(cfg.seed)  # identical init on every rank
+    ctx = torch.device("meta") if meta else torch.device("cpu")
+    if kind == "preset":
+        with ctx:
+            return LlamaForCausalLM(spec)
+    import transformers
+
+    with ctx:
+        # (no dtype= here: it would put a torch.dtype into the config, which is not JSON)
+        model = transformers.AutoModelForCausalLM.from_config(spec)
+    model = model.float()
+    if cfg.init_from and load_weights:
+        load_safetensors_dir(model, Path(cfg.init_from))
+    return model
+
+
+def load_safetensors_dir(model: nn.Module, folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"--init-from {folder} holds no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]
+    if missing or unexpected:
+        raise ConfigError(
+            f"--init-from {folder}: weights do not match the config "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); check config.json"
+        )
+
+
+def export_hf(folder: Path, kind: str, spec: Any, state: dict[str, torch.Tensor]) -> None:
+    """Write ``state`` (full, rank 0) as an HF model folder: config.json + model.safetensors.
+    A preset becomes a transformers ``LlamaForCausalLM``, so ``--init-from`` (or HF) loads it."""
+    from safetensors.torch import save_file
+
+    from layershard.models import to_hf_name
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "preset":
+        assert isinstance(spec, LlamaConfig)
+        hf_cfg = hf_llama_config(spec)
+        hf_cfg.architectures = ["LlamaForCausalLM"]
+        state = {to_hf_name(k): v for k, v in state.items()}
+        tied = spec.tie_embeddings
+    else:
+        hf_cfg = spec
+        tied = getattr(spec, "tie_word_embeddings", False)
+    if tied:  # safetensors refuses shared storage; the tie is in config.json
+        state.pop("lm_head.weight", None)
+    hf_cfg.save_pretrained(str(folder))
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in state.items()},
+        str(folder / "model.safetensors"),
+    )

@@ -1,0 +1,105 @@
+"""Tokenizers: a byte-level BPE trained on the corpus (cached), or any HF ``tokenizer.json``.
+
+The trained tokenizer is cached under ``$LAYERSHARD_CACHE`` (default ``~/.cache/layershard``),
+keyed by the corpus content hash and the vocabulary size, so only the first run pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from layershard.train.config import ConfigError
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
+SPECIAL_TOKENS = [EOS, PAD, SYSTEM, USER, ASSISTANT]
+
+# Names other tokenizers use for end-of-text, tried in order when no tokenizer_config says.
+_EOS_NAMES = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LAYERSHARD_CACHE") or Path.home() / ".cache" / "layershard")
+
+
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` plus the ids training needs (end-of-text, padding)."""
+
+    def __init__(self, tok: Tokenizer, path: Path, eos_token: str | None = None) -> None:
+        self.tok = tok
+        self.path = path
+        vocab = tok.get_vocab()
+        names = ([eos_token] if eos_token else []) + list(_EOS_NAMES)
+        self.eos_token = next((n for n in names if n in vocab), None)
+        self.eos_id = vocab.get(self.eos_token) if self.eos_token else None
+        self.pad_id = vocab.get(PAD, self.eos_id)
+        self.chat_tokens = all(t in vocab for t in (SYSTEM, USER, ASSISTANT))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, path: str | Path) -> None:
+        self.tok.save(str(path))
+
+
+def load_tokenizer(path: str | Path) -> TextTokenizer:
+    """Load ``tokenizer.json`` (or a folder holding one, as HF model folders do)."""
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise ConfigError(
+            f"tokenizer {path} not found: pass a tokenizer.json file or a folder containing one"
+        )
+    eos_token = None
+    tok_cfg = file.parent / "tokenizer_config.json"
+    if tok_cfg.is_file():  # HF folders name their end-of-text token here
+        eos = json.loads(tok_cfg.read_text()).get("eos_token")
+        eos_token = eos.get("content") if isinstance(eos, dict) else eos
+    return TextTokenizer(Tokenizer.from_file(str(file)), file, eos_token)
+
+
+def bpe_cache_path(corpus_hash: str, vocab_size: int) -> Path:
+    return cache_dir() / "tokenizers" / f"bpe-v{vocab_size}-{corpus_hash[:16]}.json"
+
+
+def train_or_load_bpe(
+    texts: Callable[[], Iterable[str]], corpus_hash: str, vocab_size: int
+) -> tuple[TextTokenizer, bool]:
+    """The cached BPE for this corpus and vocabulary size, training it first if needed.
+    ``texts`` is called only on a cache miss. Returns (tokenizer, trained_now)."""
+    path = bpe_cache_path(corpus_hash, vocab_size)
+    if path.is_file():
+        return load_tokenizer(path), False
+    tok = Tokenizer(models.BPE())
+    # Byte-level: every string encodes, no unknown token.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts(), trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write then rename: concurrent runs never read a half-written file.
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+    return load_tokenizer(path), True
