@@ -87,7 +87,8 @@ def _llama_parity(rank: int, world: int) -> None:
     assert m["params"] == 4 * shard and m["grads"] == 4 * shard
     assert m["optimizer"] == 8 * shard + 4 * n_params  # exp_avg, exp_avg_sq, and a step scalar each
     biggest = max(u.gather_numel for u in model.units)
-    assert m["gather_buffers"] == 2 * biggest * 4 and m["grad_buffers"] == 2 * biggest * 4
+    per_slot = [max(u.gather_numel for u in model.units[k::2]) for k in range(2)]
+    assert m["gather_buffers"] == sum(per_slot) * 4 and m["grad_buffers"] == biggest * 4
     total_model_state = torch.tensor([m["params"] + m["grads"]])
     dist.all_reduce(total_model_state)
     assert total_model_state.item() == 8 * padded  # each rank holds exactly 1/N

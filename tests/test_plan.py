@@ -149,11 +149,11 @@ def test_predict_memory_by_hand_untied():
         "optimizer": 8 * 148 + 4 * 21,  # 21 parameter tensors, one fp32 step each
         "params_lowp": 2 * 148,
         "gather_buffers": 2 * 2 * 153,
-        "grad_buffers": 4 * 2 * 153,
-        "reduce_scratch": 4 * 2 * 51,
+        "grad_buffers": 4 * 153,
+        "reduce_scratch": 4 * 51,
         "module_buffers": 4 * 2 * 8 * 2,
         "no_sync": 0,
-        "total": 5120,
+        "total": 4304,
     }
     # The last rank's optimizer state skips the padding: 20 + 50 + 50 + 0 + 20 real elements.
     assert predict_memory(toy(), 3, rank=2)["optimizer"] == 8 * 140 + 4 * 21
@@ -163,15 +163,15 @@ def test_predict_memory_by_hand_untied():
 
 def test_predict_memory_by_hand_tied():
     # Root unit (tied embed/head) 64 -> shard 22, padded 66, its own gather buffer; it shares
-    # gradient slot 0, so the gradient slots are sized max(66, 153) = 153.
+    # the one gradient slot, so it is sized max(66, 153) = 153.
     m = predict_memory(toy(tie_embeddings=True), 3, "bf16", "fp32", "adamw")
     s = 22 + 51 + 51 + 2
     assert m["params"] == m["grads"] == 4 * s and m["params_lowp"] == 2 * s
     assert m["optimizer"] == 8 * s + 4 * 20
     assert m["gather_buffers"] == 2 * (2 * 153 + 66)
-    assert m["grad_buffers"] == 4 * 2 * 153
-    assert m["reduce_scratch"] == 4 * 2 * 51
-    assert m["total"] == 4852
+    assert m["grad_buffers"] == 4 * 153
+    assert m["reduce_scratch"] == 4 * 51
+    assert m["total"] == 4036
 
 
 def test_other_strategies():

@@ -1,15 +1,12 @@
 """`layershard train` end to end on 2 CPU ranks through torchrun, at a tiny size.
 
-Each test is one or more real launches (torchrun + 2 gloo ranks, ~5-15 s each here). The engine
-under test is layershard's sharding; LAYERSHARD_TRAIN_TEST_ENGINE=replicated runs the same tests
-on the plain data-parallel reference instead.
+Each test is one or more real launches (torchrun + 2 gloo ranks, ~5-15 s each here).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import pytest
 import torch
@@ -17,11 +14,9 @@ import torch
 from layershard.train import cli as train_cli
 from layershard.train.report import read_metrics
 
-ENGINE = os.environ.get("LAYERSHARD_TRAIN_TEST_ENGINE", "layershard")
-
 # A small slice of the default corpus and a very small model: quick, and still learns.
 TINY = [
-    "--engine", ENGINE, "--nproc-per-node", "2", "--max-files", "40", "--val-fraction", "0.2", "--vocab-size", "512",
+    "--nproc-per-node", "2", "--max-files", "40", "--val-fraction", "0.2", "--vocab-size", "512",
     "--seq-len", "64", "--micro-batch", "4", "--lr", "3e-3", "--warmup-steps", "3",
     "--model-override", "dim=64", "--model-override", "n_layers=2",
     "--model-override", "ffn_dim=128", "--eval-sequences", "16", "--sample-tokens", "8",

@@ -1,7 +1,7 @@
 """The preallocated buffers units take turns in: sized once at ``shard()``, never freed.
 
-Note: buffer ownership. Units are assigned a gather slot and a gradient slot once, alternating
-(unit i uses slot i % 2), so that unit i+1 can be gathered while unit i computes. A gather slot
+Note: buffer ownership. Units are assigned a gather slot once, alternating (unit i uses slot
+i % 2), so that unit i+1 can be gathered while unit i computes; all units share one gradient slot. A gather slot
 holds one unit's weights at a time: ``owner`` is the unit whose weights are in it (or on their way:
 ``pending``), ``busy`` says the owner is computing with them. A gather into a slot is issued only
 when its previous owner is no longer busy; a prefetch that finds the slot busy is ``deferred`` and
@@ -64,4 +64,5 @@ class GradSlot:
 
 
 def nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    """Bytes of ``t``'s storage actually allocated (a released gradient counts 0)."""
+    return 0 if t is None else t.untyped_storage().nbytes()

@@ -94,6 +94,18 @@ class FlatParam:
         lo = slot.offset + a - self.shard_start
         self.shard[lo : lo + b - a].copy_(full.detach().reshape(-1)[a:b])
 
+    def release_grad(self) -> None:
+        """Free the gradient slice's memory while no parameter slice points at it (after
+        ``zero_grad(set_to_none=True)``): like torch, set-to-none gives the memory back until the
+        next backward. The tensor and its views stay; only the storage is resized."""
+        if self.grad is not None and all(p.grad is None for p in self.shard_params):
+            self.grad.untyped_storage().resize_(0)
+
+    def ensure_grad(self) -> None:
+        storage = self.grad.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.shard_numel * self.grad.element_size())
+
     def grad_view(self, i: int) -> torch.Tensor:
         lo, hi = self.local_range(self.slots[i])
         return self.grad[lo - self.shard_start : hi - self.shard_start]

@@ -156,6 +156,8 @@ class Schedule:
             u.slot.reset()
             if u.grad_slot is not None:
                 u.grad_slot.wait()
+            if u.trainable is not None and torch.is_grad_enabled():
+                u.trainable.release_grad()
         self.phase, self._callback_queued = "forward", False
         self._bw_seen.clear()
         if self.root is not None:
@@ -355,6 +357,7 @@ class Schedule:
         alone was None start again from zero."""
         missing = [i for i, p in enumerate(f.shard_params) if p.grad is None]
         fresh = len(missing) == len(f.shard_params)
+        f.ensure_grad()
         for i in missing:
             g = f.grad_view(i)
             if not fresh:

@@ -119,14 +119,18 @@ def shard(
     comm = Comm(group, device)
     root_spec = specs[0] if specs[0].module is None else None
     others = [(s, fl) for s, fl in zip(specs, flats_of) if s is not root_spec]
-    gather_numel = max((sum(f.padded_numel for f in fl) for _, fl in others), default=0)
+    # Each slot is sized for the units that take turns in it (i % 2), not for the largest unit.
+    unit_numel = [sum(f.padded_numel for f in fl) for _, fl in others]
+    slot_numel = [max(unit_numel[k::2], default=0) for k in range(2)]
     trainable = [f for fl in flats_of for f in fl if f.requires_grad]
     grad_numel = max((f.padded_numel for f in trainable), default=0)
     shard_numel = max((f.shard_numel for f in trainable), default=0)
     cdtype, rdtype = precision.param_dtype, precision.reduce_dtype
-    slots = [GatherSlot(gather_numel, cdtype, device) for _ in range(2 if others else 0)]
+    slots = [GatherSlot(n, cdtype, device) for n in slot_numel] if others else []
+    # One gradient slot: unit i's reduce-scatter runs while unit i-1 computes its backward, so by
+    # the time i-1 needs the slot it is (almost always) free; a second slot would cost memory.
     grad_slots = [
-        GradSlot(grad_numel, shard_numel, rdtype, device) for _ in range(2 if trainable else 0)
+        GradSlot(grad_numel, shard_numel, rdtype, device) for _ in range(1 if trainable else 0)
     ]
     units = [
         Unit(
@@ -135,7 +139,7 @@ def shard(
             s.is_block,
             fl,
             slots[i % 2],
-            grad_slots[i % 2] if grad_slots else None,
+            grad_slots[0] if grad_slots else None,
             device,
         )
         for i, (s, fl) in enumerate(others)
@@ -514,7 +518,10 @@ class ShardedModule(nn.Module):
             "grad_buffers": 0,
             "reduce_scratch": 0,
             "module_buffers": sum(
-                nbytes(b) for b in _unique(b for _, b in self.module.named_buffers())
+                {
+                    b.untyped_storage().data_ptr(): nbytes(b)
+                    for _, b in self.module.named_buffers()
+                }.values()
             ),
             "no_sync": sum(nbytes(getattr(f, "acc", None)) for f in flats),
         }

@@ -13,9 +13,10 @@ slot 0), ``c`` = bytes per element of the compute (param) dtype, ``r`` = of the 
                                         (S' = S without the padding) + a 4-byte ``step`` per
                                         parameter tensor (n_t of them)
     params_lowp     c S                 compute-dtype copy of the shard (0 when param dtype is fp32)
-    gather_buffers  c (2 U_max + R)     two alternating gather buffers + the root unit's buffer
-    grad_buffers    r 2 G_max           two alternating gradient slots
-    reduce_scratch  r 2 max_u S_u       the slots' reduce-scatter outputs
+    gather_buffers  c (U_0 + U_1 + R)   two gather slots, each sized for the units that take turns
+                                        in it (unit i uses slot i % 2), + the root unit's buffer
+    grad_buffers    r G_max             one gradient slot shared by all units
+    reduce_scratch  r max_u S_u         the gradient slot's reduce-scatter output
     module_buffers  4 * 2 T hd          Rotary's fp32 cos/sin tables (T = max_seq_len)
     no_sync         r sum_u N S_u       unsharded accumulators, only if ``no_sync()`` was used
 
@@ -189,12 +190,13 @@ def predict_memory(
         }
     else:
         shard = sum(u.shard_numel(n) for u in us)
-        u_max = max((u.padded_numel(n) for u in us if not u.persistent), default=0)
+        turns = [u.padded_numel(n) for u in us if not u.persistent]  # slot i % 2 takes unit i
+        slots = max(turns[0::2], default=0) + max(turns[1::2], default=0)
         root = sum(u.padded_numel(n) for u in us if u.persistent)
         g_max = max(u.padded_numel(n) for u in us)
         s_max = max(u.shard_numel(n) for u in us)
         if strategy == "full":
-            gather = c * (2 * u_max + root)
+            gather = c * (slots + root)
         else:  # grad_op: every unit stays gathered
             gather = c * sum(u.padded_numel(n) for u in us)
         out = {
@@ -203,8 +205,8 @@ def predict_memory(
             "optimizer": k_opt * sum(u.local_numel(n, rank) for u in us) + step_bytes,
             "params_lowp": 0 if c == 4 else c * shard,
             "gather_buffers": gather,
-            "grad_buffers": r * 2 * g_max,
-            "reduce_scratch": 0 if backend == "gloo" or n == 1 else r * 2 * s_max,
+            "grad_buffers": r * g_max,
+            "reduce_scratch": 0 if backend == "gloo" or n == 1 else r * s_max,
             "module_buffers": module_buffers,
             "no_sync": r * sum(u.padded_numel(n) for u in us) if no_sync else 0,
         }

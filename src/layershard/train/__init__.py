@@ -2,6 +2,6 @@
 
 launch.py prepares everything in one process and starts the ranks with torchrun; loop.py is what
 each rank runs. config.py (flags and YAML), data.py (corpus, split, tokens, per-rank batches),
-tokenizer.py (cached BPE), sft.py (loss masks), modeling.py (which model), engine.py (the seam to
-layershard.shard), report.py (metrics and plot).
+tokenizer.py (cached BPE), sft.py (loss masks), modeling.py (which model), report.py (metrics
+and plot). loop.py calls layershard's public API directly (shard, save/load_checkpoint, export_hf).
 """

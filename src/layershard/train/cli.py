@@ -42,7 +42,6 @@ _HELP = {
     "grad_clip": "clip the global gradient norm (0: off)",
     "precision": "auto (bf16 on GPU, fp32 on CPU), fp32 or bf16",
     "activation_checkpointing": "number of blocks recomputed in backward",
-    "engine": "layershard (sharded) or replicated (plain data parallel, for comparison)",
     "seed": "seed of the init and the data order",
     "eval_interval": "validate every N steps (0: only at start and end)",
     "eval_sequences": "validation sequences per evaluation",

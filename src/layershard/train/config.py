@@ -52,7 +52,6 @@ class TrainConfig:
     # --- execution ----------------------------------------------------------------------------
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     activation_checkpointing: int = 0  # number of blocks to recompute in backward
-    engine: str = "layershard"  # layershard | replicated (plain data parallel, a reference)
     seed: int = 0
     # --- evaluation, checkpoints, output ------------------------------------------------------
     eval_interval: int = 50  # steps; 0 disables periodic evaluation (start and end remain)
@@ -87,7 +86,6 @@ CHOICES = {
     "task": ("pretrain", "sft"),
     "sft_packing": ("pack", "pad"),
     "precision": ("auto", "fp32", "bf16"),
-    "engine": ("layershard", "replicated"),
 }
 
 

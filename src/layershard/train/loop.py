@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import layershard as ls
 from layershard.models import LlamaForCausalLM
 from layershard.train.config import ConfigError, TrainConfig, grad_accum_for, read_run_config
 from layershard.train.data import BatchLoader, TokenSplit, eval_windows, read_windows
-from layershard.train.engine import clip_grad_norm, load_checkpoint, save_checkpoint, wrap
-from layershard.train.modeling import build_model, check_seq_len, export_hf, model_spec
+from layershard.train.modeling import build_model, check_seq_len, model_spec
 from layershard.train.report import MetricsLog, plot_losses
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
 
@@ -69,10 +69,7 @@ def _memory_per_rank(model: nn.Module, optimizer, device: torch.device) -> list[
     if device.type == "cuda":
         mine = torch.cuda.max_memory_allocated(device)
     else:
-        try:
-            mine = model.memory_report(optimizer)["total"]
-        except TypeError:  # a report that does not take the optimizer
-            mine = model.memory_report()["total"]
+        mine = model.memory_report(optimizer)["total"]
     t = torch.tensor([float(mine) / 2**20], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
@@ -95,23 +92,19 @@ class Trainer:
         on_gpu = device.type == "cuda"
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if on_gpu else "fp32")
         self.precision = precision
-        sharded = cfg.engine == "layershard"
         # Presets of 1B+ parameters start on the meta device: shard() materializes only each
         # rank's slice (the init contract of layershard.models makes that equal to eager init).
-        meta = sharded and self.kind == "preset" and _preset_params(self.spec) >= 1e9
-        # With the engine, --init-from weights are read after sharding, each rank its slices.
-        model = build_model(self.kind, self.spec, cfg, meta=meta, load_weights=not sharded)
+        meta = self.kind == "preset" and _preset_params(self.spec) >= 1e9
+        model = build_model(self.kind, self.spec, cfg, meta=meta)
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.model = wrap(
+        bf16 = ls.MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" else None
+        self.model = ls.shard(
             model,
-            cfg.engine,
-            torch.bfloat16 if precision == "bf16" else None,
-            cfg.activation_checkpointing,
-            device,
+            mixed_precision=bf16,
+            activation_checkpointing=cfg.activation_checkpointing,
+            device=device if device.type != "cpu" else None,
         )
-        if sharded and cfg.init_from:
-            import layershard as ls
-
+        if cfg.init_from:  # read after sharding: each rank reads only its slices
             ls.load_hf(self.model, cfg.init_from)
         self.opt = torch.optim.AdamW(
             param_groups(self.model.named_parameters(), cfg),
@@ -179,7 +172,9 @@ class Trainer:
                     loss_sum += float(out.loss.detach()) * counts[i]
                 else:  # nothing to learn here, but every rank must run the same backward
                     (out.logits.sum() * 0.0).backward()
-        grad_norm = clip_grad_norm(self.model, cfg.grad_clip)
+        # grad_clip 0: an infinite bound clips nothing but still returns the norm (for the log)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = float(self.model.clip_grad_norm_(max_norm))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
@@ -191,24 +186,19 @@ class Trainer:
         if ckpt.exists():  # already written (e.g. stop-at and final at the same step)
             return ckpt
         extra = {"loader": self.loader.state_dict(), "config": self.cfg.to_dict()}
-        save_checkpoint(ckpt, self.model, self.opt, self.step, extra)
+        ls.save_checkpoint(
+            ckpt, self.model, self.opt, step=self.step, extra=extra, run_config=extra["config"]
+        )
         return ckpt
 
     def export(self, folder: Path) -> None:
         """The trained model as an HF folder (config.json, safetensors, tokenizer.json) that
         ``--init-from`` and ``transformers`` load. Collective."""
-        if self.cfg.engine == "layershard":
-            import layershard as ls
-
-            ls.export_hf(self.model, folder, dtype=torch.float32)  # streams unit by unit
-            if self.rank == 0 and self.kind == "hf":
+        ls.export_hf(self.model, folder, dtype=torch.float32)  # streams unit by unit
+        if self.rank == 0:
+            if self.kind == "hf":
                 # transformers' own writer keeps model_type, which AutoConfig needs
                 self.spec.save_pretrained(str(folder))
-        else:
-            state = self.model.full_state_dict()
-            if self.rank == 0:
-                export_hf(folder, self.kind, self.spec, state)
-        if self.rank == 0:
             shutil.copy(self.run_dir / "tokenizer.json", folder / "tokenizer.json")
 
     def sample(self) -> str:
@@ -240,7 +230,7 @@ class Trainer:
         t_start = time.perf_counter()
         resume = self.launch.get("resume")
         if resume:
-            meta = load_checkpoint(Path(resume), self.model, self.opt)
+            meta = ls.load_checkpoint(resume, self.model, optimizer=self.opt)
             self.step = int(meta["step"])
             self.loader.load_state_dict(meta["extra"]["loader"])
         metrics = (

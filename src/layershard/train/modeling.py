@@ -1,5 +1,5 @@
 """Choosing and building the model: a layershard preset, any transformers config (random
-init), or local HF safetensors weights (fine-tuning); and exporting the result in HF format."""
+init), or local HF safetensors weights (fine-tuning, read by ``layershard.load_hf``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layershard.models import LlamaConfig, LlamaForCausalLM, build_config, hf_llama_config
+from layershard.models import LlamaForCausalLM, build_config
 from layershard.train.config import ConfigError, TrainConfig
 
 
@@ -61,11 +61,10 @@ def check_seq_len(cfg: TrainConfig, max_len: int) -> None:
         )
 
 
-def build_model(
-    kind: str, spec: Any, cfg: TrainConfig, meta: bool = False, load_weights: bool = True
-) -> nn.Module:
-    """The model in fp32 on the CPU (or on the meta device), initialized from ``cfg.seed``;
-    with ``--init-from`` and ``load_weights``, the weights are loaded here, in full."""
+def build_model(kind: str, spec: Any, cfg: TrainConfig, meta: bool = False) -> nn.Module:
+    """The model in fp32 on the CPU (or on the meta device), initialized from ``cfg.seed``.
+    ``--init-from`` weights are not read here: ``layershard.load_hf`` reads them after sharding,
+    each rank only its slices."""
     torch.manual_seed(cfg.seed)  # identical init on every rank
     ctx = torch.device("meta") if meta else torch.device("cpu")
     if kind == "preset":
@@ -76,52 +75,4 @@ def build_model(
     with ctx:
         # (no dtype= here: it would put a torch.dtype into the config, which is not JSON)
         model = transformers.AutoModelForCausalLM.from_config(spec)
-    model = model.float()
-    if cfg.init_from and load_weights:
-        load_safetensors_dir(model, Path(cfg.init_from))
-    return model
-
-
-def load_safetensors_dir(model: nn.Module, folder: Path) -> None:
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"--init-from {folder} holds no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]
-    if missing or unexpected:
-        raise ConfigError(
-            f"--init-from {folder}: weights do not match the config "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); check config.json"
-        )
-
-
-def export_hf(folder: Path, kind: str, spec: Any, state: dict[str, torch.Tensor]) -> None:
-    """Write ``state`` (full, rank 0) as an HF model folder: config.json + model.safetensors.
-    A preset becomes a transformers ``LlamaForCausalLM``, so ``--init-from`` (or HF) loads it."""
-    from safetensors.torch import save_file
-
-    from layershard.models import to_hf_name
-
-    folder.mkdir(parents=True, exist_ok=True)
-    if kind == "preset":
-        assert isinstance(spec, LlamaConfig)
-        hf_cfg = hf_llama_config(spec)
-        hf_cfg.architectures = ["LlamaForCausalLM"]
-        state = {to_hf_name(k): v for k, v in state.items()}
-        tied = spec.tie_embeddings
-    else:
-        hf_cfg = spec
-        tied = getattr(spec, "tie_word_embeddings", False)
-    if tied:  # safetensors refuses shared storage; the tie is in config.json
-        state.pop("lm_head.weight", None)
-    hf_cfg.save_pretrained(str(folder))
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in state.items()},
-        str(folder / "model.safetensors"),
-    )
+    return model.float()

@@ -1,0 +1,243 @@
+"""``layershard bench``: launch the benchmark runs and write the report.
+
+For each world size, for each repeat, every implementation runs once in fresh processes
+(``python -m torch.distributed.run --standalone``); the order of implementations alternates between
+repeats (A B C D, then D C B A, ...) so that slow drift of the machine cancels out. Each run writes
+one JSON file under ``OUT/runs/``; ``report.py`` aggregates them into ``OUT/results.json``,
+``OUT/bench.png`` and the table printed on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from layershard.bench import IMPLS
+
+
+def load_hf_config(path: str):
+    """A transformers config from a config.json file or a model folder."""
+    import transformers
+
+    p = Path(path)
+    if p.is_dir():
+        return transformers.AutoConfig.from_pretrained(str(p))
+    if not p.is_file():
+        raise SystemExit(f"layershard bench: --hf-config {path} does not exist")
+    raw = json.loads(p.read_text())
+    if "model_type" not in raw:
+        raise SystemExit(f"layershard bench: {path} has no model_type; not a transformers config")
+    return transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model and data")
+    src = m.add_mutually_exclusive_group()
+    src.add_argument("--model", default="small", help="a layershard preset (tiny, small, ...)")
+    src.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json or its folder")
+    m.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary (default: 8192 for presets)"
+    )
+    m.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    m.add_argument("--global-batch", type=int, default=8, help="sequences per step, all ranks")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (fixed)")
+    r = p.add_argument_group("runs")
+    r.add_argument(
+        "--nproc", type=int, nargs="+", default=[2], metavar="N", help="world sizes, e.g. 2 4"
+    )
+    r.add_argument(
+        "--impl",
+        nargs="+",
+        default=list(IMPLS),
+        choices=IMPLS,
+        help="implementations to run (layershard always included: ratios are against it)",
+    )
+    r.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    r.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    r.add_argument("--repeats", type=int, default=3, help="runs per implementation and world size")
+    r.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default=None,
+        help="default: bf16 on CUDA (NCCL), fp32 on CPU (gloo)",
+    )
+    r.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank on CPU (default: cores // ranks, at least 1)",
+    )
+    r.add_argument("--no-mem", action="store_true", help="skip the MemTracker peak-memory step")
+    r.add_argument(
+        "--timeout", type=float, default=1800, help="seconds before a run is killed (per run)"
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, help="directory (default: benchmarks/<model>-<device>)")
+    o.add_argument(
+        "--report-only",
+        action="store_true",
+        help="do not run: aggregate the run files already in OUT/runs",
+    )
+
+
+def _device_kind() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _model_tag(args) -> str:
+    if args.hf_config:
+        return Path(args.hf_config.rstrip("/")).stem.replace("config", "") or "hf"
+    return args.model
+
+
+def run(args: argparse.Namespace) -> int:
+    from layershard.bench import report
+
+    device = _device_kind()
+    impls = ["layershard"] + [i for i in args.impl if i != "layershard"]
+    out = Path(args.out or f"benchmarks/{_model_tag(args)}-{device}")
+    runs_dir = out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if args.hf_config:
+        load_hf_config(args.hf_config)  # fail here, not in every rank
+    else:
+        from layershard.models import PRESETS
+
+        if args.model not in PRESETS:
+            print(
+                f"layershard bench: unknown --model {args.model!r}; presets: {', '.join(PRESETS)}",
+                file=sys.stderr,
+            )
+            return 2
+    for n in args.nproc:
+        if args.global_batch % n:
+            print(
+                f"layershard bench: --global-batch {args.global_batch} is not divisible by "
+                f"--nproc {n}",
+                file=sys.stderr,
+            )
+            return 2
+
+    if not args.report_only:
+        for n in args.nproc:  # runs of other world sizes stay: they aggregate together
+            for f in [*runs_dir.glob(f"*-n{n}-r*.json"), *runs_dir.glob(f"*-n{n}-r*.error")]:
+                f.unlink()
+        if device == "cuda":
+            import torch
+
+            if max(args.nproc) > torch.cuda.device_count():
+                print(
+                    f"layershard bench: --nproc {max(args.nproc)} needs that many GPUs; "
+                    f"{torch.cuda.device_count()} visible",
+                    file=sys.stderr,
+                )
+                return 2
+        plan = []
+        for n in args.nproc:
+            for r in range(args.repeats):
+                order = impls if r % 2 == 0 else impls[::-1]
+                plan += [(n, r, impl) for impl in order]
+        t_start = time.time()
+        for k, (n, r, impl) in enumerate(plan):
+            path = runs_dir / f"{impl}-n{n}-r{r}.json"
+            t0 = time.time()
+            print(f"[{k + 1}/{len(plan)}] {impl:<10} nproc={n} repeat={r} ...", end=" ", flush=True)
+            rc, tail = _launch(args, impl, n, device, path)
+            dt = time.time() - t0
+            if path.exists():  # written atomically at the very end: complete even if rc != 0
+                d = json.loads(path.read_text())
+                st = sorted(d["step_times"])
+                print(f"ok in {dt:.0f} s (median step {st[len(st) // 2]:.3f} s)", flush=True)
+                if rc != 0:
+                    print(f"    (exit code {rc} after the results were written)", flush=True)
+                    d["exit_error"] = tail[-2000:]
+                    path.write_text(json.dumps(d, indent=1))
+            else:
+                print(f"FAILED (rc {rc}) in {dt:.0f} s", flush=True)
+                path.with_suffix(".error").write_text(tail)
+                path.with_suffix(".json").write_text(
+                    json.dumps({"impl": impl, "world_size": n, "repeat": r, "error": tail[-4000:]})
+                )
+        print(f"all runs: {time.time() - t_start:.0f} s", flush=True)
+
+    results = report.aggregate(sorted(runs_dir.glob("*.json")), settings=_settings(args, device))
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(report.format_table(results))
+    try:
+        report.plot(results, out / "bench.png")
+    except Exception as e:  # noqa: BLE001 - the chart is a convenience; the JSON is the record
+        print(f"layershard bench: could not draw the chart: {e}", file=sys.stderr)
+    print(f"\nwrote {out / 'results.json'}, {out / 'bench.png'} and {runs_dir}/")
+    return 0
+
+
+def _settings(args, device: str) -> dict:
+    return {
+        "model": args.hf_config or args.model,
+        "device": device,
+        "nproc": args.nproc,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "precision": args.precision or ("bf16" if device == "cuda" else "fp32"),
+        "cores": _cores(),
+        "load_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]:
+    threads = args.threads or max(1, _cores() // n)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+        "-m", "layershard.bench.worker", "--impl", impl, "--seq-len", str(args.seq_len),
+        "--global-batch", str(args.global_batch), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--seed", str(args.seed), "--lr", str(args.lr),
+        "--out", str(path),
+    ]  # fmt: skip
+    if args.hf_config:
+        cmd += ["--hf-config", args.hf_config]
+    else:
+        cmd += ["--model", args.model, "--vocab-size", str(args.vocab_size or 8192)]
+    if args.hf_config and args.vocab_size:
+        cmd += ["--vocab-size", str(args.vocab_size)]
+    if args.precision:
+        cmd += ["--precision", args.precision]
+    if device == "cpu":
+        cmd += ["--threads", str(threads)]
+    if args.no_mem:
+        cmd.append("--no-mem")
+    env = dict(os.environ)
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = str(threads)
+    env["LAYERSHARD_BENCH_WATCHDOG_S"] = str(int(args.timeout))
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    # Own session: on timeout the launcher and its ranks go together (their process group).
+    p = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = p.communicate(timeout=args.timeout + 60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        output, _ = p.communicate()
+        return 124, f"timed out after {args.timeout + 60:.0f} s\n{output[-20000:]}"
+    return p.returncode, output[-20000:]

@@ -1,0 +1,274 @@
+"""Aggregate the per-run JSON files of ``layershard bench`` into one report: a table, a JSON
+document and a PNG chart. Ratios are against layershard at the same world size, in the same
+invocation (runs interleaved, so the machine's drift affects every implementation alike)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from layershard.bench import IMPLS
+
+MiB = 1024 * 1024
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def aggregate(files: list[Path], settings: dict | None = None) -> dict:
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    for f, r in zip(files, runs):
+        r.setdefault("repeat", int(Path(f).stem.rsplit("-r", 1)[-1]))
+    out: dict = {"settings": settings or {}, "world_sizes": {}}
+    for n in sorted({r["world_size"] for r in runs}):
+        at_n = [r for r in runs if r["world_size"] == n]
+        ls_runs = {r["repeat"]: r for r in at_n if r["impl"] == "layershard" and "error" not in r}
+        impls = {}
+        for impl in [i for i in IMPLS if any(r["impl"] == i for r in at_n)]:
+            impls[impl] = _summarize(impl, [r for r in at_n if r["impl"] == impl], ls_runs, n)
+        ls = impls.get("layershard", {})
+        for s in impls.values():
+            s["time_vs_layershard"] = _ratio(s.get("step_time_median"), ls.get("step_time_median"))
+            s["peak_vs_layershard"] = _ratio(s.get("peak_bytes"), ls.get("peak_bytes"))
+        loads = [x for r in at_n for x in r.get("loadavg_1min") or [] if x is not None]
+        out["world_sizes"][str(n)] = {
+            "impls": impls,
+            "targets": _targets(impls),
+            "loadavg_1min": [min(loads), max(loads)] if loads else None,
+        }
+    return out
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _summarize(impl: str, runs: list[dict], ls_runs: dict, n: int) -> dict:
+    ok = [r for r in runs if "error" not in r]
+    s: dict = {"runs": len(runs), "failed": len(runs) - len(ok)}
+    if len(ok) < len(runs):
+        s["errors"] = [r["error"][-1500:] for r in runs if "error" in r]
+    if not ok:
+        return s
+    first = ok[0]
+    times = [t for r in ok for t in r["step_times"]]
+    med = statistics.median(times)
+    s.update(
+        step_time_median=med,
+        step_time_min=min(times),
+        step_time_max=max(times),
+        step_time_p25=_quantile(times, 0.25),
+        step_time_p75=_quantile(times, 0.75),
+        step_time_repeat_medians=[statistics.median(r["step_times"]) for r in ok],
+        timed_steps=len(times),
+        tokens_per_s=first["tokens_per_step"] / med,
+        precision=first["precision"],
+        threads_per_rank=first["threads_per_rank"],
+        params=first["model"]["params"],
+    )
+    # Peak memory per rank: the largest rank, median over repeats.
+    if first["device"] == "cuda":
+        s["max_memory_allocated"] = _median(
+            [max(p["memory"]["max_memory_allocated"] for p in r["per_rank"]) for r in ok]
+        )
+        s["max_memory_reserved"] = _median(
+            [max(p["memory"]["max_memory_reserved"] for p in r["per_rank"]) for r in ok]
+        )
+    peaks = [
+        max(p["memory"]["memtracker_peak"] for p in r["per_rank"])
+        for r in ok
+        if all("memtracker_peak" in p["memory"] for p in r["per_rank"])
+    ]
+    s["memtracker_peak"] = _median(peaks)
+    if not peaks:
+        s["memtracker_peak_na"] = next(
+            (p["mem_error"] for r in ok for p in r["per_rank"] if p.get("mem_error")), "n/a"
+        )
+    else:
+        s["memtracker_breakdown"] = first["per_rank"][0]["memory"].get("memtracker_breakdown")
+    s["peak_bytes"] = s.get("max_memory_allocated") or s["memtracker_peak"]
+    # Model state: params + grads + optimizer + module buffers (unique storages), largest rank.
+    ranks = first["per_rank"]
+    biggest = max(ranks, key=lambda p: p["model_state"].get("model_state", 0))["model_state"]
+    s["model_state"] = {k: v for k, v in biggest.items() if k != "layershard_memory_report"}
+    if "layershard_memory_report" in biggest:
+        s["layershard_memory_report"] = biggest["layershard_memory_report"]
+    P, buffers = first["model"]["params"], first["model"]["buffer_bytes"]
+    minimum = 16 * P / n + buffers
+    s["model_state_minimum"] = minimum
+    s["model_state_vs_minimum"] = biggest.get("model_state", 0) / minimum
+    # Collectives per step, as the c10d dispatcher saw them.
+    s["comm_per_step"] = first.get("comm_per_step") or {}
+    s["comm_error"] = first.get("comm_error")
+    s["collectives_per_step"] = sum(d["count"] for d in s["comm_per_step"].values())
+    s["bytes_sent_per_step"] = sum(d["sent_bytes_ring"] for d in s["comm_per_step"].values())
+    if first.get("layershard_comm_stats"):
+        s["layershard_comm_stats"] = first["layershard_comm_stats"]
+    # Loss curves: against layershard's run of the same repeat (same data, same init).
+    diffs = []
+    for r in ok:
+        ref = ls_runs.get(r["repeat"])
+        if ref is not None and len(ref["losses"]) == len(r["losses"]):
+            diffs.append(max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])))
+    s["loss_max_abs_diff_vs_layershard"] = max(diffs) if diffs else None
+    s["loss_first"], s["loss_last"] = first["losses"][0], first["losses"][-1]
+    s["notes"] = first.get("notes") or {}
+    return s
+
+
+def _targets(impls: dict) -> dict:
+    """The targets of issue 5, evaluated (None when an input is missing)."""
+    ls = impls.get("layershard", {})
+    t = ls.get("step_time_median")
+    fsdp = [impls[i].get("step_time_median") for i in ("fsdp1", "fsdp2") if i in impls]
+    fsdp = [x for x in fsdp if x is not None]
+    ddp = impls.get("ddp", {}).get("step_time_median")
+    out = {}
+    if t is not None and fsdp:
+        out["time_le_0.95x_faster_fsdp"] = {
+            "ratio": t / min(fsdp),
+            "limit": 0.95,
+            "met": t <= 0.95 * min(fsdp),
+        }
+    if t is not None and ddp:
+        out["time_le_1.03x_ddp"] = {"ratio": t / ddp, "limit": 1.03, "met": t <= 1.03 * ddp}
+    p2 = impls.get("fsdp2", {}).get("peak_bytes")
+    if ls.get("peak_bytes") and p2:
+        out["peak_le_fsdp2"] = {
+            "ratio": ls["peak_bytes"] / p2,
+            "limit": 1.0,
+            "met": ls["peak_bytes"] <= p2,
+        }
+    if "model_state_vs_minimum" in ls:
+        r = ls["model_state_vs_minimum"]
+        out["model_state_within_5pct_of_minimum"] = {"ratio": r, "limit": 1.05, "met": r <= 1.05}
+    return out
+
+
+# ---- presentation ----------------------------------------------------------------------------------
+
+
+def _f(x, fmt: str, na: str = "n/a") -> str:
+    return na if x is None else format(x, fmt)
+
+
+def format_table(results: dict) -> str:
+    st = results.get("settings", {})
+    lines = []
+    if st:
+        lines.append(
+            f"model {st.get('model')}, {st.get('device')}, {st.get('precision')}, seq {st.get('seq_len')}, "
+            f"global batch {st.get('global_batch')}, {st.get('warmup')} warm-up + {st.get('steps')} "
+            f"timed steps x {st.get('repeats')} repeats, {st.get('cores')} cores"
+        )
+    hdr = (
+        f"{'impl':<11}{'step s':>8}{'p25-p75':>14}{'min-max':>14}{'tok/s':>8}{'x ls':>7}"
+        f"{'peak MiB':>10}{'x ls':>7}{'state MiB':>10}{'/min':>6}{'other MiB':>10}"
+        f"{'colls':>7}{'MiB sent':>9}{'loss diff':>11}"
+    )
+    for n, ws in results["world_sizes"].items():
+        lines.append("")
+        load = ws.get("loadavg_1min")
+        load_s = f" (machine load, 1-min average, during the runs: {load[0]:.1f}-{load[1]:.1f})"
+        lines.append(f"world size {n}" + (load_s if load else ""))
+        lines.append(hdr)
+        lines.append("-" * len(hdr))
+        for impl, s in ws["impls"].items():
+            if "step_time_median" not in s:
+                lines.append(f"{impl:<11} FAILED ({s.get('failed')} of {s.get('runs')} runs)")
+                continue
+            ms = s["model_state"]
+            peak = s.get("peak_bytes")
+            lines.append(
+                f"{impl:<11}{s['step_time_median']:>8.3f}"
+                f"{s['step_time_p25']:>7.3f}-{s['step_time_p75']:<6.3f}"
+                f"{s['step_time_min']:>7.3f}-{s['step_time_max']:<6.3f}"
+                f"{s['tokens_per_s']:>8.0f}{_f(s['time_vs_layershard'], '.3f'):>7}"
+                f"{_f(peak and peak / MiB, '.1f'):>10}{_f(s['peak_vs_layershard'], '.3f'):>7}"
+                f"{ms.get('model_state', 0) / MiB:>10.1f}{s['model_state_vs_minimum']:>6.2f}"
+                f"{ms.get('other_resident', 0) / MiB:>10.1f}"
+                f"{s['collectives_per_step']:>7}{s['bytes_sent_per_step'] / MiB:>9.1f}"
+                f"{_f(s['loss_max_abs_diff_vs_layershard'], '.2e'):>11}"
+            )
+            if s.get("failed"):
+                lines.append(f"{'':<11}({s['failed']} of {s['runs']} runs failed)")
+            if s.get("memtracker_peak_na"):
+                lines.append(f"{'':<11}peak n/a: {s['memtracker_peak_na']}")
+        for name, t in ws["targets"].items():
+            lines.append(
+                f"  target {name}: {t['ratio']:.3f} (limit {t['limit']}) -> "
+                f"{'met' if t['met'] else 'MISSED'}"
+            )
+    lines.append("")
+    lines.append(
+        "step s: median over all timed steps of all repeats (slowest rank, barrier to barrier); "
+        "x ls: this / layershard;\npeak: per rank (CUDA max_memory_allocated; CPU MemTracker, "
+        "own untimed step); state: params+grads+optimizer+module buffers\n(unique storages, "
+        "after optimizer.step), /min: over 16*P/N + buffers; other: every other tensor storage "
+        "Python sees between steps\n(engine working buffers); colls/MiB sent: c10d collectives "
+        "of one step and the bytes one rank sends (ring estimate);\nloss diff: max |loss - "
+        "layershard's| over all steps of the same repeat."
+    )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(results["world_sizes"])
+    fig, axes = plt.subplots(
+        len(sizes), 3, figsize=(13, 3.4 * len(sizes)), squeeze=False, constrained_layout=True
+    )
+    colors = {"layershard": "#d62728", "fsdp2": "#1f77b4", "fsdp1": "#17becf", "ddp": "#7f7f7f"}
+    st = results.get("settings", {})
+    for row, n in zip(axes, sizes):
+        impls = {
+            k: v for k, v in results["world_sizes"][n]["impls"].items() if "step_time_median" in v
+        }
+        names = list(impls)
+        x = range(len(names))
+        c = [colors.get(k, "#999999") for k in names]
+        med = [impls[k]["step_time_median"] for k in names]
+        lo = [impls[k]["step_time_median"] - impls[k]["step_time_p25"] for k in names]
+        hi = [impls[k]["step_time_p75"] - impls[k]["step_time_median"] for k in names]
+        row[0].bar(x, med, color=c, yerr=[lo, hi], capsize=4)
+        row[0].set_title(f"step time (median, IQR), world size {n}")
+        row[0].set_ylabel("s")
+        peak = [(impls[k].get("peak_bytes") or 0) / MiB for k in names]
+        row[1].bar(x, peak, color=c)
+        row[1].set_title("peak memory per rank")
+        row[1].set_ylabel("MiB")
+        state = [impls[k]["model_state"].get("model_state", 0) / MiB for k in names]
+        other = [impls[k]["model_state"].get("other_resident", 0) / MiB for k in names]
+        row[2].bar(x, state, color=c, label="params+grads+optim+buffers")
+        row[2].bar(x, other, bottom=state, color=c, alpha=0.35, hatch="//", label="other resident")
+        minimum = next(iter(impls.values()))["model_state_minimum"] / MiB if impls else 0
+        row[2].axhline(minimum, color="k", lw=0.8, ls="--", label="16P/N + buffers")
+        row[2].set_title("model state per rank")
+        row[2].set_ylabel("MiB")
+        row[2].legend(fontsize=7)
+        for ax in row:
+            ax.set_xticks(list(x))
+            ax.set_xticklabels(names)
+    fig.suptitle(
+        f"layershard bench: {st.get('model', '')} on {st.get('device', '')} "
+        f"({st.get('precision', '')}, seq {st.get('seq_len', '')}, batch {st.get('global_batch', '')})"
+    )
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

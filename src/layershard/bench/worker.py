@@ -1,0 +1,515 @@
+"""One benchmark run: one implementation, one world size, in fresh processes under torchrun.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N \\
+        -m layershard.bench.worker --impl layershard --model small --out run.json
+
+Every implementation builds the same model from the same seed, trains it on the same synthetic
+global batches (each rank its contiguous share) with the same AdamW, and is timed the same way:
+``barrier; t0; forward+backward+step+zero_grad; [cuda sync]; barrier; t1``. After the timed steps
+come untimed measurement steps: one under a collective-counting dispatch mode and, on CPU, one under
+``torch.distributed._tools.mem_tracker.MemTracker`` for the peak. Rank 0 writes one JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from collections import Counter
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+IMPLS = ("layershard", "fsdp2", "fsdp1", "ddp")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="layershard.bench.worker")
+    p.add_argument("--impl", required=True, choices=IMPLS)
+    p.add_argument("--model", default="small")
+    p.add_argument("--hf-config", default=None)
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--no-mem", action="store_true", help="skip the MemTracker step")
+    p.add_argument("--out", required=True, help="JSON file (written by rank 0)")
+    return p.parse_args(argv)
+
+
+# ---- model -----------------------------------------------------------------------------------------
+
+
+def build_model(args) -> tuple[nn.Module, dict]:
+    """The fp32 model on the CPU, initialized from ``args.seed``, and a description of it."""
+    torch.manual_seed(args.seed)
+    if args.hf_config:
+        import transformers
+
+        from layershard.bench.cli import load_hf_config
+
+        hf = load_hf_config(args.hf_config)
+        if args.vocab_size:
+            hf.vocab_size = args.vocab_size
+        model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+        desc = {"source": "hf-config", "path": args.hf_config, "vocab_size": hf.vocab_size}
+    else:
+        from layershard.models import LlamaForCausalLM, build_config
+
+        over = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+        if args.seq_len > build_config(args.model).max_seq_len:
+            over["max_seq_len"] = args.seq_len
+        cfg = build_config(args.model, **over)
+        model = LlamaForCausalLM(cfg)
+        desc = {"source": "preset", "preset": args.model, **cfg.to_dict()}
+    desc["params"] = sum(p.numel() for p in model.parameters())
+    desc["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
+    return model, desc
+
+
+def block_list(model: nn.Module) -> nn.ModuleList:
+    """The longest ``nn.ModuleList`` of same-class modules (the decoder layers)."""
+    best = None
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
+            if best is None or len(m) > len(best):
+                best = m
+    if best is None:
+        raise ValueError("no repeated blocks (nn.ModuleList of same-class modules) found")
+    return best
+
+
+def final_norm_and_head(model: nn.Module) -> list[nn.Module]:
+    """[final norm, output head] when the head's weight is not tied (FSDP2's second group)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head or getattr(model, "lm_head", None)
+    norm = None
+    for name in ("norm", "model.norm", "transformer.ln_f", "model.final_layernorm"):
+        with contextlib.suppress(AttributeError):
+            norm = model.get_submodule(name)
+            break
+    mods = [m for m in (norm, head) if m is not None]
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = emb or getattr(model, "embed", None)
+    if head is not None and emb is not None and head.weight is emb.weight:
+        mods = [m for m in mods if m is not head]  # a tied head stays with the root
+    return mods
+
+
+# ---- implementations -------------------------------------------------------------------------------
+
+
+def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: int):
+    """(wrapped model, autocast context factory, notes)"""
+    notes = {}
+    no_autocast = contextlib.nullcontext
+    if impl == "layershard":
+        import layershard as ls
+
+        mp = ls.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
+        return ls.shard(model, mixed_precision=mp, device=device), no_autocast, notes
+    if impl == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model.to(device)
+        mesh = init_device_mesh(device.type, (world,))
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
+        )
+        for block in block_list(model):
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        tail = final_norm_and_head(model)
+        if tail:
+            fully_shard(tail, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        notes["groups"] = f"{len(block_list(model))} blocks, {len(tail)}-module tail, root"
+        return model, no_autocast, notes
+    if impl == "fsdp1":
+        from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        block_cls = type(block_list(model)[0])
+        mp = (
+            FSDPMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else None
+        )
+        with warnings_quiet():
+            wrapped = FSDP(
+                model,
+                auto_wrap_policy=partial(
+                    transformer_auto_wrap_policy, transformer_layer_cls={block_cls}
+                ),
+                sharding_strategy=ShardingStrategy.FULL_SHARD,
+                backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+                mixed_precision=mp,
+                device_id=device,  # torch.device("cpu") makes FSDP1 run on CPU/gloo
+                use_orig_params=True,
+            )
+        return wrapped, no_autocast, notes
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model.to(device)
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if bf16:
+            notes["precision"] = "torch.autocast(bfloat16), fp32 weights and gradients"
+            return wrapped, partial(torch.autocast, device.type, dtype=torch.bfloat16), notes
+        return wrapped, no_autocast, notes
+    raise ValueError(impl)
+
+
+@contextlib.contextmanager
+def warnings_quiet():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# ---- measurement helpers ---------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class StorageCounter:
+    """Bytes of unique storages, by category (first category to claim a storage wins)."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+        self.by_cat: Counter = Counter()
+
+    def add(self, cat: str, t) -> None:
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        st = _local(t).untyped_storage()
+        n, ptr = st.nbytes(), st.data_ptr()
+        if n == 0 or ptr in self.seen:
+            return
+        self.seen.add(ptr)
+        self.by_cat[cat] += n
+
+
+def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, impl: str) -> dict:
+    """params + grads + optimizer state + module buffers, counted by unique storage; then every
+    other tensor storage Python can see (the implementation's persistent working buffers)."""
+    c = StorageCounter()
+    params = list(model.parameters())
+    for p in params:
+        c.add("params", p)
+    for p in params:
+        c.add("grads", p.grad)
+    for st in opt.state.values():
+        for v in st.values():
+            c.add("optimizer", v)
+    for b in model.buffers():
+        c.add("module_buffers", b)
+    out = dict(c.by_cat)
+    out["model_state"] = sum(c.by_cat.values())
+    for t in live_tensors():
+        c.add("other", t)
+    out["other_resident"] = c.by_cat.get("other", 0)
+    if impl == "layershard":
+        out["layershard_memory_report"] = model.memory_report(opt)
+    return out
+
+
+def live_tensors() -> list[torch.Tensor]:
+    """Every tensor the garbage collector knows about (local shards of DTensors)."""
+    import warnings
+
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, DTensor):
+                    out.append(o.to_local())
+                elif type(o) in (torch.Tensor, nn.Parameter) and not o.is_meta:
+                    out.append(o)
+            except Exception:  # noqa: BLE001 - exotic objects during a gc walk
+                continue
+    return out
+
+
+def _engine_sha1() -> str:
+    """Hash of the engine's sources (src/layershard/*.py): runs made with different engine code
+    can be told apart."""
+    import hashlib
+    from pathlib import Path
+
+    import layershard
+
+    h = hashlib.sha1()
+    for f in sorted(Path(layershard.__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _mem_tracker():
+    """torch's MemTracker without its per-parameter gradient hooks: those only label gradients
+    (the totals do not depend on them) and cannot be installed on FSDP1's parameter views."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    return _Tracker()
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts c10d collectives by op and the bytes of their largest (full) buffer argument."""
+
+    NAMES = {
+        "_allgather_base_": "all_gather",
+        "allgather_": "all_gather",
+        "allgather_into_tensor_coalesced_": "all_gather",
+        "_reduce_scatter_base_": "reduce_scatter",
+        "reduce_scatter_": "reduce_scatter",
+        "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+        "allreduce_": "all_reduce",
+        "allreduce_coalesced_": "all_reduce",
+        "broadcast_": "broadcast",
+        "barrier": "barrier",
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.count: Counter = Counter()
+        self.bytes: Counter = Counter()
+        self.raw: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional", "c10d_functional"):
+            name = self.NAMES.get(func._opname, func._opname)
+            self.raw[str(func)] += 1
+            if name != "barrier":
+                self.count[name] += 1
+                self.bytes[name] += max((_nbytes(a) for a in args), default=0)
+        return func(*args, **kwargs)
+
+
+def ring_bytes_sent(op: str, nbytes: int, world: int) -> float:
+    """Bytes one rank sends for a collective on a ``nbytes`` buffer with a ring algorithm."""
+    if world <= 1:
+        return 0.0
+    f = (world - 1) / world
+    return {"all_reduce": 2 * f * nbytes, "broadcast": f * nbytes}.get(op, f * nbytes)
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("LAYERSHARD_BENCH_WATCHDOG_S", 1800)), exit=True
+    )
+    cuda = torch.cuda.is_available()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend = "nccl" if cuda else "gloo"
+    import layershard as ls
+
+    ls.init_distributed(backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    )
+    precision = args.precision or ("bf16" if cuda else "fp32")
+    bf16 = precision == "bf16"
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} ranks")
+    local_b = args.global_batch // world
+
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    model, desc = build_model(args)
+    vocab = model.config.vocab_size
+    model, autocast, notes = wrap(args.impl, model, device, bf16, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+    n_measure = 3  # collectives step, model-state step, memory step
+    total = args.warmup + args.steps + n_measure
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    batches = []
+    for _ in range(total):
+        tokens = torch.randint(0, vocab, (args.global_batch, args.seq_len), generator=gen)
+        batches.append(tokens[rank * local_b : (rank + 1) * local_b].to(device))
+
+    def step(x, after_opt_step=None):
+        with autocast():
+            loss = model(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        if after_opt_step is not None:
+            after_opt_step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach().float()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    losses, times = [], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        losses.append(step(batches[i]))
+        sync()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    memory: dict = {}
+    if cuda:
+        memory["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        memory["max_memory_reserved"] = torch.cuda.max_memory_reserved(device)
+
+    # Untimed: collectives of one step.
+    if args.impl == "layershard":
+        model.comm_stats(reset=True)
+    counter = CountCollectives()
+    i = args.warmup + args.steps
+    try:
+        with counter:
+            losses.append(step(batches[i]))
+        comm = {
+            op: {"count": counter.count[op], "bytes": counter.bytes[op]} for op in counter.count
+        }
+        comm_error = None
+    except Exception as e:  # noqa: BLE001
+        losses.append(step(batches[i]))
+        comm, comm_error = {}, f"{type(e).__name__}: {e}"
+    for op, d in comm.items():
+        d["sent_bytes_ring"] = ring_bytes_sent(op, d["bytes"], world)
+    own_comm = model.comm_stats(reset=True) if args.impl == "layershard" else None
+
+    # Untimed: peak memory of one step under MemTracker (CPU; also run on CUDA as a cross-check).
+    # Model state while everything exists: after the optimizer step, before zero_grad.
+    state = {}
+
+    def measure_state():
+        gc.collect()
+        state.update(model_state_bytes(model, opt, args.impl))
+
+    i += 1
+    losses.append(step(batches[i], measure_state))
+    i += 1
+    mem_error = None
+    if args.no_mem:
+        losses.append(step(batches[i]))
+        mem_error = "skipped (--no-mem)"
+    else:
+        try:
+            mt = _mem_tracker()
+            ids = {id(b) for b in batches}
+            mt.track_external(model, opt, *[t for t in live_tensors() if id(t) not in ids])
+            with mt:
+                losses.append(step(batches[i]))
+            peak = mt.get_tracker_snapshot("peak")
+            snap = peak.get(device) or next(iter(peak.values()))
+            memory["memtracker_peak"] = int(snap["Total"])
+            memory["memtracker_breakdown"] = {
+                str(k.value if hasattr(k, "value") else k): int(v) for k, v in snap.items()
+            }
+            del mt
+        except Exception as e:  # noqa: BLE001 - report n/a with the reason
+            mem_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            traceback.print_exc()
+            if len(losses) == i:
+                losses.append(step(batches[i]))
+
+    # Global mean loss per step; per-rank memory and state gathered to rank 0.
+    loss_t = torch.stack(losses).to(device)
+    dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+    loss_t /= world
+    per_rank = [None] * world
+    dist.all_gather_object(
+        per_rank, {"memory": memory, "model_state": state, "mem_error": mem_error}
+    )
+    t_max = torch.tensor(times, dtype=torch.float64, device=device)  # NCCL: on the GPU
+    dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
+
+    if rank == 0:
+        result = {
+            "impl": args.impl,
+            "world_size": world,
+            "device": device.type,
+            "backend": backend,
+            "precision": precision,
+            "threads_per_rank": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "model": desc,
+            "seq_len": args.seq_len,
+            "global_batch": args.global_batch,
+            "tokens_per_step": args.seq_len * args.global_batch,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "lr": args.lr,
+            "seed": args.seed,
+            "step_times": t_max.cpu().tolist()[args.warmup :],
+            "warmup_times": t_max.cpu().tolist()[: args.warmup],
+            "losses": loss_t.cpu().tolist(),
+            "comm_per_step": comm,
+            "comm_error": comm_error,
+            "comm_raw_ops": dict(counter.raw),
+            "layershard_comm_stats": own_comm,
+            "per_rank": per_rank,
+            "notes": notes,
+            "engine_source_sha1": _engine_sha1(),
+            "loadavg_1min": [load_start, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
+        }
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.out)
+    dist.barrier()
+    # The results are written: leave without tearing down gloo/FSDP state, whose C++ destructors
+    # have aborted a rank at exit ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
