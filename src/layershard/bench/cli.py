@@ -19,21 +19,15 @@ import time
 from pathlib import Path
 
 from layershard.bench import IMPLS
+from layershard.models import hf as models_hf
 
 
 def load_hf_config(path: str):
     """A transformers config from a config.json file or a model folder."""
-    import transformers
-
-    p = Path(path)
-    if p.is_dir():
-        return transformers.AutoConfig.from_pretrained(str(p))
-    if not p.is_file():
-        raise SystemExit(f"layershard bench: --hf-config {path} does not exist")
-    raw = json.loads(p.read_text())
-    if "model_type" not in raw:
-        raise SystemExit(f"layershard bench: {path} has no model_type; not a transformers config")
-    return transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    try:
+        return models_hf.load_hf_config(path)
+    except ValueError as e:
+        raise SystemExit(f"layershard bench: --hf-config: {e}") from None
 
 
 def _cores() -> int:

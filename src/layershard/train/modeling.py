@@ -3,14 +3,13 @@ init), or local HF safetensors weights (fine-tuning, read by ``layershard.load_h
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from layershard.models import LlamaForCausalLM, build_config
+from layershard.models.hf import load_hf_config
 from layershard.train.config import ConfigError, TrainConfig
 
 
@@ -19,19 +18,10 @@ def round_up(n: int, multiple: int = 64) -> int:
 
 
 def _hf_config(path: str) -> Any:
-    import transformers
-
-    p = Path(path)
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"{p} has no config.json; point at a transformers model folder")
-        return transformers.AutoConfig.from_pretrained(str(p))
-    if not p.is_file():
-        raise ConfigError(f"HF config {path} does not exist; pass a config.json or its folder")
-    raw = json.loads(p.read_text())
-    if "model_type" not in raw:
-        raise ConfigError(f"{p} has no model_type; is it a transformers config.json?")
-    return transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    try:
+        return load_hf_config(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]:
