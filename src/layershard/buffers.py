@@ -1,8 +1,8 @@
 """The preallocated buffers units take turns in: sized once at ``shard()``, never freed.
 
 Note: buffer ownership. Units are assigned a gather slot once, alternating (unit i uses slot
-i % 2), so that unit i+1 can be gathered while unit i computes; all units share one gradient slot. A gather slot
-holds one unit's weights at a time: ``owner`` is the unit whose weights are in it (or on their way:
+i % 2), so that unit i+1 can be gathered while unit i computes; all units share one gradient slot.
+A gather slot holds one unit's weights at a time: ``owner`` is the unit whose weights are in it (or on their way:
 ``pending``), ``busy`` says the owner is computing with them. A gather into a slot is issued only
 when its previous owner is no longer busy; a prefetch that finds the slot busy is ``deferred`` and
 issued when the owner releases it. Autograd saves views of a slot (the weights a matmul needs in
@@ -46,9 +46,8 @@ class GradSlot:
     def __init__(self, numel: int, shard_numel: int, dtype: torch.dtype, device: torch.device):
         self.data = torch.empty(numel, dtype=dtype, device=device)
         self._scratch_spec = (shard_numel, dtype, device)
-        self.scratch: torch.Tensor | None = (
-            None  # allocated on first use (not all backends need it)
-        )
+        # The reduce-scatter output, allocated on first use: gloo reduces in place and needs none.
+        self.scratch: torch.Tensor | None = None
         self.pending: list[Pending] = []
 
     def get_scratch(self) -> torch.Tensor:
