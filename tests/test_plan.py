@@ -73,6 +73,22 @@ def test_units_match_engine(tied):
         ("<root>" if u.persistent else u.name, u.numel) for u in units(ModelShape.from_config(cfg))
     ]
     assert ours == engine
+    # The final norm (128 weights against 4 x 128 x 8192 or a 196,864-weight block) is resident.
+    assert [u.name for u in units(ModelShape.from_config(cfg)) if u.resident] == ["norm"]
+
+
+def test_resident_norm_by_hand():
+    # small, N = 2, fp32: embed 4,194,304, 8 blocks of 3,408,896, norm 512, head 4,194,304.
+    # Shared slots take embed, blocks 0-7, head in turn: slot 0 embed/b1/b3/b5/b7, slot 1
+    # b0/b2/b4/b6/head; the norm has its own 512. Backward gathers 10 - 2 shared units (b7 and
+    # the head are still gathered; the norm never leaves its buffer).
+    cfg = build_config("small")
+    m = predict_memory(cfg, 2, "fp32", "fp32", None)
+    assert m["gather_buffers"] == 4 * (4_194_304 + 4_194_304 + 512)
+    c = collectives_per_step(cfg, 2, "fp32", "fp32")
+    assert c["all_gather"]["forward"] == 11 and c["all_gather"]["backward"] == 8
+    fwd = 2 * 4_194_304 + 8 * 3_408_896 + 512
+    assert c["all_gather"]["bytes"] == 4 * (fwd + fwd - 512 - 3_408_896 - 4_194_304)
 
 
 def test_hf_config(tmp_path):
@@ -149,11 +165,11 @@ def test_predict_memory_by_hand_untied():
         "optimizer": 8 * 148 + 4 * 21,  # 21 parameter tensors, one fp32 step each
         "params_lowp": 2 * 148,
         "gather_buffers": 2 * 2 * 153,
-        "grad_buffers": 4 * 153,
+        "grad_buffers": 2 * 4 * 153,
         "reduce_scratch": 4 * 51,
         "module_buffers": 4 * 2 * 8 * 2,
         "no_sync": 0,
-        "total": 4304,
+        "total": 4916,
     }
     # The last rank's optimizer state skips the padding: 20 + 50 + 50 + 0 + 20 real elements.
     assert predict_memory(toy(), 3, rank=2)["optimizer"] == 8 * 140 + 4 * 21
@@ -163,15 +179,15 @@ def test_predict_memory_by_hand_untied():
 
 def test_predict_memory_by_hand_tied():
     # Root unit (tied embed/head) 64 -> shard 22, padded 66, its own gather buffer; it shares
-    # the one gradient slot, so it is sized max(66, 153) = 153.
+    # the two gradient slots, so they are sized max(66, 153) = 153.
     m = predict_memory(toy(tie_embeddings=True), 3, "bf16", "fp32", "adamw")
     s = 22 + 51 + 51 + 2
     assert m["params"] == m["grads"] == 4 * s and m["params_lowp"] == 2 * s
     assert m["optimizer"] == 8 * s + 4 * 20
     assert m["gather_buffers"] == 2 * (2 * 153 + 66)
-    assert m["grad_buffers"] == 4 * 153
+    assert m["grad_buffers"] == 2 * 4 * 153
     assert m["reduce_scratch"] == 4 * 51
-    assert m["total"] == 4036
+    assert m["total"] == 4648
 
 
 def test_other_strategies():

@@ -2,16 +2,21 @@
 
 One training step, for units 0..n-1 in forward order (slot = i % 2):
 
-    forward   pre(i):  wait AG(i); bind weights; issue AG(i+1)     (prefetch before compute)
+    forward   start:   issue AG(0), AG(1)                          (both slots are free)
+              pre(i):  wait AG(i); bind weights; issue AG(i+1)     (prefetch before compute)
               post(i): release slot(i)                             (AG(i+2) may now reuse it)
     backward  pre(i):  wait AG(i) (none for the last two: still gathered); issue AG(i-1)
-              post(i): grads -> grad slot(i); issue RS(i); release slot(i)
-    end of backward:   wait every RS; gradient slices now hold the averaged gradients
+              post(i): grads -> grad slot; issue RS(i); release slot(i)
+    end of backward:   wait every RS (gradient slices now hold the averaged gradients);
+                       free the grad slots
 
-``pre-backward`` is a hook on the unit's output tensors; ``post-backward`` is the backward of
-``_BindUnit``, the autograd Function whose outputs are the unit's weights: autograd calls it once,
-with every weight gradient of that unit, after the unit's whole backward. The root unit (tied and
-root-owned parameters) is bound at the model's pre-forward and stays gathered until its backward.
+A resident unit (tiny: a final norm) has a buffer of its own instead of a slot: it is gathered
+in forward and still there in backward, and prefetching looks past it to the next unit that takes
+a slot. ``pre-backward`` is a hook on the unit's output tensors; ``post-backward`` is the backward
+of ``_BindUnit``, the autograd Function whose outputs are the unit's weights: autograd calls it
+once, with every weight gradient of that unit, after the unit's whole backward. The root unit
+(tied and root-owned parameters) is bound at the model's pre-forward and stays gathered until its
+backward.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from layershard.buffers import GatherSlot, GradSlot
+from layershard.buffers import GatherSlot, GradSlot, ReduceScratch
 from layershard.collectives import Comm
 from layershard.flat import FlatParam, ParamSlot
 from layershard.precision import MixedPrecision
@@ -40,11 +45,11 @@ class Unit:
         is_block: bool,
         flats: list[FlatParam],
         slot: GatherSlot,
-        grad_slot: GradSlot | None,
         device: torch.device,
+        resident: bool = False,
     ):
         self.name, self.module, self.is_block = name, module, is_block
-        self.flats, self.slot, self.grad_slot = flats, slot, grad_slot
+        self.flats, self.slot, self.resident = flats, slot, resident
         self.trainable = next((f for f in flats if f.requires_grad), None)
         self.param_slots: list[ParamSlot] = [s for f in flats for s in f.slots]
         self.flat_offsets, off = [], 0
@@ -107,10 +112,14 @@ class Schedule:
         self,
         root: Unit | None,
         units: list[Unit],
+        grad_slots: list[GradSlot],
+        scratch: ReduceScratch | None,
         comm: Comm,
         precision: MixedPrecision,
     ):
         self.root, self.units, self.comm, self.precision = root, units, comm, precision
+        self.grad_slots, self.scratch = grad_slots, scratch
+        self._n_reduced = 0  # reduce-scatters issued this backward: picks the next gradient slot
         self.world_size = comm.world_size
         self.order: list[Unit] = list(units)  # forward execution order, learned on first forward
         self._recorded: list[Unit] | None = []
@@ -152,10 +161,10 @@ class Schedule:
         self._learn_order()
         # A new forward: weights may have changed since the last one, and a backward that raised
         # may have left state behind.
+        for gs in self.grad_slots:
+            gs.release()
         for u in self.all_units():
             u.slot.reset()
-            if u.grad_slot is not None:
-                u.grad_slot.wait()
             if u.trainable is not None and torch.is_grad_enabled():
                 u.trainable.release_grad()
         self.phase, self._callback_queued = "forward", False
@@ -164,8 +173,9 @@ class Schedule:
             self._issue_gather(self.root, "forward")
             self.root.slot.wait()
             self._bind(self.root)
-        if self.order:
+        if self.order:  # both slots are free: start the first two units' gathers
             self.gather(self.order[0], "forward")
+            self.prefetch(self.order[0], self._next, "forward")
 
     def pre_forward(self, u: Unit) -> None:
         if self._in_backward():  # recompute under (reentrant) activation checkpointing
@@ -177,9 +187,7 @@ class Schedule:
             self._recorded.append(u)
         self.ensure(u, "forward")
         self._bind(u)
-        nxt = self._next.get(id(u))
-        if nxt is not None:
-            self.gather(nxt, "forward")
+        self.prefetch(u, self._next, "forward")
 
     def post_forward(self, u: Unit, out):
         if not self._in_backward():
@@ -196,9 +204,7 @@ class Schedule:
             return
         self._bw_seen.add(id(u))
         self.ensure(u, "backward")
-        prev = self._prev.get(id(u))
-        if prev is not None:
-            self.gather(prev, "backward")
+        self.prefetch(u, self._prev, "backward")
 
     def post_backward(self, u: Unit, grads: tuple) -> None:
         self._enter_backward()
@@ -212,9 +218,9 @@ class Schedule:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
-        for u in self.all_units():
-            if u.grad_slot is not None:
-                u.grad_slot.wait()
+        for gs in self.grad_slots:
+            gs.release()
+        self._n_reduced = 0
         self.phase = "idle"
         self._callback_queued = False
         self._bw_seen.clear()
@@ -245,6 +251,16 @@ class Schedule:
             s.deferred = u
         else:
             self._issue_gather(u, phase)
+
+    def prefetch(self, u: Unit, step: dict[int, Unit], phase: str) -> None:
+        """Gather the unit after ``u`` in execution order (``step``: ``_next`` in forward,
+        ``_prev`` in backward), and past resident units up to one that takes a shared slot."""
+        nxt = step.get(id(u))
+        while nxt is not None:
+            self.gather(nxt, phase)
+            if not nxt.resident:
+                return
+            nxt = step.get(id(nxt))
 
     def release(self, u: Unit) -> None:
         s = u.slot
@@ -310,9 +326,9 @@ class Schedule:
                 torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
             f.acc_dirty = True
             return
-        gs = u.grad_slot
-        gs.wait()  # the previous reduce-scatter from this slot has read it
-        buf = gs.data[: f.padded_numel]
+        gs = self.grad_slots[self._n_reduced % len(self.grad_slots)]
+        self._n_reduced += 1
+        buf = gs.acquire(f.padded_numel)
         dst, src = [], []
         for s, g in zip(f.slots, grads):
             view = buf[s.offset : s.offset + s.numel]
@@ -340,7 +356,7 @@ class Schedule:
         if self.world_size == 1:
             post(buf)
         else:
-            gs.pending.append(self.comm.reduce_scatter(buf, gs.get_scratch, "backward", post))
+            gs.pending.append(self.comm.reduce_scatter(buf, self.scratch.get, "backward", post))
 
     def _accumulator(self, f: FlatParam) -> torch.Tensor:
         if getattr(f, "acc", None) is None:

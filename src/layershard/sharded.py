@@ -19,13 +19,13 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from layershard.buffers import GatherSlot, GradSlot, nbytes
+from layershard.buffers import GatherSlot, GradSlot, ReduceScratch, nbytes
 from layershard.collectives import Comm
 from layershard.distributed import default_device
 from layershard.flat import FlatParam, ParamSlot
 from layershard.precision import FULL_PRECISION, MixedPrecision
 from layershard.schedule import Schedule, Unit
-from layershard.units import UnitSpec, find_units
+from layershard.units import UnitSpec, find_units, is_resident
 
 STRATEGIES = {"full": "ZeRO-3: parameters, gradients and optimizer state sharded"}
 PLANNED_STRATEGIES = ("grad_op", "no_shard", "hybrid")
@@ -119,45 +119,40 @@ def shard(
     comm = Comm(group, device)
     root_spec = specs[0] if specs[0].module is None else None
     others = [(s, fl) for s, fl in zip(specs, flats_of) if s is not root_spec]
-    # Each slot is sized for the units that take turns in it (i % 2), not for the largest unit.
+    # Units take turns in two gather slots, each sized for the units that use it (not for the
+    # largest unit). A unit that is tiny next to the largest (a final norm) gets a buffer of its
+    # own instead: it then stays gathered through backward and never holds a slot another unit
+    # is waiting for.
     unit_numel = [sum(f.padded_numel for f in fl) for _, fl in others]
-    slot_numel = [max(unit_numel[k::2], default=0) for k in range(2)]
+    resident = [is_resident(n, unit_numel) for n in unit_numel]
+    turn = [k for k in range(len(others)) if not resident[k]]
+    slot_numel = [max((unit_numel[k] for k in turn[j::2]), default=0) for j in range(2)]
     trainable = [f for fl in flats_of for f in fl if f.requires_grad]
     grad_numel = max((f.padded_numel for f in trainable), default=0)
     shard_numel = max((f.shard_numel for f in trainable), default=0)
     cdtype, rdtype = precision.param_dtype, precision.reduce_dtype
-    slots = [GatherSlot(n, cdtype, device) for n in slot_numel] if others else []
-    # One gradient slot: unit i's reduce-scatter runs while unit i-1 computes its backward, so by
-    # the time i-1 needs the slot it is (almost always) free; a second slot would cost memory.
-    grad_slots = [
-        GradSlot(grad_numel, shard_numel, rdtype, device) for _ in range(1 if trainable else 0)
-    ]
+    slots = [GatherSlot(n, cdtype, device) for n in slot_numel]
+    slot_of_unit = {k: slots[j % 2] for j, k in enumerate(turn)}
+    grad_slots = [GradSlot(grad_numel, rdtype, device) for _ in range(2 if trainable else 0)]
+    scratch = ReduceScratch(shard_numel, rdtype, device) if trainable else None
     units = [
         Unit(
             s.name,
             s.module,
             s.is_block,
             fl,
-            slots[i % 2],
-            grad_slots[0] if grad_slots else None,
+            slot_of_unit.get(k) or GatherSlot(unit_numel[k], cdtype, device),
             device,
+            resident=resident[k],
         )
-        for i, (s, fl) in enumerate(others)
+        for k, (s, fl) in enumerate(others)
     ]
     root = None
     if root_spec is not None:
         root_flats = flats_of[0]
         root_slot = GatherSlot(sum(f.padded_numel for f in root_flats), cdtype, device)
-        root = Unit(
-            "<root>",
-            None,
-            False,
-            root_flats,
-            root_slot,
-            grad_slots[0] if grad_slots else None,
-            device,
-        )
-    schedule = Schedule(root, units, comm, precision)
+        root = Unit("<root>", None, False, root_flats, root_slot, device)
+    schedule = Schedule(root, units, grad_slots, scratch, comm, precision)
     for u in schedule.all_units():  # weights are attributes from now on (values valid in forward)
         u.bind(u.full_views)
     schedule.install(model)
@@ -507,7 +502,8 @@ class ShardedModule(nn.Module):
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds, by category (unique storages; includes optimizer state when an
-        optimizer is given)."""
+        optimizer is given). ``grad_buffers`` is what the gradient slots take during backward:
+        they are freed between backwards."""
         s = self._schedule
         flats = self.flat_params
         report = {
@@ -515,8 +511,8 @@ class ShardedModule(nn.Module):
             "grads": sum(nbytes(f.grad) for f in flats),
             "params_lowp": sum(nbytes(c) for c, _ in s._lowp.values()),
             "gather_buffers": sum(nbytes(t) for t in _unique(u.slot.data for u in self.units)),
-            "grad_buffers": 0,
-            "reduce_scratch": 0,
+            "grad_buffers": sum(g.capacity for g in s.grad_slots),
+            "reduce_scratch": nbytes(s.scratch.data) if s.scratch is not None else 0,
             "module_buffers": sum(
                 {
                     b.untyped_storage().data_ptr(): nbytes(b)
@@ -525,11 +521,6 @@ class ShardedModule(nn.Module):
             ),
             "no_sync": sum(nbytes(getattr(f, "acc", None)) for f in flats),
         }
-        for g in {
-            id(u.grad_slot): u.grad_slot for u in self.units if u.grad_slot is not None
-        }.values():
-            report["grad_buffers"] += nbytes(g.data)
-            report["reduce_scratch"] += nbytes(g.scratch)
         if optimizer is not None:
             storages = {}
             for st in optimizer.state.values():

@@ -4,8 +4,8 @@ Model states, per rank, for the ``full`` strategy (ZeRO-3, what ``shard()`` does
 size; every unit's flat tensor is padded to a multiple of N and each rank holds
 ``S_u = ceil(numel_u / N)``; ``S = sum_u S_u`` (~P/N), ``U_max`` = padded numel of the largest
 non-root unit, ``R`` = padded numel of the root unit (0 without tied/root-owned parameters),
-``G_max`` = padded numel of the largest unit including the root (the root unit shares gradient
-slot 0), ``c`` = bytes per element of the compute (param) dtype, ``r`` = of the reduce dtype:
+``G_max`` = padded numel of the largest unit including the root (the root unit shares the
+gradient slots), ``c`` = bytes per element of the compute (param) dtype, ``r`` = of the reduce dtype:
 
     params          4 S                 fp32 master shards
     grads           4 S                 fp32 sharded gradients
@@ -14,9 +14,10 @@ slot 0), ``c`` = bytes per element of the compute (param) dtype, ``r`` = of the 
                                         parameter tensor (n_t of them)
     params_lowp     c S                 compute-dtype copy of the shard (0 when param dtype is fp32)
     gather_buffers  c (U_0 + U_1 + R)   two gather slots, each sized for the units that take turns
-                                        in it (unit i uses slot i % 2), + the root unit's buffer
-    grad_buffers    r G_max             one gradient slot shared by all units
-    reduce_scratch  r max_u S_u         the gradient slot's reduce-scatter output
+                                        in it (unit i uses slot i % 2), + the buffers of their own
+                                        (R) of the root unit and of resident units (final norm)
+    grad_buffers    2 r G_max           two gradient slots taken in turn (held during backward only)
+    reduce_scratch  r max_u S_u         the reduce-scatter's output (NCCL; gloo reduces in place)
     module_buffers  4 * 2 T hd          Rotary's fp32 cos/sin tables (T = max_seq_len)
     no_sync         r sum_u N S_u       unsharded accumulators, only if ``no_sync()`` was used
 
@@ -190,9 +191,9 @@ def predict_memory(
         }
     else:
         shard = sum(u.shard_numel(n) for u in us)
-        turns = [u.padded_numel(n) for u in us if not u.persistent]  # slot i % 2 takes unit i
-        slots = max(turns[0::2], default=0) + max(turns[1::2], default=0)
-        root = sum(u.padded_numel(n) for u in us if u.persistent)
+        turns = [u.padded_numel(n) for u in us if not (u.persistent or u.resident)]
+        slots = max(turns[0::2], default=0) + max(turns[1::2], default=0)  # unit i: slot i % 2
+        root = sum(u.padded_numel(n) for u in us if u.persistent or u.resident)  # own buffers
         g_max = max(u.padded_numel(n) for u in us)
         s_max = max(u.shard_numel(n) for u in us)
         if strategy == "full":
@@ -205,7 +206,7 @@ def predict_memory(
             "optimizer": k_opt * sum(u.local_numel(n, rank) for u in us) + step_bytes,
             "params_lowp": 0 if c == 4 else c * shard,
             "gather_buffers": gather,
-            "grad_buffers": r * g_max,
+            "grad_buffers": 2 * r * g_max,
             "reduce_scratch": 0 if backend == "gloo" or n == 1 else r * s_max,
             "module_buffers": module_buffers,
             "no_sync": r * sum(u.padded_numel(n) for u in us) if no_sync else 0,

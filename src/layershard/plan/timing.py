@@ -133,7 +133,10 @@ def build_stages(
         s = by_name[u.name]
         s.ag_fwd = s.ag_bwd = full * param_bytes
         s.rs = full * reduce_bytes
-        sharded.append(s)
+        if u.resident:  # its own buffer: still gathered in backward
+            s.ag_bwd = 0
+        else:
+            sharded.append(s)
     for s in sharded[-2:]:  # still gathered when backward starts
         s.ag_bwd = 0
     if strategy != "full":  # grad_op / no_shard: weights stay gathered, no backward gather
@@ -153,7 +156,8 @@ def collectives_per_step(
     """The ``full`` strategy's collectives per optimizer step, in the format of
     ``ShardedModule.comm_stats()``: count, full-buffer bytes (before the (N-1)/N ring factor)
     and count per phase. Per micro-batch: an all-gather of every unit in forward (the root unit
-    included), of every non-root unit but the last two in backward, and one reduce-scatter per
+    included), of every unit that takes a shared slot but the last two in backward (not the root
+    nor resident units, whose buffers keep them), and one reduce-scatter per
     unit (only in the last micro-batch under ``no_sync``)."""
     shape = ModelShape.from_config(config)
     n = int(world_size)
@@ -161,18 +165,20 @@ def collectives_per_step(
         return {}
     c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     us = units(shape)
-    sharded = [u for u in us if not u.persistent]
+    sharded = [u for u in us if not (u.persistent or u.resident)]
     n_fwd, n_bwd = len(us), max(0, len(sharded) - 2)
     fwd_bytes = sum(u.padded_numel(n) for u in us) * c
     bwd_bytes = sum(u.padded_numel(n) for u in sharded[:-2]) * c
     n_rs = len(us) * (1 if no_sync else grad_accum)
+    gathers = {
+        "count": grad_accum * (n_fwd + n_bwd),
+        "bytes": grad_accum * (fwd_bytes + bwd_bytes),
+        "forward": grad_accum * n_fwd,
+    }
+    if n_bwd:  # comm_stats() lists only the phases that issued something
+        gathers["backward"] = grad_accum * n_bwd
     return {
-        "all_gather": {
-            "count": grad_accum * (n_fwd + n_bwd),
-            "bytes": grad_accum * (fwd_bytes + bwd_bytes),
-            "forward": grad_accum * n_fwd,
-            "backward": grad_accum * n_bwd,
-        },
+        "all_gather": gathers,
         "reduce_scatter": {
             "count": n_rs,
             "bytes": n_rs // len(us) * sum(u.padded_numel(n) for u in us) * r,
