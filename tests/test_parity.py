@@ -63,9 +63,8 @@ def _llama_parity(rank: int, world: int) -> None:
             ours,
             ref_loss.item(),
         )
-        # Exactly one all-gather per unit in forward; one per unit in backward except the last two
-        # units to take a shared slot (still gathered when backward starts) and the resident final
-        # norm (its own buffer: gathered once per step); one reduce-scatter per unit.
+        # Exactly one all-gather per unit in forward, one per unit in backward except the last two
+        # units of the forward (still gathered when backward starts), one reduce-scatter per unit.
         if world == 1:
             assert stats == {}, stats
         else:
@@ -73,7 +72,7 @@ def _llama_parity(rank: int, world: int) -> None:
                 "all_gather": {"count": n_units, "bytes": padded * 4, "forward": n_units}
             }, fwd
             assert stats["all_gather"]["forward"] == n_units
-            assert stats["all_gather"]["backward"] == n_units - 3
+            assert stats["all_gather"]["backward"] == n_units - 2
             assert stats["reduce_scatter"] == {
                 "count": n_units,
                 "bytes": padded * 4,
@@ -90,11 +89,8 @@ def _llama_parity(rank: int, world: int) -> None:
     assert m["params"] == 4 * shard and m["grads"] == 4 * shard
     assert m["optimizer"] == 8 * shard + 4 * n_params  # exp_avg, exp_avg_sq, and a step scalar each
     biggest = max(u.gather_numel for u in model.units)
-    assert [u.name for u in model.units if u.resident] == ["norm"]
-    shared = [u for u in model.units if not u.resident]
-    per_slot = [max(u.gather_numel for u in shared[k::2]) for k in range(2)]
-    norm = next(u.gather_numel for u in model.units if u.resident)
-    assert m["gather_buffers"] == (sum(per_slot) + norm) * 4
+    per_slot = [max(u.gather_numel for u in model.units[k::2]) for k in range(2)]
+    assert m["gather_buffers"] == sum(per_slot) * 4
     assert m["grad_buffers"] == 2 * biggest * 4  # two gradient slots (held during backward)
     total_model_state = torch.tensor([m["params"] + m["grads"]])
     dist.all_reduce(total_model_state)

@@ -73,22 +73,6 @@ def test_units_match_engine(tied):
         ("<root>" if u.persistent else u.name, u.numel) for u in units(ModelShape.from_config(cfg))
     ]
     assert ours == engine
-    # The final norm (128 weights against 4 x 128 x 8192 or a 196,864-weight block) is resident.
-    assert [u.name for u in units(ModelShape.from_config(cfg)) if u.resident] == ["norm"]
-
-
-def test_resident_norm_by_hand():
-    # small, N = 2, fp32: embed 4,194,304, 8 blocks of 3,408,896, norm 512, head 4,194,304.
-    # Shared slots take embed, blocks 0-7, head in turn: slot 0 embed/b1/b3/b5/b7, slot 1
-    # b0/b2/b4/b6/head; the norm has its own 512. Backward gathers 10 - 2 shared units (b7 and
-    # the head are still gathered; the norm never leaves its buffer).
-    cfg = build_config("small")
-    m = predict_memory(cfg, 2, "fp32", "fp32", None)
-    assert m["gather_buffers"] == 4 * (4_194_304 + 4_194_304 + 512)
-    c = collectives_per_step(cfg, 2, "fp32", "fp32")
-    assert c["all_gather"]["forward"] == 11 and c["all_gather"]["backward"] == 8
-    fwd = 2 * 4_194_304 + 8 * 3_408_896 + 512
-    assert c["all_gather"]["bytes"] == 4 * (fwd + fwd - 512 - 3_408_896 - 4_194_304)
 
 
 def test_hf_config(tmp_path):

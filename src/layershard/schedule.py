@@ -10,9 +10,7 @@ One training step, for units 0..n-1 in forward order (slot = i % 2):
     end of backward:   wait every RS (gradient slices now hold the averaged gradients);
                        free the grad slots
 
-A resident unit (tiny: a final norm) has a buffer of its own instead of a slot: it is gathered
-in forward and still there in backward, and prefetching looks past it to the next unit that takes
-a slot. ``pre-backward`` is a hook on the unit's output tensors; ``post-backward`` is the backward
+``pre-backward`` is a hook on the unit's output tensors; ``post-backward`` is the backward
 of ``_BindUnit``, the autograd Function whose outputs are the unit's weights: autograd calls it
 once, with every weight gradient of that unit, after the unit's whole backward. The root unit
 (tied and root-owned parameters) is bound at the model's pre-forward and stays gathered until its
@@ -46,10 +44,9 @@ class Unit:
         flats: list[FlatParam],
         slot: GatherSlot,
         device: torch.device,
-        resident: bool = False,
     ):
         self.name, self.module, self.is_block = name, module, is_block
-        self.flats, self.slot, self.resident = flats, slot, resident
+        self.flats, self.slot = flats, slot
         self.trainable = next((f for f in flats if f.requires_grad), None)
         self.param_slots: list[ParamSlot] = [s for f in flats for s in f.slots]
         self.flat_offsets, off = [], 0
@@ -254,13 +251,10 @@ class Schedule:
 
     def prefetch(self, u: Unit, step: dict[int, Unit], phase: str) -> None:
         """Gather the unit after ``u`` in execution order (``step``: ``_next`` in forward,
-        ``_prev`` in backward), and past resident units up to one that takes a shared slot."""
+        ``_prev`` in backward)."""
         nxt = step.get(id(u))
-        while nxt is not None:
+        if nxt is not None:
             self.gather(nxt, phase)
-            if not nxt.resident:
-                return
-            nxt = step.get(id(nxt))
 
     def release(self, u: Unit) -> None:
         s = u.slot

@@ -25,7 +25,7 @@ from layershard.distributed import default_device
 from layershard.flat import FlatParam, ParamSlot
 from layershard.precision import FULL_PRECISION, MixedPrecision
 from layershard.schedule import Schedule, Unit
-from layershard.units import UnitSpec, find_units, is_resident
+from layershard.units import UnitSpec, find_units
 
 STRATEGIES = {"full": "ZeRO-3: parameters, gradients and optimizer state sharded"}
 PLANNED_STRATEGIES = ("grad_op", "no_shard", "hybrid")
@@ -119,33 +119,19 @@ def shard(
     comm = Comm(group, device)
     root_spec = specs[0] if specs[0].module is None else None
     others = [(s, fl) for s, fl in zip(specs, flats_of) if s is not root_spec]
-    # Units take turns in two gather slots, each sized for the units that use it (not for the
-    # largest unit). A unit that is tiny next to the largest (a final norm) gets a buffer of its
-    # own instead: it then stays gathered through backward and never holds a slot another unit
-    # is waiting for.
+    # Each slot is sized for the units that take turns in it (i % 2), not for the largest unit.
     unit_numel = [sum(f.padded_numel for f in fl) for _, fl in others]
-    resident = [is_resident(n, unit_numel) for n in unit_numel]
-    turn = [k for k in range(len(others)) if not resident[k]]
-    slot_numel = [max((unit_numel[k] for k in turn[j::2]), default=0) for j in range(2)]
+    slot_numel = [max(unit_numel[k::2], default=0) for k in range(2)]
     trainable = [f for fl in flats_of for f in fl if f.requires_grad]
     grad_numel = max((f.padded_numel for f in trainable), default=0)
     shard_numel = max((f.shard_numel for f in trainable), default=0)
     cdtype, rdtype = precision.param_dtype, precision.reduce_dtype
-    slots = [GatherSlot(n, cdtype, device) for n in slot_numel]
-    slot_of_unit = {k: slots[j % 2] for j, k in enumerate(turn)}
+    slots = [GatherSlot(n, cdtype, device) for n in slot_numel] if others else []
     grad_slots = [GradSlot(grad_numel, rdtype, device) for _ in range(2 if trainable else 0)]
     scratch = ReduceScratch(shard_numel, rdtype, device) if trainable else None
     units = [
-        Unit(
-            s.name,
-            s.module,
-            s.is_block,
-            fl,
-            slot_of_unit.get(k) or GatherSlot(unit_numel[k], cdtype, device),
-            device,
-            resident=resident[k],
-        )
-        for k, (s, fl) in enumerate(others)
+        Unit(s.name, s.module, s.is_block, fl, slots[i % 2], device)
+        for i, (s, fl) in enumerate(others)
     ]
     root = None
     if root_spec is not None:

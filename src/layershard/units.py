@@ -6,11 +6,6 @@ per top-level module outside the blocks that owns parameters (embeddings, final 
 Parameters reachable from two units (tied embeddings) or owned directly by a module above the blocks
 go to the *root unit*, which stays gathered from the model's forward to the end of its backward.
 Every parameter belongs to exactly one unit.
-
-A unit at most ``1/RESIDENT_RATIO`` the size of the largest (a final norm next to a block or an
-LM head) is *resident*: it gets a buffer of its own instead of a turn in the two shared gather
-slots, so it stays gathered from its forward to its backward. That costs next to nothing and
-keeps it from holding a slot that the next large unit is waiting for.
 """
 
 from __future__ import annotations
@@ -21,13 +16,6 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from layershard.flat import ParamUse
-
-RESIDENT_RATIO = 64
-
-
-def is_resident(numel: int, all_numels: list[int]) -> bool:
-    """Is a (non-root) unit of ``numel`` elements small enough to keep a buffer of its own?"""
-    return numel * RESIDENT_RATIO <= max(all_numels, default=0)
 
 
 @dataclass

@@ -14,8 +14,7 @@ gradient slots), ``c`` = bytes per element of the compute (param) dtype, ``r`` =
                                         parameter tensor (n_t of them)
     params_lowp     c S                 compute-dtype copy of the shard (0 when param dtype is fp32)
     gather_buffers  c (U_0 + U_1 + R)   two gather slots, each sized for the units that take turns
-                                        in it (unit i uses slot i % 2), + the buffers of their own
-                                        (R) of the root unit and of resident units (final norm)
+                                        in it (unit i uses slot i % 2), + the root unit's buffer
     grad_buffers    2 r G_max           two gradient slots taken in turn (held during backward only)
     reduce_scratch  r max_u S_u         the reduce-scatter's output (NCCL; gloo reduces in place)
     module_buffers  4 * 2 T hd          Rotary's fp32 cos/sin tables (T = max_seq_len)
@@ -191,9 +190,9 @@ def predict_memory(
         }
     else:
         shard = sum(u.shard_numel(n) for u in us)
-        turns = [u.padded_numel(n) for u in us if not (u.persistent or u.resident)]
-        slots = max(turns[0::2], default=0) + max(turns[1::2], default=0)  # unit i: slot i % 2
-        root = sum(u.padded_numel(n) for u in us if u.persistent or u.resident)  # own buffers
+        turns = [u.padded_numel(n) for u in us if not u.persistent]  # slot i % 2 takes unit i
+        slots = max(turns[0::2], default=0) + max(turns[1::2], default=0)
+        root = sum(u.padded_numel(n) for u in us if u.persistent)
         g_max = max(u.padded_numel(n) for u in us)
         s_max = max(u.shard_numel(n) for u in us)
         if strategy == "full":

@@ -9,18 +9,15 @@ SwiGLU MLP, grouped-query attention, optional tied embedding/LM head):
 
 Units mirror ``layershard.units.find_units``: one per block, one per top-level module outside the
 blocks that owns parameters (embedding, final norm, LM head), and a *root unit* holding tied
-parameters (the shared embedding/LM-head weight), which stays gathered for the whole step. The
-final norm is *resident*: tiny next to a block, it has a buffer of its own and is gathered once.
+parameters (the shared embedding/LM-head weight), which stays gathered for the whole step.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from layershard.units import is_resident
 
 
 @dataclass(frozen=True)
@@ -140,7 +137,6 @@ class Unit:
     name: str
     numel: int
     kind: str  # "block" | "extra" | "root"
-    resident: bool = False  # tiny: a buffer of its own, gathered once per step (see units.py)
 
     @property
     def persistent(self) -> bool:
@@ -169,10 +165,7 @@ def units(shape: ModelShape) -> list[Unit]:
     out.append(Unit("norm", shape.dim, "extra"))
     if not shape.tie_embeddings:
         out.append(Unit("lm_head", shape.head_params, "extra"))
-    # As shard() decides, on the padded sizes of the non-root units (the same at every N here
-    # up to padding, so N = 1 is used: the rule is a 64x size ratio).
-    sizes = [u.numel for u in out if not u.persistent]
-    return [replace(u, resident=not u.persistent and is_resident(u.numel, sizes)) for u in out]
+    return out
 
 
 def load_model(preset: str | None = None, hf_config: str | None = None) -> ModelShape:

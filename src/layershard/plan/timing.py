@@ -133,10 +133,7 @@ def build_stages(
         s = by_name[u.name]
         s.ag_fwd = s.ag_bwd = full * param_bytes
         s.rs = full * reduce_bytes
-        if u.resident:  # its own buffer: still gathered in backward
-            s.ag_bwd = 0
-        else:
-            sharded.append(s)
+        sharded.append(s)
     for s in sharded[-2:]:  # still gathered when backward starts
         s.ag_bwd = 0
     if strategy != "full":  # grad_op / no_shard: weights stay gathered, no backward gather
@@ -156,8 +153,7 @@ def collectives_per_step(
     """The ``full`` strategy's collectives per optimizer step, in the format of
     ``ShardedModule.comm_stats()``: count, full-buffer bytes (before the (N-1)/N ring factor)
     and count per phase. Per micro-batch: an all-gather of every unit in forward (the root unit
-    included), of every unit that takes a shared slot but the last two in backward (not the root
-    nor resident units, whose buffers keep them), and one reduce-scatter per
+    included), of every non-root unit but the last two in backward, and one reduce-scatter per
     unit (only in the last micro-batch under ``no_sync``)."""
     shape = ModelShape.from_config(config)
     n = int(world_size)
@@ -165,7 +161,7 @@ def collectives_per_step(
         return {}
     c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     us = units(shape)
-    sharded = [u for u in us if not (u.persistent or u.resident)]
+    sharded = [u for u in us if not u.persistent]
     n_fwd, n_bwd = len(us), max(0, len(sharded) - 2)
     fwd_bytes = sum(u.padded_numel(n) for u in us) * c
     bwd_bytes = sum(u.padded_numel(n) for u in sharded[:-2]) * c
