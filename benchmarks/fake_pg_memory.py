@@ -5,10 +5,10 @@
 torch's fake process group (``FakeStore`` + backend ``"fake"``) completes every collective at once
 without moving data, so one process holds exactly what rank ``--rank`` of ``--world`` holds: the
 model is built on the meta device, ``shard()`` initializes it unit by unit and keeps this rank's
-slices, and one training step (forward, backward, AdamW) runs on them. The numbers computed are
+slices, and training steps (forward, backward, AdamW) run on them; the second is measured. The numbers computed are
 garbage (no data moved); the memory is real. Printed (one JSON line): ``memory_report()`` against
-``predict_memory()``, and torch's ``MemTracker`` peak of the step against the plan's peak (model
-states + activations + logits). Runs on CPU here; on a GPU pass ``--device cuda`` to read
+``predict_memory()``, and torch's ``MemTracker`` peak of the step against the plan's peak
+(``peak_bytes``: the larger of the forward's and the backward's). Runs on CPU here; on a GPU pass ``--device cuda`` to read
 ``max_memory_allocated`` as well.
 """
 
@@ -26,7 +26,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import layershard as ls
 from layershard.models import LlamaForCausalLM, build_config
 from layershard.plan import predict_memory
-from layershard.plan.memory import predict_activations
+from layershard.plan.memory import peak_bytes, predict_activations, unit_grad_bytes
 
 
 def main() -> None:
@@ -53,6 +53,10 @@ def main() -> None:
     t_shard = time.perf_counter() - t0
 
     x = torch.randint(0, cfg.vocab_size, (a.micro_batch, a.seq_len), device=device)
+    # One untracked step first: the optimizer state exists from then on (the steady state).
+    model(x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tracker = MemTracker()
@@ -61,15 +65,15 @@ def main() -> None:
     with tracker:
         model(x, labels=x).loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)  # keep the gradients: memory_report counts them
+    report = model.memory_report(opt)  # after the step, with the gradients
+    opt.zero_grad(set_to_none=True)
     t_step = time.perf_counter() - t0
     snap = tracker.get_tracker_snapshot("peak")
     peak = int((snap.get(device) or next(iter(snap.values())))["Total"])
 
-    report = model.memory_report(opt)
     pred = predict_memory(cfg, a.world, dtype, torch.float32, "adamw", rank=a.rank, backend="nccl")
     act = predict_activations(cfg, a.micro_batch, a.seq_len, 0, dtype)
-    plan_peak = pred["total"] + act["activations"] + act["logits"]
+    plan_peak = peak_bytes(pred, act, unit_grad_bytes(cfg, a.world, dtype))
     out = {
         "model": a.model,
         "params": n_params,

@@ -32,6 +32,7 @@ from layershard.plan import (
     zero_paper_model_states,
 )
 from layershard.plan.hardware import GPU
+from layershard.plan.memory import peak_bytes, unit_grad_bytes
 
 # A model small enough to compute every number by hand: d=4, 2 heads of 2, 1 kv head, f=8, V=16.
 #   block = 2 norms 2*4 + wq 4*4 + wk, wv 4*2 each + wo 4*4 + w1, w2, w3 4*8 each
@@ -204,6 +205,26 @@ def test_activation_formula_by_hand():
     # every layer checkpointed: block inputs (c d per token) + one layer being recomputed
     assert predict_activations(toy(), 1, 8, 2, "bf16")["activations"] == (
         2 * 2 * 4 * tokens + per_layer + tail
+    )
+
+
+def test_peak_by_hand():
+    # N = 3: the largest unit is a block, padded 153; its bf16 gradients are 306 bytes.
+    assert unit_grad_bytes(toy(), 3, "bf16") == 2 * 153
+    mem = {"total": 1000, "grad_buffers": 300}
+    # forward (at the loss): 1000 - 300 + 50 + 700 = 1450 > backward: 1000 + 50 + 306
+    assert peak_bytes(mem, {"activations": 50, "logits": 700}, 306) == 1450
+    # backward: 1000 + 50 + 306 = 1356 > forward: 1000 - 300 + 50 + 100
+    assert peak_bytes(mem, {"activations": 50, "logits": 100}, 306) == 1356
+    plan = make_plan(
+        ModelShape.from_config(toy()),
+        get_gpu("h100"),
+        Cluster(3, 3),
+        Settings(micro_batch=1, seq_len=8),
+    )
+    assert plan.memory["unit_grads"] == 306
+    assert plan.memory["peak"] == peak_bytes(
+        {**plan.memory, "total": plan.memory["model_states"]}, plan.memory, 306
     )
 
 

@@ -14,8 +14,8 @@ checks.
 
 A gradient slot holds one unit's unsharded gradients (cast to the reduce dtype) from the end of
 the unit's backward until its reduce-scatter has read them; ``pending`` is that reduce-scatter,
-which leaves this rank's chunk of the sum in a ``ReduceScratch`` (or, on gloo, in the buffer itself) and
-then adds it into the fp32 gradient slices. The two gradient slots are taken in turn, in the
+which leaves this rank's chunk of the sum in a ``ReduceScratch`` (on gloo, in the buffer itself)
+and then adds it into the fp32 gradient slices. The two gradient slots are taken in turn, in the
 order units finish their backward, so a reduce-scatter has the next unit's whole backward to
 finish before its slot is needed again (with one slot, a small unit after a large one, as the
 final norm after the head, waits for the head's reduce-scatter). Gradient slots exist only during

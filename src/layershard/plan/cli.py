@@ -108,7 +108,8 @@ def render(plan: Plan) -> str:
         f"  {'= model states (memory_report total)':38s}{_gib(mem['model_states'])}",
         f"  {'activations (saved for backward)':38s}{_gib(mem['activations'])}",
         f"  {'logits + loss':38s}{_gib(mem['logits'])}",
-        f"  {'= peak':38s}{_gib(mem['peak'])}",
+        f"  {'one unit unsharded grads (backward)':38s}{_gib(mem['unit_grads'])}",
+        f"  {'= peak (max of forward, backward)':38s}{_gib(mem['peak'])}",
         f"  {f'usable ({1 - plan.headroom:.0%} of GPU memory)':38s}{_gib(plan.budget)}"
         f"   {'fits' if plan.fits else 'DOES NOT FIT'}",
         "",

@@ -272,3 +272,24 @@ def predict_activations(
     tail = (4 * shape.dim + 4 + 2 * c * shape.dim) * tokens + 2 * int(seq_len) * shape.hd * c
     logits = (c + 8) * shape.vocab_size * tokens
     return {"activations": blocks + tail, "logits": logits}
+
+
+def unit_grad_bytes(config: Any, world_size: int, compute_dtype: Any = "bf16") -> int:
+    """The largest unit's unsharded gradients as autograd hands them over (compute dtype), alive
+    in backward until they are copied into a gradient slot: the backward peak's transient."""
+    shape = ModelShape.from_config(config)
+    return dtype_bytes(compute_dtype) * max(u.padded_numel(int(world_size)) for u in units(shape))
+
+
+def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int) -> int:
+    """Per-rank peak of a steady-state step (optimizer state already allocated), the larger of:
+
+    - forward, at the loss: model states without the gradient slots (they exist only during
+      backward) + activations + logits;
+    - backward, at a unit's post-backward: model states + the activations still saved (at most
+      all of them) + that unit's unsharded gradients (``unit_grad_bytes``).
+    """
+    states = mem["total"]
+    forward = states - mem["grad_buffers"] + act["activations"] + act["logits"]
+    backward = states + act["activations"] + unit_grads
+    return max(forward, backward)

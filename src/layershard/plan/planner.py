@@ -17,7 +17,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from layershard.plan.hardware import GPU, Cluster
-from layershard.plan.memory import predict_activations, predict_memory
+from layershard.plan.memory import (
+    peak_bytes,
+    predict_activations,
+    predict_memory,
+    unit_grad_bytes,
+)
 from layershard.plan.model import ModelShape
 from layershard.plan.timing import (
     DEFAULT_COMM_EFF,
@@ -49,7 +54,7 @@ class Plan:
     gpu: GPU
     cluster: Cluster
     settings: Settings
-    memory: dict[str, int]  # engine keys + activations + logits + peak
+    memory: dict[str, int]  # engine keys + activations + logits + unit_grads + peak
     time: TimePlan
     headroom: float
 
@@ -105,10 +110,13 @@ def make_plan(
         shape, cluster.gpus, s.param_dtype, s.reduce_dtype, s.optimizer, s.strategy, s.no_sync
     )
     act = predict_activations(shape, s.micro_batch, s.seq_len, s.checkpoint_layers, s.param_dtype)
+    unit_grads = unit_grad_bytes(shape, cluster.gpus, s.param_dtype)
+    peak = peak_bytes(mem, act, unit_grads)
     mem = dict(mem)
     mem["model_states"] = mem.pop("total")
     mem.update(act)
-    mem["peak"] = mem["model_states"] + act["activations"] + act["logits"]
+    mem["unit_grads"] = unit_grads
+    mem["peak"] = peak
     t = predict_time(
         shape,
         gpu,
