@@ -160,6 +160,7 @@ class Schedule:
         # may have left state behind.
         for gs in self.grad_slots:
             gs.release()
+        self._n_reduced = 0
         for u in self.all_units():
             u.slot.reset()
             if u.trainable is not None and torch.is_grad_enabled():
