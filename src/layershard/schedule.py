@@ -158,9 +158,7 @@ class Schedule:
         self._learn_order()
         # A new forward: weights may have changed since the last one, and a backward that raised
         # may have left state behind.
-        for gs in self.grad_slots:
-            gs.release()
-        self._n_reduced = 0
+        self._free_grad_slots()
         for u in self.all_units():
             u.slot.reset()
             if u.trainable is not None and torch.is_grad_enabled():
@@ -216,9 +214,7 @@ class Schedule:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
-        for gs in self.grad_slots:
-            gs.release()
-        self._n_reduced = 0
+        self._free_grad_slots()
         self.phase = "idle"
         self._callback_queued = False
         self._bw_seen.clear()
@@ -352,6 +348,12 @@ class Schedule:
             post(buf)
         else:
             gs.pending.append(self.comm.reduce_scatter(buf, self.scratch.get, "backward", post))
+
+    def _free_grad_slots(self) -> None:
+        """Wait for every reduce-scatter, then free the gradient slots until the next backward."""
+        for gs in self.grad_slots:
+            gs.release()
+        self._n_reduced = 0
 
     def _accumulator(self, f: FlatParam) -> torch.Tensor:
         if getattr(f, "acc", None) is None:
