@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from _dist import run_ranks
+from torch import nn
 
 from layershard.cli import main
 from layershard.models import LlamaConfig, LlamaForCausalLM, build_config
@@ -64,16 +65,37 @@ def test_preset_sizes():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_units_match_engine(tied):
-    from layershard.units import find_units
+    from layershard.units import backward_needs_weights, find_units
 
     cfg = build_config("tiny", tie_embeddings=tied)
     engine = [
-        (s.name, sum(p.numel() for p, _ in s.params)) for s in find_units(LlamaForCausalLM(cfg))
+        (s.name, sum(p.numel() for p, _ in s.params), s.module is None or backward_needs_weights(s))
+        for s in find_units(LlamaForCausalLM(cfg))
     ]
     ours = [
-        ("<root>" if u.persistent else u.name, u.numel) for u in units(ModelShape.from_config(cfg))
+        ("<root>" if u.persistent else u.name, u.numel, u.persistent or u.needs_weights_in_backward)
+        for u in units(ModelShape.from_config(cfg))
     ]
     assert ours == engine
+    assert [name for name, _, needs in engine if not needs] == ([] if tied else ["embed"])
+
+
+def test_backward_needs_weights():
+    from layershard.units import backward_needs_weights, find_units
+
+    class Scaled(nn.Embedding):  # overrides forward: may use its weight in backward
+        def forward(self, x):
+            return super().forward(x) * self.weight.norm()
+
+    def needs(emb: nn.Module) -> bool:
+        model = nn.Sequential(emb, nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+        (spec,) = [s for s in find_units(model) if s.name == "0"]
+        return backward_needs_weights(spec)
+
+    assert not needs(nn.Embedding(10, 4))
+    assert needs(nn.Embedding(10, 4, max_norm=1.0))  # renormalizes its rows in forward
+    assert needs(nn.Embedding(10, 4, sparse=True))
+    assert needs(Scaled(10, 4))
 
 
 def test_hf_config(tmp_path):
@@ -258,13 +280,14 @@ def test_activation_formula_matches_autograd(dtype, kv):
 
 def test_collectives_by_hand():
     # Padded units at N = 3: embed 66, blocks 153, 153, norm 6, head 66 (444 in all).
-    # Backward re-gathers all but the last two units of the forward (norm, head).
+    # Backward re-gathers all but the last two units of the forward (norm, head) and the
+    # embedding (its backward needs no weights).
     assert collectives_per_step(toy(), 3, "bf16", "fp32") == {
         "all_gather": {
-            "count": 8,
-            "bytes": 2 * 444 + 2 * (66 + 153 + 153),
+            "count": 7,
+            "bytes": 2 * 444 + 2 * (153 + 153),
             "forward": 5,
-            "backward": 3,
+            "backward": 2,
         },
         "reduce_scatter": {"count": 5, "bytes": 4 * 444, "backward": 5},
     }
@@ -274,7 +297,7 @@ def test_collectives_by_hand():
         "reduce_scatter": {"count": 4, "bytes": 4 * 378, "backward": 4},
     }
     ga = collectives_per_step(toy(), 3, "bf16", "fp32", grad_accum=4, no_sync=True)
-    assert ga["all_gather"]["count"] == 32 and ga["reduce_scatter"]["count"] == 5
+    assert ga["all_gather"]["count"] == 28 and ga["reduce_scatter"]["count"] == 5
     assert collectives_per_step(toy(), 1) == {}
 
 
@@ -313,14 +336,14 @@ def test_time_compute_bound_limit():
 
 def test_time_comm_bound_limit():
     # Compute ~free, 1 GB/s NVLink, no latency: the step is the sum of all collective times,
-    # (N-1)/N of each buffer: (888 AG fwd + 744 AG bwd + 1776 RS) * 2/3 bytes at 1e9 B/s.
+    # (N-1)/N of each buffer: (888 AG fwd + 612 AG bwd + 1776 RS) * 2/3 bytes at 1e9 B/s.
     t = predict_time(toy(), _gpu(bf16_tflops=1e12), Cluster(3, 8), 1, 8, comm_eff=1.0, latency_s=0)
     assert t.comm_bytes == {
         "all_gather_fwd": {"nvlink": 888 * 2 / 3, "network": 0.0},
-        "all_gather_bwd": {"nvlink": 744 * 2 / 3, "network": 0.0},
+        "all_gather_bwd": {"nvlink": 612 * 2 / 3, "network": 0.0},
         "reduce_scatter": {"nvlink": 1776 * 2 / 3, "network": 0.0},
     }
-    assert t.step_s == pytest.approx((888 + 744 + 1776) * 2 / 3 / 1e9, rel=1e-6)
+    assert t.step_s == pytest.approx((888 + 612 + 1776) * 2 / 3 / 1e9, rel=1e-6)
     assert t.comm_s == pytest.approx(t.step_s, rel=1e-6)
 
 

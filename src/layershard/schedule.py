@@ -5,7 +5,8 @@ One training step, for units 0..n-1 in forward order (slot = i % 2):
     forward   start:   issue AG(0), AG(1)                          (both slots are free)
               pre(i):  wait AG(i); bind weights; issue AG(i+1)     (prefetch before compute)
               post(i): release slot(i)                             (AG(i+2) may now reuse it)
-    backward  pre(i):  wait AG(i) (none for the last two: still gathered); issue AG(i-1)
+    backward  pre(i):  wait AG(i) (none for the last two: still gathered; none for an
+                       embedding, whose backward needs no weights); issue AG(i-1)
               post(i): grads -> grad slot; issue RS(i); release slot(i)
     end of backward:   wait every RS (gradient slices now hold the averaged gradients);
                        free the grad slots
@@ -44,9 +45,11 @@ class Unit:
         flats: list[FlatParam],
         slot: GatherSlot,
         device: torch.device,
+        gather_in_backward: bool = True,
     ):
         self.name, self.module, self.is_block = name, module, is_block
         self.flats, self.slot = flats, slot
+        self.gather_in_backward = gather_in_backward  # False: an embedding (see units.py)
         self.trainable = next((f for f in flats if f.requires_grad), None)
         self.param_slots: list[ParamSlot] = [s for f in flats for s in f.slots]
         self.flat_offsets, off = [], 0
@@ -199,7 +202,8 @@ class Schedule:
         if id(u) in self._bw_seen:
             return
         self._bw_seen.add(id(u))
-        self.ensure(u, "backward")
+        if u.gather_in_backward:
+            self.ensure(u, "backward")
         self.prefetch(u, self._prev, "backward")
 
     def post_backward(self, u: Unit, grads: tuple) -> None:
@@ -248,8 +252,10 @@ class Schedule:
 
     def prefetch(self, u: Unit, step: dict[int, Unit], phase: str) -> None:
         """Gather the unit after ``u`` in execution order (``step``: ``_next`` in forward,
-        ``_prev`` in backward)."""
+        ``_prev`` in backward), past units that are not gathered for their backward."""
         nxt = step.get(id(u))
+        while nxt is not None and phase == "backward" and not nxt.gather_in_backward:
+            nxt = step.get(id(nxt))
         if nxt is not None:
             self.gather(nxt, phase)
 

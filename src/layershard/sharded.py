@@ -25,7 +25,7 @@ from layershard.distributed import default_device
 from layershard.flat import FlatParam, ParamSlot
 from layershard.precision import FULL_PRECISION, MixedPrecision
 from layershard.schedule import Schedule, Unit
-from layershard.units import UnitSpec, find_units
+from layershard.units import UnitSpec, backward_needs_weights, find_units
 
 STRATEGIES = {"full": "ZeRO-3: parameters, gradients and optimizer state sharded"}
 PLANNED_STRATEGIES = ("grad_op", "no_shard", "hybrid")
@@ -130,7 +130,7 @@ def shard(
     grad_slots = [GradSlot(grad_numel, rdtype, device) for _ in range(2 if trainable else 0)]
     scratch = ReduceScratch(shard_numel, rdtype, device) if trainable else None
     units = [
-        Unit(s.name, s.module, s.is_block, fl, slots[i % 2], device)
+        Unit(s.name, s.module, s.is_block, fl, slots[i % 2], device, backward_needs_weights(s))
         for i, (s, fl) in enumerate(others)
     ]
     root = None

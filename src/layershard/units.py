@@ -26,6 +26,23 @@ class UnitSpec:
     params: list[tuple[nn.Parameter, list[ParamUse]]] = field(default_factory=list)
 
 
+def backward_needs_weights(spec: UnitSpec) -> bool:
+    """False when every use of the unit's parameters is a plain ``nn.Embedding`` lookup.
+
+    An embedding's backward scatters the output gradient into rows of the weight's gradient: it
+    needs the indices, never the weight, so such a unit is not re-gathered for its backward (one
+    all-gather of a V x d table less per step). Anything else, including subclasses that override
+    ``forward`` or embeddings that renormalize (``max_norm``), is assumed to need its weights.
+    """
+    for _, uses in spec.params:
+        for use in uses:
+            m = use.module
+            plain = isinstance(m, nn.Embedding) and type(m).forward is nn.Embedding.forward
+            if not (plain and use.attr == "weight" and m.max_norm is None and not m.sparse):
+                return True
+    return False
+
+
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The children of the longest ``nn.ModuleList`` whose children all share one class."""
     best: list[nn.Module] = []

@@ -142,6 +142,11 @@ class Unit:
     def persistent(self) -> bool:
         return self.kind == "root"
 
+    @property
+    def needs_weights_in_backward(self) -> bool:
+        """False for an untied embedding: its backward needs the token ids, not the table."""
+        return self.name != "embed"
+
     def shard_numel(self, world_size: int) -> int:
         return -(-self.numel // world_size)  # ceil, as FlatParam
 

@@ -32,7 +32,8 @@ Overlap (one communication stream, one unit of prefetch, as layershard's schedul
                 writes p, m, v and the compute-dtype shard copy)
     MFU       = model FLOPs per step / (step * peak)
 
-AG_bwd is 0 for the last two units in forward order (still gathered when backward starts).
+AG_bwd is 0 for the last two units in forward order (still gathered when backward starts) and
+for an untied embedding (its backward needs no weights).
 Gradient-accumulation micro-batches each reduce-scatter (layershard accumulates in the fp32
 shard) unless ``no_sync`` (then only the last one does); ``grad_op`` (ZeRO-2) gathers once per
 step; ``no_shard`` (DDP) all-reduces once per step.
@@ -131,7 +132,8 @@ def build_stages(
             root_ag, root_rs = full * param_bytes, full * reduce_bytes
             continue
         s = by_name[u.name]
-        s.ag_fwd = s.ag_bwd = full * param_bytes
+        s.ag_fwd = full * param_bytes
+        s.ag_bwd = full * param_bytes if u.needs_weights_in_backward else 0
         s.rs = full * reduce_bytes
         sharded.append(s)
     for s in sharded[-2:]:  # still gathered when backward starts
@@ -153,7 +155,7 @@ def collectives_per_step(
     """The ``full`` strategy's collectives per optimizer step, in the format of
     ``ShardedModule.comm_stats()``: count, full-buffer bytes (before the (N-1)/N ring factor)
     and count per phase. Per micro-batch: an all-gather of every unit in forward (the root unit
-    included), of every non-root unit but the last two in backward, and one reduce-scatter per
+    included), of every non-root unit but the last two and an untied embedding in backward, and one reduce-scatter per
     unit (only in the last micro-batch under ``no_sync``)."""
     shape = ModelShape.from_config(config)
     n = int(world_size)
@@ -162,9 +164,10 @@ def collectives_per_step(
     c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     us = units(shape)
     sharded = [u for u in us if not u.persistent]
-    n_fwd, n_bwd = len(us), max(0, len(sharded) - 2)
+    regathered = [u for u in sharded[:-2] if u.needs_weights_in_backward]
+    n_fwd, n_bwd = len(us), len(regathered)
     fwd_bytes = sum(u.padded_numel(n) for u in us) * c
-    bwd_bytes = sum(u.padded_numel(n) for u in sharded[:-2]) * c
+    bwd_bytes = sum(u.padded_numel(n) for u in regathered) * c
     n_rs = len(us) * (1 if no_sync else grad_accum)
     gathers = {
         "count": grad_accum * (n_fwd + n_bwd),
