@@ -155,8 +155,8 @@ def collectives_per_step(
     """The ``full`` strategy's collectives per optimizer step, in the format of
     ``ShardedModule.comm_stats()``: count, full-buffer bytes (before the (N-1)/N ring factor)
     and count per phase. Per micro-batch: an all-gather of every unit in forward (the root unit
-    included), of every non-root unit but the last two and an untied embedding in backward, and one reduce-scatter per
-    unit (only in the last micro-batch under ``no_sync``)."""
+    included), of every non-root unit in backward but the last two and an untied embedding, and
+    one reduce-scatter per unit (only in the last micro-batch under ``no_sync``)."""
     shape = ModelShape.from_config(config)
     n = int(world_size)
     if n == 1:
