@@ -137,15 +137,13 @@ class Unit:
     name: str
     numel: int
     kind: str  # "block" | "extra" | "root"
+    # False for an untied embedding: its backward needs the token ids, not the table (as
+    # ``layershard.units.backward_needs_weights``).
+    needs_weights_in_backward: bool = True
 
     @property
     def persistent(self) -> bool:
         return self.kind == "root"
-
-    @property
-    def needs_weights_in_backward(self) -> bool:
-        """False for an untied embedding: its backward needs the token ids, not the table."""
-        return self.name != "embed"
 
     def shard_numel(self, world_size: int) -> int:
         return -(-self.numel // world_size)  # ceil, as FlatParam
@@ -165,7 +163,7 @@ def units(shape: ModelShape) -> list[Unit]:
     if shape.tie_embeddings:
         out.append(Unit("root (tied embed/lm_head)", shape.embedding_params, "root"))
     else:
-        out.append(Unit("embed", shape.embedding_params, "extra"))
+        out.append(Unit("embed", shape.embedding_params, "extra", needs_weights_in_backward=False))
     out += [Unit(f"layers.{i}", shape.block_params, "block") for i in range(shape.n_layers)]
     out.append(Unit("norm", shape.dim, "extra"))
     if not shape.tie_embeddings:
