@@ -225,6 +225,67 @@ def test_cli_info_and_offline_export(saved_ws2, tmp_path, capsys):
         assert torch.equal(hf_sd[to_hf_name(k)], v), k
 
 
+def _dotted_global_pickle(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle that calls ``module``'s attribute path ``name`` with ``arg``: what a
+    crafted checkpoint uses to reach ``os.system`` through a module the unpickler trusts."""
+
+    def short(s: str) -> bytes:
+        b = s.encode()
+        return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+
+    # PROTO 4, module, name, STACK_GLOBAL, arg, TUPLE1, REDUCE, STOP
+    return b"\x80\x04" + short(module) + short(name) + b"\x93" + short(arg) + b"\x85R."
+
+
+def test_crafted_checkpoint_runs_no_code(saved_ws2, tmp_path, capsys):
+    """Security: a checkpoint whose DCP metadata (hash re-recorded in the manifest) names
+    ``os.system`` through ``torch.distributed.checkpoint.metadata`` (which imports ``os``) is
+    refused with one clear error by ``checkpoint info``, ``export`` and the loader, and runs
+    nothing. The same for a DCP "bytes" entry, which DCP itself unpickles with
+    ``weights_only=False``."""
+    import pickletools
+
+    import torch.distributed.checkpoint as dcp
+
+    from layershard.checkpoint.dcp import SafeFileSystemReader, read_dcp_metadata
+    from layershard.cli import main
+
+    marker = tmp_path / "pwned"
+    payload = _dotted_global_pickle(
+        "torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}"
+    )
+    assert "STACK_GLOBAL" in [op.name for op, _, _ in pickletools.genops(payload)]
+    d = tmp_path / "evil"
+    shutil.copytree(saved_ws2 / "ws2" / "step_000003", d)
+    (d / ".metadata").write_bytes(payload)
+    _retag(d, ".metadata")
+
+    with pytest.raises(CheckpointCorruptError, match=r"untrusted.*os\.system.*Nothing from it"):
+        read_dcp_metadata(d)
+    assert main(["checkpoint", "info", str(d)]) == 1
+    assert "integrity    FAILED" in capsys.readouterr().out
+    assert main(["checkpoint", "export", str(d), str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "untrusted DCP metadata" in err, err
+    assert not marker.exists()
+    assert not (tmp_path / "hf").exists()
+
+    # A "bytes" entry: DCP's own loader would run it (torch.load(weights_only=False)).
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    b = tmp_path / "bytes"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": Evil()}, storage_writer=dcp.FileSystemWriter(b), no_dist=True)
+        sd = {"x": None}
+        with pytest.raises(BaseException) as caught:  # DCP wraps each rank's error
+            dcp.load(sd, storage_reader=SafeFileSystemReader(b), no_dist=True)
+    assert "pickled bytes" in repr(caught.value) or "pickled bytes" in str(caught.value)
+    assert not marker.exists()
+
+
 # ---- crash safety and bad input ----------------------------------------------------------------
 
 
@@ -334,9 +395,7 @@ def _after_crash_and_bad_input(rank: int, world: int, root: str) -> None:
         _retag(d, ".metadata")
 
     d = broken(bad_copy("evil"), evil)
-    with pytest.raises(
-        CheckpointCorruptError, match=r"\.metadata: corrupt or untrusted.*refusing to load"
-    ):
+    with pytest.raises(CheckpointCorruptError, match=r"\.metadata: untrusted.*refusing to load"):
         ls.load_checkpoint(d, model, opt)
     assert not marker.exists()
 

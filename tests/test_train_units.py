@@ -241,3 +241,30 @@ def test_sft_pipeline_labels_only_responses(tmp_path, cache, packing):
     answers = [a for a in trained.split(eos) if a]
     assert answers and all(a.startswith("A") and ":" in a for a in answers)
     assert "Q" not in trained and "add" not in trained  # no prompt token is a target
+
+
+def test_hf_config_asking_for_custom_code_is_refused(tmp_path, capsys, cache):
+    """Security: a model folder whose config maps to its own Python (``auto_map``) is refused
+    with one line, and its code never runs (transformers would prompt to run it)."""
+    from layershard.models.hf import load_hf_config
+
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "model"
+    folder.mkdir()
+    cfg = {
+        "model_type": "evil",
+        "auto_map": {
+            "AutoConfig": "configuration_evil.EvilConfig",
+            "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+        },
+        "vocab_size": 100,
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for mod in ("configuration_evil", "modeling_evil"):
+        (folder / f"{mod}.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    for path in (folder, folder / "config.json"):
+        with pytest.raises(ValueError, match="asks for custom model code.*does not run code"):
+            load_hf_config(path)
+    err = _cli_error(capsys, "--run-dir", str(tmp_path / "run"), "--hf-config", str(folder))
+    assert "custom model code" in err and not (tmp_path / "run").exists()
+    assert not marker.exists()

@@ -65,7 +65,9 @@ def build_model(args) -> tuple[nn.Module, dict]:
         hf = load_hf_config(args.hf_config)
         if args.vocab_size:
             hf.vocab_size = args.vocab_size
-        model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf, dtype=torch.float32, trust_remote_code=False
+        )
         desc = {"source": "hf-config", "path": args.hf_config, "vocab_size": hf.vocab_size}
     else:
         from layershard.models import LlamaForCausalLM, build_config

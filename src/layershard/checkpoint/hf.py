@@ -18,7 +18,6 @@ import json
 import os
 import re
 import uuid
-import warnings
 from pathlib import Path
 
 import torch
@@ -26,10 +25,11 @@ import torch.distributed as dist
 
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.dcp import (
-    SafeFileSystemReader,
     _agree,
     _buffers,
     _params,
+    dcp_load,
+    dtype_from_name,
     model_config,
     model_kind,
 )
@@ -228,7 +228,6 @@ def export_checkpoint(
 ) -> Path:
     """Convert a layershard checkpoint into HF safetensors (+ config) in one process, without a
     process group or GPU, reading at most ``max_shard_size`` of parameters at a time."""
-    import torch.distributed.checkpoint as dcp
 
     from layershard.checkpoint.dcp import _check_tensor, read_dcp_metadata
 
@@ -264,11 +263,9 @@ def export_checkpoint(
             if msg:
                 raise CheckpointCorruptError(msg)
             sd[f"model/{name}"] = torch.empty(
-                [numel] if is_param else shape, dtype=getattr(torch, dt)
+                [numel] if is_param else shape, dtype=dtype_from_name(dt, f"{folder}: {name}")
             )
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(sd, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+        dcp_load(sd, folder, no_dist=True)
         for name, shape, _ in batch:
             t = sd[f"model/{name}"].view(shape)
             writer.add(rename(name), t.to(dtype) if t.is_floating_point() else t)

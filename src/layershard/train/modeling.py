@@ -64,5 +64,5 @@ def build_model(kind: str, spec: Any, cfg: TrainConfig, meta: bool = False) -> n
 
     with ctx:
         # (no dtype= here: it would put a torch.dtype into the config, which is not JSON)
-        model = transformers.AutoModelForCausalLM.from_config(spec)
+        model = transformers.AutoModelForCausalLM.from_config(spec, trust_remote_code=False)
     return model.float()
