@@ -205,9 +205,14 @@ def _bf16(rank, world) -> None:
     master, compute, fp32 = clone(base), clone(base).to(torch.bfloat16), clone(base)
     ref_opt = torch.optim.AdamW(master.parameters(), lr=LR)
     fp32_opt = torch.optim.AdamW(fp32.parameters(), lr=LR)
+    wq = model.module.layers[0].attn.wq
+    seen = []
+    wq.register_forward_hook(lambda m, a, out: seen.append((m.weight.dtype, out.dtype)))
     for step, batch in enumerate(batches(10)):
         loss = lm_loss(model, local(batch, rank, world))
-        assert model.module.layers[0].attn.wq.weight.dtype == torch.bfloat16
+        assert seen.pop() == (torch.bfloat16, torch.bfloat16)  # inside forward: bf16 weights
+        # outside forward: the rank's fp32 slice, as parameters() yields it
+        assert wq.weight.dtype == torch.float32 and any(wq.weight is p for p in model.parameters())
         loss.backward()
         opt.step()
         opt.zero_grad()

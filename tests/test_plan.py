@@ -145,63 +145,64 @@ def test_zero_paper_figure1():
 
 def test_layershard_layout_vs_zero_paper():
     # The paper: fp16 params 2 + fp16 grads 2 + K=12 (fp32 master 4, Adam 8) = 16 bytes/param.
-    # layershard: fp32 master 4 + fp32 grads 4 + Adam 8 (+ a bf16 shard copy 2) = 16 (18).
-    assert bytes_per_param("fp32") == {
-        "params": 4, "grads": 4, "optimizer": 8, "params_lowp": 0, "total": 16,
-    }  # fmt: skip
-    assert bytes_per_param("bf16")["total"] == 18
-    # A model whose units all divide by N: the sharded states are exactly the paper's stage 3
-    # (same 16 bytes/param, split differently), plus 2 bytes/param/N for the bf16 copy.
-    cfg = toy(vocab_size=32, dim=8, n_heads=2, ffn_dim=16)
+    # layershard: fp32 master 4 + fp32 grads 4 + Adam 8 = 16, whatever the compute dtype (the
+    # gathers cast the fp32 shard; no compute-dtype copy is kept).
+    assert bytes_per_param("fp32") == {"params": 4, "grads": 4, "optimizer": 8, "total": 16}
+    assert bytes_per_param("bf16")["total"] == 16
+    # A model whose units need neither alignment gaps nor padding at N = 4 (every parameter a
+    # multiple of 8 elements, every unit of 32): the sharded states are exactly the paper's
+    # stage 3 (same 16 bytes/param, split differently).
+    cfg = toy(vocab_size=32, dim=32, n_heads=2, ffn_dim=32)
     shape, n = ModelShape.from_config(cfg), 4
-    assert all(u.numel % n == 0 for u in units(shape))
+    assert all(u.padded_numel(n) == u.numel for u in units(shape))
     m = predict_memory(cfg, n, "bf16", "fp32", "adamw")
     steps = 4 * shape.n_param_tensors  # AdamW's per-tensor step counters
     sharded = m["params"] + m["grads"] + m["optimizer"] - steps
     assert sharded == zero_paper_model_states(shape.total_params, n, 12, 3)
-    assert m["params_lowp"] == 2 * shape.total_params // n
 
 
 def test_predict_memory_by_hand_untied():
-    # N = 3. Shards S_u = ceil(numel/3): embed 22, blocks 51, 51, norm 2, head 22 -> S = 148.
-    # Largest unit padded 153 (a block), largest shard 51. RoPE: cos + sin, 8 x 2 fp32 each.
+    # Flat layout (offsets aligned to 8 elements): a block is attn_norm 4 @0, wq 16 @8, wk 8 @24,
+    # wv 8 @32, wo 16 @40, mlp_norm 4 @56, w1 32 @64, w2 32 @96, w3 32 @128 -> 160 elements.
+    # N = 3, slices rounded up to 8: embed 64 -> 24 (padded 72), block 160 -> 56 (168), norm 4
+    # -> 8 (24), head 64 -> 24 (72); S = 24 + 56 + 56 + 8 + 24 = 168. Largest shard 56.
+    # Rank 0's real elements: embed 24, block [0, 56) 4+16+8+8+16 = 52 (x2), norm 4, head 24.
     m = predict_memory(toy(), 3, torch.bfloat16, torch.float32, "adamw")
     assert m == {
-        "params": 4 * 148,
-        "grads": 4 * 148,
-        "optimizer": 8 * 148 + 4 * 21,  # 21 parameter tensors, one fp32 step each
-        "params_lowp": 2 * 148,
-        "gather_buffers": 2 * 2 * 153,
-        "grad_buffers": 2 * 4 * 153,
-        "reduce_scratch": 4 * 51,
+        "params": 4 * 168,
+        "grads": 4 * 168,
+        "optimizer": 8 * (24 + 52 + 52 + 4 + 24) + 4 * 21,  # 21 tensors, one fp32 step each
+        "gather_buffers": 2 * (168 + 168),  # slots take units 0,2,4 and 1,3
+        "grad_buffers": 2 * 4 * 168,
+        "reduce_scratch": 2 * 4 * 56,  # one per gradient slot
         "module_buffers": 4 * 2 * 8 * 2,
         "no_sync": 0,
-        "total": 4916,
+        "total": 5268,
     }
-    # The last rank's optimizer state skips the padding: 20 + 50 + 50 + 0 + 20 real elements.
-    assert predict_memory(toy(), 3, rank=2)["optimizer"] == 8 * 140 + 4 * 21
+    # The last rank: embed [48, 72) 16, block [112, 168) w2 16 + w3 32 (x2), norm 0, head 16.
+    assert predict_memory(toy(), 3, rank=2)["optimizer"] == 8 * (16 + 48 + 48 + 0 + 16) + 4 * 21
     assert predict_memory(toy(), 3, optimizer=None).keys() == m.keys() - {"optimizer"}
-    assert predict_memory(toy(), 3, no_sync=True)["no_sync"] == 4 * (66 + 153 + 153 + 6 + 66)
+    assert predict_memory(toy(), 3, no_sync=True)["no_sync"] == 4 * (72 + 168 + 168 + 24 + 72)
 
 
 def test_predict_memory_by_hand_tied():
-    # Root unit (tied embed/head) 64 -> shard 22, padded 66, its own gather buffer; it shares
-    # the two gradient slots, so they are sized max(66, 153) = 153.
+    # Root unit (tied embed/head) 64 -> shard 24, padded 72, its own gather buffer; it shares
+    # the two gradient slots, sized max(72, 168) = 168.
     m = predict_memory(toy(tie_embeddings=True), 3, "bf16", "fp32", "adamw")
-    s = 22 + 51 + 51 + 2
-    assert m["params"] == m["grads"] == 4 * s and m["params_lowp"] == 2 * s
-    assert m["optimizer"] == 8 * s + 4 * 20
-    assert m["gather_buffers"] == 2 * (2 * 153 + 66)
-    assert m["grad_buffers"] == 2 * 4 * 153
-    assert m["reduce_scratch"] == 4 * 51
-    assert m["total"] == 4648
+    s = 24 + 56 + 56 + 8
+    assert m["params"] == m["grads"] == 4 * s
+    assert m["optimizer"] == 8 * (24 + 52 + 52 + 4) + 4 * 20
+    assert m["gather_buffers"] == 2 * (168 + 168 + 72)
+    assert m["grad_buffers"] == 2 * 4 * 168
+    assert m["reduce_scratch"] == 2 * 4 * 56
+    assert m["total"] == 5024
 
 
 def test_other_strategies():
     cfg, n = toy(), 4
     p = 436
     ddp = predict_memory(cfg, n, "bf16", "fp32", "adamw", strategy="no_shard")
-    assert (ddp["params"], ddp["grads"], ddp["params_lowp"]) == (4 * p, 4 * p, 2 * p)
+    assert (ddp["params"], ddp["grads"], ddp["gather_buffers"]) == (4 * p, 4 * p, 2 * p)
     z2 = predict_memory(cfg, n, "bf16", "fp32", "adamw", strategy="zero2")
     z3 = predict_memory(cfg, n, "bf16", "fp32", "adamw", strategy="zero3")
     padded = sum(u.padded_numel(n) for u in units(ModelShape.from_config(cfg)))
@@ -231,22 +232,22 @@ def test_activation_formula_by_hand():
 
 
 def test_peak_by_hand():
-    # N = 3: the largest unit is a block, padded 153; its bf16 gradients are 306 bytes.
-    assert unit_grad_bytes(toy(), 3, "bf16") == 2 * 153
-    mem = {"total": 1000, "grad_buffers": 300}
-    # forward (at the loss): 1000 - 300 + 50 + 700 = 1450 > backward: 1000 + 50 + 306
-    assert peak_bytes(mem, {"activations": 50, "logits": 700}, 306) == 1450
-    # backward: 1000 + 50 + 306 = 1356 > forward: 1000 - 300 + 50 + 100
-    assert peak_bytes(mem, {"activations": 50, "logits": 100}, 306) == 1356
+    # N = 3: the largest unit is a block, padded 168; its bf16 gradients are 336 bytes.
+    assert unit_grad_bytes(toy(), 3, "bf16") == 2 * 168
+    mem = {"total": 1000, "grad_buffers": 300, "reduce_scratch": 20}
+    # forward (at the loss): 1000 - 320 + 50 + 700 = 1430 > backward: 1000 + 50 + 336
+    assert peak_bytes(mem, {"activations": 50, "logits": 700}, 336) == 1430
+    # backward: 1000 + 50 + 336 = 1386 > forward: 1000 - 320 + 50 + 100
+    assert peak_bytes(mem, {"activations": 50, "logits": 100}, 336) == 1386
     plan = make_plan(
         ModelShape.from_config(toy()),
         get_gpu("h100"),
         Cluster(3, 3),
         Settings(micro_batch=1, seq_len=8),
     )
-    assert plan.memory["unit_grads"] == 306
+    assert plan.memory["unit_grads"] == 336
     assert plan.memory["peak"] == peak_bytes(
-        {**plan.memory, "total": plan.memory["model_states"]}, plan.memory, 306
+        {**plan.memory, "total": plan.memory["model_states"]}, plan.memory, 336
     )
 
 
@@ -279,22 +280,22 @@ def test_activation_formula_matches_autograd(dtype, kv):
 
 
 def test_collectives_by_hand():
-    # Padded units at N = 3: embed 66, blocks 153, 153, norm 6, head 66 (444 in all).
-    # Backward re-gathers all but the last two units of the forward (norm, head) and the
-    # embedding (its backward needs no weights).
+    # Padded units at N = 3 (see the memory test): embed 72, blocks 168, 168, norm 24, head 72
+    # (504 in all). Backward re-gathers all but the last two units of the forward (norm, head)
+    # and the embedding (its backward needs no weights).
     assert collectives_per_step(toy(), 3, "bf16", "fp32") == {
         "all_gather": {
             "count": 7,
-            "bytes": 2 * 444 + 2 * (153 + 153),
+            "bytes": 2 * 504 + 2 * (168 + 168),
             "forward": 5,
             "backward": 2,
         },
-        "reduce_scatter": {"count": 5, "bytes": 4 * 444, "backward": 5},
+        "reduce_scatter": {"count": 5, "bytes": 4 * 504, "backward": 5},
     }
-    # Tied: root 66 (gathered once in forward, never in backward), blocks, norm 6.
+    # Tied: root 72 (gathered once in forward, never in backward), blocks, norm 24.
     assert collectives_per_step(toy(tie_embeddings=True), 3, "bf16", "fp32") == {
-        "all_gather": {"count": 5, "bytes": 2 * 378 + 2 * 153, "forward": 4, "backward": 1},
-        "reduce_scatter": {"count": 4, "bytes": 4 * 378, "backward": 4},
+        "all_gather": {"count": 5, "bytes": 2 * 432 + 2 * 168, "forward": 4, "backward": 1},
+        "reduce_scatter": {"count": 4, "bytes": 4 * 432, "backward": 4},
     }
     ga = collectives_per_step(toy(), 3, "bf16", "fp32", grad_accum=4, no_sync=True)
     assert ga["all_gather"]["count"] == 28 and ga["reduce_scatter"]["count"] == 5
@@ -336,14 +337,14 @@ def test_time_compute_bound_limit():
 
 def test_time_comm_bound_limit():
     # Compute ~free, 1 GB/s NVLink, no latency: the step is the sum of all collective times,
-    # (N-1)/N of each buffer: (888 AG fwd + 612 AG bwd + 1776 RS) * 2/3 bytes at 1e9 B/s.
+    # (N-1)/N of each buffer: (1008 AG fwd + 672 AG bwd + 2016 RS) * 2/3 bytes at 1e9 B/s.
     t = predict_time(toy(), _gpu(bf16_tflops=1e12), Cluster(3, 8), 1, 8, comm_eff=1.0, latency_s=0)
     assert t.comm_bytes == {
-        "all_gather_fwd": {"nvlink": 888 * 2 / 3, "network": 0.0},
-        "all_gather_bwd": {"nvlink": 612 * 2 / 3, "network": 0.0},
-        "reduce_scatter": {"nvlink": 1776 * 2 / 3, "network": 0.0},
+        "all_gather_fwd": {"nvlink": 1008 * 2 / 3, "network": 0.0},
+        "all_gather_bwd": {"nvlink": 672 * 2 / 3, "network": 0.0},
+        "reduce_scatter": {"nvlink": 2016 * 2 / 3, "network": 0.0},
     }
-    assert t.step_s == pytest.approx((888 + 612 + 1776) * 2 / 3 / 1e9, rel=1e-6)
+    assert t.step_s == pytest.approx((1008 + 672 + 2016) * 2 / 3 / 1e9, rel=1e-6)
     assert t.comm_s == pytest.approx(t.step_s, rel=1e-6)
 
 

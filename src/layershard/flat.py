@@ -1,13 +1,20 @@
 """FlatParam: one unit's parameters (all trainable, or all frozen) as a single flat fp32 tensor.
 
-The flat layout concatenates the parameters in registration order and pads the end so that it
-splits into ``world_size`` equal contiguous slices. Each rank stores only its own slice (``shard``)
-and exposes, per original parameter, the part of that parameter that falls inside the slice as a
-1-D ``nn.Parameter`` view (``shard_params``): that is what the optimizer steps on.
+The flat layout concatenates the parameters in registration order, each starting on an aligned
+offset, and pads the end so that it splits into ``world_size`` equal contiguous slices, each a
+multiple of the alignment. Each rank stores only its own slice (``shard``) and exposes, per
+original parameter, the part of that parameter that falls inside the slice as a 1-D
+``nn.Parameter`` view (``shard_params``): that is what the optimizer steps on.
 
-    flat (padded):  | p0 ........ | p1 .... | p2 .............. |pad|
-    rank slices:    |   rank 0      |    rank 1     |   rank 2      |
+    flat (padded):  | p0 ........ |.| p1 .... |.| p2 .............. |pad |
+    rank slices:    |   rank 0      |    rank 1     |   rank 2         |
     shard_params of rank 1: tail of p0, all of p1, head of p2  (views into rank 1's shard)
+
+Note: alignment. Every parameter offset and every rank's slice start at a multiple of ``ALIGN``
+elements, so every weight view of a gather buffer, every chunk a collective reads or writes, and
+every slice the optimizer steps on starts on a 16-byte boundary in any dtype of 2 bytes or more
+(vectorized kernels need it; YaFSDP pads the same way). The gaps between parameters are zero in
+the weights and in the gradients.
 """
 
 from __future__ import annotations
@@ -16,6 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+ALIGN = 8  # elements: 16 bytes of bf16/fp16, 32 bytes of fp32
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
 
 
 @dataclass
@@ -45,6 +58,18 @@ class ParamSlot:
         return self.shape.numel()
 
 
+def layout(numels: list[int], world_size: int) -> tuple[list[int], int, int]:
+    """``(offsets, numel, shard_numel)`` of parameters of ``numels`` elements laid out flat:
+    aligned offsets, the end of the last parameter, and each rank's slice length."""
+    offsets, end = [], 0
+    for n in numels:
+        offsets.append(end)
+        end = align(end + n) if n else end
+    numel = offsets[-1] + numels[-1] if numels else 0
+    shard_numel = align(-(-numel // world_size))
+    return offsets, numel, shard_numel
+
+
 @dataclass
 class FlatParam:
     slots: list[ParamSlot]
@@ -52,14 +77,23 @@ class FlatParam:
     world_size: int
     rank: int
     device: torch.device
-    numel: int = field(init=False)
+    numel: int = field(init=False)  # up to the end of the last parameter
     padded_numel: int = field(init=False)
     shard_numel: int = field(init=False)
+    # no_sync(): this rank's unsharded fp32 gradient sum, until the next synchronized backward
+    acc: torch.Tensor | None = field(init=False, default=None)
+    acc_dirty: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        self.numel = sum(s.numel for s in self.slots)
-        self.shard_numel = -(-self.numel // self.world_size)  # ceil
+        offsets, self.numel, self.shard_numel = layout(
+            [s.numel for s in self.slots], self.world_size
+        )
+        assert [s.offset for s in self.slots] == offsets, "slots must be laid out by layout()"
         self.padded_numel = self.shard_numel * self.world_size
+        # The gaps between parameters and the tail: zero in every gradient the rank reduces.
+        ends = [s.offset + s.numel for s in self.slots]
+        starts = [s.offset for s in self.slots[1:]] + [self.padded_numel]
+        self.gaps = [(a, b) for a, b in zip(ends, starts) if b > a]
         self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
         self.grad = torch.zeros_like(self.shard) if self.requires_grad else None
         self.shard_params: list[nn.Parameter] = []
@@ -78,14 +112,31 @@ class FlatParam:
 
     def local_range(self, slot: ParamSlot) -> tuple[int, int]:
         """The part of ``slot`` held by this rank, in flat coordinates (may be empty)."""
-        lo = min(max(slot.offset, self.shard_start), self.shard_start + self.shard_numel)
-        hi = max(min(slot.offset + slot.numel, self.shard_start + self.shard_numel), lo)
+        return self.range_on(slot, self.rank)
+
+    def range_on(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
+        """The part of ``slot`` held by ``rank``, in flat coordinates (may be empty)."""
+        start = rank * self.shard_numel
+        lo = min(max(slot.offset, start), start + self.shard_numel)
+        hi = max(min(slot.offset + slot.numel, start + self.shard_numel), lo)
         return lo, hi
 
     def local_param_range(self, slot: ParamSlot) -> tuple[int, int]:
         """The part of ``slot`` held by this rank, in the flattened parameter's coordinates."""
         lo, hi = self.local_range(slot)
         return lo - slot.offset, hi - slot.offset
+
+    def param_ranges(self, slot: ParamSlot) -> list[tuple[int, int]]:
+        """For every rank, the part ``[a, b)`` of the flattened parameter ``slot`` it holds."""
+        return [
+            (lo - slot.offset, hi - slot.offset)
+            for lo, hi in (self.range_on(slot, r) for r in range(self.world_size))
+        ]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's full-shape view into ``flat``, a tensor of this layout
+        (``padded_numel`` elements: a gather buffer, or a gathered copy)."""
+        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
 
     @torch.no_grad()
     def copy_from_full(self, slot: ParamSlot, full: torch.Tensor) -> None:

@@ -1,37 +1,54 @@
 """The hooks that move a unit's weights and gradients around its forward and backward.
 
-One training step, for units 0..n-1 in forward order (slot = i % 2):
+One training step, for units 0..n-1 in forward order (slot = i % 2, two slots):
 
     forward   start:   issue AG(0), AG(1)                          (both slots are free)
-              pre(i):  wait AG(i); bind weights; issue AG(i+1)     (prefetch before compute)
-              post(i): release slot(i)                             (AG(i+2) may now reuse it)
-    backward  pre(i):  wait AG(i) (none for the last two: still gathered; none for an
-                       embedding, whose backward needs no weights); issue AG(i-1)
-              post(i): grads -> grad slot; issue RS(i); release slot(i)
-    end of backward:   wait every RS (gradient slices now hold the averaged gradients);
-                       free the grad slots
+              pre(i):  wait AG(i); bind weights
+              post(i): unbind; release slot(i); issue AG(i+2) into it
+    backward  pre(i):  wait AG(i) (the last two units of the forward are still gathered; an
+                       embedding, whose backward needs no weights, is never re-gathered)
+              post(i): release slot(i); issue AG(i-2) into it; then grads -> grad slot, RS(i)
+    end of backward:   wait every collective still in flight (gathers included: a prefetch for
+                       a unit whose backward never runs); free the grad slots
 
-``pre-backward`` is a hook on the unit's output tensors; ``post-backward`` is the backward
-of ``_BindUnit``, the autograd Function whose outputs are the unit's weights: autograd calls it
-once, with every weight gradient of that unit, after the unit's whole backward. The root unit
-(tied and root-owned parameters) is bound at the model's pre-forward and stays gathered until its
-backward.
+So the gather of the next unit to compute never queues behind a reduce-scatter: it was issued a
+whole unit earlier, and in backward the gather into a freed slot is issued before the freed unit's
+reduce-scatter (on CUDA both go to one comm stream; on CPU to gloo's queue).
+
+``pre-backward`` is a hook on the unit's output tensors; ``post-backward`` is the backward of
+``_BindUnit``, the autograd Function whose outputs are the unit's weights: autograd calls it once,
+with every weight gradient of that unit, after the unit's whole backward. The root unit (tied and
+root-owned parameters) is bound at the model's pre-forward and stays gathered until the end of its
+backward (or of the forward, without grad).
+
+Outside its forward a module's weight attributes are unbound: ``module.weight`` is then the rank's
+1-D fp32 slice registered under that name (what ``parameters()`` yields), never a view of a gather
+buffer that another unit may have refilled. ``ShardedModule.full_weights()`` gives full weights.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
-from layershard.buffers import GatherSlot, GradSlot, ReduceScratch
+from layershard.buffers import GatherSlot, GradSlot
 from layershard.collectives import Comm
 from layershard.flat import FlatParam, ParamSlot
 from layershard.precision import MixedPrecision
 
 log = logging.getLogger("layershard")
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 class Unit:
@@ -59,20 +76,43 @@ class Unit:
         self.gather_numel = off
         # Persistent full-size views of the gathered weights (see buffers.py for why `alias`).
         self.full_views = [
-            slot.alias[o + s.offset : o + s.offset + s.numel].view(s.shape)
+            v
             for f, o in zip(flats, self.flat_offsets)
-            for s in f.slots
+            for v in f.views(slot.alias[o : o + f.padded_numel])
         ]
         self.anchor = torch.empty(0, device=device, requires_grad=True)
+        self.bound = False
+        self.span: record_function | None = None  # profiler label of the compute in progress
 
     def __repr__(self) -> str:
         return f"Unit({self.name})"
 
     def bind(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
-        """Make the modules' weight attributes point at ``tensors`` (plain tensors, not Parameters)."""
+        """Make the modules' weight attributes resolve to ``tensors`` (plain tensors, which
+        shadow the registered slices while bound)."""
         for slot, t in zip(self.param_slots, tensors):
             for use in slot.uses:
                 use.module.__dict__[use.attr] = t
+        self.bound = True
+
+    def unbind(self) -> None:
+        """Weight attributes resolve to the registered 1-D slices again."""
+        if self.bound:
+            for slot in self.param_slots:
+                for use in slot.uses:
+                    use.module.__dict__.pop(use.attr, None)
+            self.bound = False
+
+    def open_span(self, what: str) -> None:
+        if torch.autograd.profiler._is_profiler_enabled:
+            self.close_span()
+            self.span = record_function(f"layershard::{what}[{self.name}]")
+            self.span.__enter__()
+
+    def close_span(self) -> None:
+        if self.span is not None:
+            span, self.span = self.span, None
+            span.__exit__(None, None, None)
 
 
 class _BindUnit(torch.autograd.Function):
@@ -107,28 +147,50 @@ def _tensors(out) -> Iterator[torch.Tensor]:
             yield from _tensors(getattr(out, name, None))
 
 
+def reduce_factors(dtype: torch.dtype, world_size: int) -> tuple[float, float]:
+    """``(pre, post)``: the reduce-scatter sums ``pre * grad`` in ``dtype``; the fp32 gradient
+    slice gets ``post * sum``; ``pre * post = 1 / N``. fp16 sums overflow at 65504, and under a
+    loss scaler gradients are large, so fp16 divides by sqrt(N) before and after (as FSDP2 does);
+    bf16 and fp32 have fp32's range and divide once, after, in fp32."""
+    if dtype == torch.float16 and world_size > 1:
+        pre = 1.0 / math.sqrt(world_size)
+        return pre, 1.0 / (world_size * pre)
+    return 1.0, 1.0 / world_size
+
+
+def scale_into(grad: torch.Tensor, chunk: torch.Tensor, factor: float, fresh: bool) -> None:
+    """``grad (fp32) = [grad +] factor * chunk``, computed in fp32 whatever ``chunk``'s dtype
+    (``torch.mul(bf16, s, out=fp32)`` would multiply in bf16 and round before the cast)."""
+    if not fresh:
+        grad.add_(chunk, alpha=factor)  # fp32 self: computed in fp32
+    elif chunk.dtype == grad.dtype:
+        torch.mul(chunk, factor, out=grad)
+    else:
+        grad.copy_(chunk)
+        grad.mul_(factor)
+
+
 class Schedule:
     def __init__(
         self,
         root: Unit | None,
         units: list[Unit],
         grad_slots: list[GradSlot],
-        scratch: ReduceScratch | None,
         comm: Comm,
         precision: MixedPrecision,
     ):
         self.root, self.units, self.comm, self.precision = root, units, comm, precision
-        self.grad_slots, self.scratch = grad_slots, scratch
-        self._n_reduced = 0  # reduce-scatters issued this backward: picks the next gradient slot
+        self.grad_slots = grad_slots
         self.world_size = comm.world_size
         self.order: list[Unit] = list(units)  # forward execution order, learned on first forward
         self._recorded: list[Unit] | None = []
         self._link()
-        self.phase = "idle"  # "forward" | "backward" | "idle"
+        self.phase = Phase.IDLE
         self.no_sync = False
+        self.full_weights_open = False  # inside ShardedModule.full_weights(): no forward
+        self._n_reduced = 0  # reduce-scatters issued this backward: picks the next gradient slot
         self._callback_queued = False
         self._bw_seen: set[int] = set()
-        self._lowp: dict[int, tuple[torch.Tensor, int]] = {}  # flat id -> (copy, shard version)
 
     def _link(self) -> None:
         self._next = {id(a): b for a, b in zip(self.order, self.order[1:])}
@@ -140,7 +202,10 @@ class Schedule:
     # ---- hooks ---------------------------------------------------------------------------------
 
     def install(self, model: nn.Module) -> list:
-        handles = [model.register_forward_pre_hook(lambda m, a: self.root_pre_forward())]
+        handles = [
+            model.register_forward_pre_hook(lambda m, a: self.root_pre_forward()),
+            model.register_forward_hook(lambda m, a, out: self.root_post_forward()),
+        ]
         for u in self.units:
             handles.append(
                 u.module.register_forward_pre_hook(lambda m, a, u=u: self.pre_forward(u))
@@ -158,39 +223,56 @@ class Schedule:
     def root_pre_forward(self) -> None:
         if self._in_backward():
             return
+        if self.full_weights_open:
+            raise RuntimeError(
+                "layershard: forward inside model.full_weights(): leave the context first (it "
+                "holds the full weights in place of the sharded ones)"
+            )
         self._learn_order()
         # A new forward: weights may have changed since the last one, and a backward that raised
         # may have left state behind.
         self._free_grad_slots()
         for u in self.all_units():
+            u.unbind()
             u.slot.reset()
             if u.trainable is not None and torch.is_grad_enabled():
                 u.trainable.release_grad()
-        self.phase, self._callback_queued = "forward", False
+        self.phase, self._callback_queued = Phase.FORWARD, False
         self._bw_seen.clear()
         if self.root is not None:
-            self._issue_gather(self.root, "forward")
+            self._issue_gather(self.root, Phase.FORWARD)
             self.root.slot.wait()
             self._bind(self.root)
-        if self.order:  # both slots are free: start the first two units' gathers
-            self.gather(self.order[0], "forward")
-            self.prefetch(self.order[0], self._next, "forward")
+        for u in self.order[:2]:  # both slots are free: start the first two units' gathers
+            self.gather(u, Phase.FORWARD)
+
+    def root_post_forward(self) -> None:
+        # Without grad no backward follows; with grad the root stays bound (its graph tensors
+        # are what checkpointed blocks see when recomputed) until the end of backward.
+        if self.root is not None and not self._in_backward() and not torch.is_grad_enabled():
+            self.root.unbind()
+        if not self._in_backward():
+            self.phase = Phase.IDLE
 
     def pre_forward(self, u: Unit) -> None:
-        if self._in_backward():  # recompute under (reentrant) activation checkpointing
+        if self._in_backward():  # recompute under activation checkpointing
             self._enter_backward()
-            self.ensure(u, "backward")
+            self.ensure(u, Phase.BACKWARD)
             self._bind(u)
             return
         if self._recorded is not None:
             self._recorded.append(u)
-        self.ensure(u, "forward")
+        u.open_span("forward")
+        self.ensure(u, Phase.FORWARD)
         self._bind(u)
-        self.prefetch(u, self._next, "forward")
+        self.gather_next(u, self._next, Phase.FORWARD)
 
     def post_forward(self, u: Unit, out):
+        u.unbind()
         if not self._in_backward():
+            u.close_span()
             self.release(u)
+            self.refill(u, self._next, Phase.FORWARD)
         if torch.is_grad_enabled():
             for t in _tensors(out):
                 if t.requires_grad:
@@ -202,24 +284,42 @@ class Schedule:
         if id(u) in self._bw_seen:
             return
         self._bw_seen.add(id(u))
+        u.open_span("backward")
         if u.gather_in_backward:
-            self.ensure(u, "backward")
-        self.prefetch(u, self._prev, "backward")
+            self.ensure(u, Phase.BACKWARD)
+            # Bound for the unit's backward: a checkpointed forward recomputed now reads its
+            # weights from the attributes (HF checkpoints ``forward``, outside the hooks). Under
+            # grad, so that a reentrant recompute's graph ends in a _BindUnit (post-backward).
+            with torch.enable_grad():
+                self._bind(u)
+        self.gather_next(u, self._prev, Phase.BACKWARD)
 
     def post_backward(self, u: Unit, grads: tuple) -> None:
         self._enter_backward()
-        self.reduce(u, grads)
+        u.close_span()
+        u.unbind()
+        # The unit's weights are no longer needed: the gather that will use its slot next goes
+        # first, the reduce-scatter (needed only at the end of backward) after it.
         self.release(u)
+        self.refill(u, self._prev, Phase.BACKWARD)
+        with record_function(f"layershard::reduce[{u.name}]"):
+            self.reduce(u, grads)
 
     def _enter_backward(self) -> None:
-        self.phase = "backward"
+        self.phase = Phase.BACKWARD
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
+        """Nothing is in flight once backward returns: the optimizer, ``clip_grad_norm_`` and a
+        checkpoint see the final gradient slices and no gather still reads a shard."""
+        for u in self.all_units():
+            u.slot.wait()
+            u.close_span()
+            u.unbind()
         self._free_grad_slots()
-        self.phase = "idle"
+        self.phase = Phase.IDLE
         self._callback_queued = False
         self._bw_seen.clear()
 
@@ -231,16 +331,20 @@ class Schedule:
         else:
             u.bind(u.full_views)
 
-    def ensure(self, u: Unit, phase: str) -> None:
+    def ensure(self, u: Unit, phase: Phase) -> None:
         """Block the compute stream until ``u``'s weights are in its slot; mark it busy."""
         s = u.slot
         if s.owner is not u:
-            # Execution is sequential, so a previous owner still marked busy has finished.
+            if s.busy and phase is Phase.BACKWARD and id(s.owner) in self._bw_seen:
+                # The owner's backward began and ``u``'s comes later, so it is over: autograd
+                # runs a unit's post-backward before any op of an earlier unit, and a unit
+                # without trainable weights (frozen) has no post-backward to release its slot.
+                s.busy = False
             self._issue_gather(u, phase)
         s.wait()
         s.busy = True
 
-    def gather(self, u: Unit, phase: str) -> None:
+    def gather(self, u: Unit, phase: Phase) -> None:
         """Prefetch: start ``u``'s all-gather now if its slot is free, else when it is released."""
         s = u.slot
         if s.owner is u:
@@ -250,14 +354,26 @@ class Schedule:
         else:
             self._issue_gather(u, phase)
 
-    def prefetch(self, u: Unit, step: dict[int, Unit], phase: str) -> None:
-        """Gather the unit after ``u`` in execution order (``step``: ``_next`` in forward,
-        ``_prev`` in backward), past units that are not gathered for their backward."""
-        nxt = step.get(id(u))
-        while nxt is not None and phase == "backward" and not nxt.gather_in_backward:
+    def _step(self, u: Unit | None, step: dict[int, Unit], phase: Phase) -> Unit | None:
+        """The unit after ``u`` in execution order (``step``: ``_next`` in forward, ``_prev`` in
+        backward), past units that are not gathered for their backward."""
+        nxt = step.get(id(u)) if u is not None else None
+        while nxt is not None and phase is Phase.BACKWARD and not nxt.gather_in_backward:
             nxt = step.get(id(nxt))
+        return nxt
+
+    def gather_next(self, u: Unit, step: dict[int, Unit], phase: Phase) -> None:
+        """Make sure the next unit's gather is on its way (normally issued a unit earlier)."""
+        nxt = self._step(u, step, phase)
         if nxt is not None:
             self.gather(nxt, phase)
+
+    def refill(self, u: Unit, step: dict[int, Unit], phase: Phase) -> None:
+        """``u`` released its slot: start the gather of the unit after next if that unit uses
+        this slot (never evicting a gather that a sooner unit waits for)."""
+        nxt = self._step(self._step(u, step, phase), step, phase)
+        if nxt is not None and nxt.slot is u.slot and u.slot.owner is u and not u.slot.busy:
+            self._issue_gather(nxt, phase)
 
     def release(self, u: Unit) -> None:
         s = u.slot
@@ -265,32 +381,14 @@ class Schedule:
             s.busy = False
         if s.deferred is not None and not s.busy:
             d, s.deferred = s.deferred, None
-            self._issue_gather(d, self.phase if self.phase != "idle" else "forward")
+            self._issue_gather(d, self.phase if self.phase is not Phase.IDLE else Phase.FORWARD)
 
-    def _issue_gather(self, u: Unit, phase: str) -> None:
+    def _issue_gather(self, u: Unit, phase: Phase) -> None:
         s = u.slot
-        s.wait()
-        s.owner, s.busy, s.deferred = u, False, None
+        s.take(u)
         for f, off in zip(u.flats, u.flat_offsets):
             out = s.data[off : off + f.padded_numel]
-            src = self.gather_input(f)
-            if self.world_size == 1:
-                out.copy_(src)
-            else:
-                s.pending.append(self.comm.all_gather(out, src, phase))
-
-    def gather_input(self, f: FlatParam) -> torch.Tensor:
-        """The rank's slice in the compute dtype, cast once per change of the fp32 master."""
-        dtype = self.precision.param_dtype
-        if dtype == torch.float32:
-            return f.shard
-        copy, version = self._lowp.get(id(f), (None, -1))
-        if copy is None:
-            copy = torch.empty(f.shard_numel, dtype=dtype, device=f.shard.device)
-        if version != f.shard._version:  # the optimizer (or a load) changed the master slice
-            copy.copy_(f.shard)
-            self._lowp[id(f)] = (copy, f.shard._version)
-        return copy
+            s.pending.append(self.comm.all_gather(out, f.shard, phase.value, u.name))
 
     def _learn_order(self) -> None:
         if self._recorded is None or not self._recorded:
@@ -311,49 +409,44 @@ class Schedule:
         f = u.trainable
         if f is None:
             return
-        grads = grads[: len(f.slots)]  # trainable slots come first
-        if self.no_sync:
+        pairs = [  # (flat view, gradient) of the trainable slots, which come first
+            (s.offset, s.numel, g.reshape(-1))
+            for s, g in zip(f.slots, grads[: len(f.slots)])
+            if g is not None
+        ]
+        if self.no_sync or f.acc_dirty:  # accumulate in fp32 (see no_sync())
             acc = self._accumulator(f)
-            pairs = [
-                (acc[s.offset : s.offset + s.numel], g.reshape(-1))
-                for s, g in zip(f.slots, grads)
-                if g is not None
-            ]
             if pairs:
-                torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+                torch._foreach_add_([acc[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs])
             f.acc_dirty = True
-            return
+            if self.no_sync:
+                return
         gs = self.grad_slots[self._n_reduced % len(self.grad_slots)]
         self._n_reduced += 1
         buf = gs.acquire(f.padded_numel)
-        dst, src = [], []
-        for s, g in zip(f.slots, grads):
-            view = buf[s.offset : s.offset + s.numel]
-            if g is None:
-                view.zero_()
-            else:
-                dst.append(view)
-                src.append(g.reshape(-1))
-        if dst:
-            torch._foreach_copy_(dst, src)
-        buf[f.numel :].zero_()
-        if getattr(f, "acc_dirty", False):
-            buf.add_(f.acc)
+        if f.acc_dirty:
+            buf.copy_(f.acc)  # one cast of the fp32 sum
             f.acc.zero_()
             f.acc_dirty = False
-        fresh = self._attach_grads(f)
-        scale = 1.0 / self.world_size  # the one division by the world size
-
-        def post(chunk: torch.Tensor, f=f, fresh=fresh, scale=scale) -> None:
-            if fresh:  # every slice's .grad was None: overwrite instead of zero-then-add
-                torch.mul(chunk, scale, out=f.grad)
-            else:
-                f.grad.add_(chunk, alpha=scale)
-
-        if self.world_size == 1:
-            post(buf)
         else:
-            gs.pending.append(self.comm.reduce_scatter(buf, self.scratch.get, "backward", post))
+            covered = {o for o, _, _ in pairs}
+            for s in f.slots:  # parameters without a gradient this step
+                if s.offset not in covered:
+                    buf[s.offset : s.offset + s.numel].zero_()
+            if pairs:
+                torch._foreach_copy_([buf[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs])
+            for a, b in f.gaps:
+                buf[a:b].zero_()
+        pre, post_factor = reduce_factors(buf.dtype, self.world_size)
+        if pre != 1.0:
+            buf.mul_(pre)
+        fresh = self._attach_grads(f)
+
+        def post(chunk: torch.Tensor, f=f, fresh=fresh) -> None:
+            scale_into(f.grad, chunk, post_factor, fresh)
+
+        scratch = gs.get_scratch() if self.comm.needs_scratch else None
+        gs.pending.append(self.comm.reduce_scatter(buf, scratch, "backward", u.name, post))
 
     def _free_grad_slots(self) -> None:
         """Wait for every reduce-scatter, then free the gradient slots until the next backward."""
@@ -361,12 +454,10 @@ class Schedule:
             gs.release()
         self._n_reduced = 0
 
-    def _accumulator(self, f: FlatParam) -> torch.Tensor:
-        if getattr(f, "acc", None) is None:
-            f.acc = torch.zeros(
-                f.padded_numel, dtype=self.precision.reduce_dtype, device=f.shard.device
-            )
-            f.acc_dirty = False
+    @staticmethod
+    def _accumulator(f: FlatParam) -> torch.Tensor:
+        if f.acc is None:
+            f.acc = torch.zeros(f.padded_numel, dtype=torch.float32, device=f.shard.device)
         return f.acc
 
     @staticmethod

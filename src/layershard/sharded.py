@@ -19,12 +19,12 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from layershard.buffers import GatherSlot, GradSlot, ReduceScratch, nbytes
+from layershard.buffers import GatherSlot, GradSlot, nbytes
 from layershard.collectives import Comm
 from layershard.distributed import default_device
-from layershard.flat import FlatParam, ParamSlot
+from layershard.flat import FlatParam, ParamSlot, layout
 from layershard.precision import FULL_PRECISION, MixedPrecision
-from layershard.schedule import Schedule, Unit
+from layershard.schedule import Phase, Schedule, Unit
 from layershard.units import UnitSpec, backward_needs_weights, find_units
 
 STRATEGIES = {"full": "ZeRO-3: parameters, gradients and optimizer state sharded"}
@@ -63,8 +63,14 @@ def shard(
                 f"shard(strategy={strategy!r}) is not supported yet; use strategy='full' (ZeRO-3)"
             )
         raise ValueError(f"shard(strategy={strategy!r}): unknown strategy; use 'full' (ZeRO-3)")
-    if isinstance(model, ShardedModule):
+    if isinstance(model, ShardedModule) or getattr(model, "_layershard_sharded", False):
         raise ValueError("shard(): this model is already sharded")
+    inner = next((n for n, m in model.named_modules() if isinstance(m, ShardedModule)), None)
+    if inner is not None:
+        raise ValueError(
+            f"shard(): the model contains a sharded module ({inner or '<root>'}); shard the "
+            "whole model once (pass layers=... to choose the units) instead of nesting shard()"
+        )
     if not dist.is_initialized():
         raise RuntimeError("shard(): call ls.init_distributed() first (it works without torchrun)")
     group = process_group or dist.group.WORLD
@@ -127,8 +133,9 @@ def shard(
     shard_numel = max((f.shard_numel for f in trainable), default=0)
     cdtype, rdtype = precision.param_dtype, precision.reduce_dtype
     slots = [GatherSlot(n, cdtype, device) for n in slot_numel] if others else []
-    grad_slots = [GradSlot(grad_numel, rdtype, device) for _ in range(2 if trainable else 0)]
-    scratch = ReduceScratch(shard_numel, rdtype, device) if trainable else None
+    grad_slots = [
+        GradSlot(grad_numel, rdtype, device, shard_numel) for _ in range(2 if trainable else 0)
+    ]
     units = [
         Unit(s.name, s.module, s.is_block, fl, slots[i % 2], device, backward_needs_weights(s))
         for i, (s, fl) in enumerate(others)
@@ -138,10 +145,9 @@ def shard(
         root_flats = flats_of[0]
         root_slot = GatherSlot(sum(f.padded_numel for f in root_flats), cdtype, device)
         root = Unit("<root>", None, False, root_flats, root_slot, device)
-    schedule = Schedule(root, units, grad_slots, scratch, comm, precision)
-    for u in schedule.all_units():  # weights are attributes from now on (values valid in forward)
-        u.bind(u.full_views)
+    schedule = Schedule(root, units, grad_slots, comm, precision)
     schedule.install(model)
+    model._layershard_sharded = True
 
     blocks = [u for u in units if u.is_block]
     for u in blocks[:activation_checkpointing]:
@@ -177,10 +183,11 @@ def _make_flats(spec: UnitSpec, world: int, rank: int, device: torch.device) -> 
         group = [(p, uses) for p, uses in spec.params if p.requires_grad == requires_grad]
         if not group:
             continue
-        slots, offset = [], 0
-        for p, uses in group:
-            slots.append(ParamSlot(uses, p.shape, offset, requires_grad))
-            offset += p.numel()
+        offsets, _, _ = layout([p.numel() for p, _ in group], world)
+        slots = [
+            ParamSlot(uses, p.shape, offset, requires_grad)
+            for (p, uses), offset in zip(group, offsets)
+        ]
         f = FlatParam(slots, requires_grad, world, rank, device)
         f._originals = [p for p, _ in group]
         flats.append(f)
@@ -374,23 +381,32 @@ class ShardedModule(nn.Module):
 
     # -- state --
 
+    def persistent_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped model's persistent buffers under their ``state_dict()`` keys (replicated:
+        every rank holds them whole)."""
+        for key, kind, ref in self._entries:
+            if kind == "buffer":
+                yield key, getattr(ref[0], ref[1])
+
+    @torch.no_grad()
+    def gather_flat(self, f: FlatParam, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``f`` whole (``padded_numel`` elements, in ``dtype``) on every rank. Collective: every
+        rank calls it for the same flat parameter. ``f.views(...)`` splits it by parameter."""
+        out = torch.empty(f.padded_numel, dtype=dtype, device=f.shard.device)
+        self._schedule.comm.all_gather(out, f.shard, "state_dict", "gather_flat").wait()
+        return out
+
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
         """The unsharded fp32 weights and persistent buffers under the original names, in the
         order of the wrapped model's ``state_dict()``. Collective; gathers one unit at a time.
         With ``rank0_only`` other ranks get ``{}``."""
-        comm, world = self._schedule.comm, self._schedule.world_size
-        keep = not rank0_only or dist.get_rank(comm.group) == 0
+        keep = not rank0_only or dist.get_rank(self.process_group) == 0
         full: dict[int, torch.Tensor] = {}
         for f in self.flat_params:
-            buf = torch.empty(f.padded_numel, dtype=torch.float32, device=f.shard.device)
-            if world == 1:
-                buf.copy_(f.shard)
-            else:
-                comm.all_gather(buf, f.shard, "state_dict").wait()
+            views = f.views(self.gather_flat(f))
             if keep:
-                for slot in f.slots:
-                    t = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                for slot, t in zip(f.slots, views):
                     full[id(slot)] = t.to("cpu") if cpu else t.clone()
         if not keep:
             return {}
@@ -403,56 +419,105 @@ class ShardedModule(nn.Module):
                 out[key] = b.detach().to("cpu") if cpu else b.detach().clone()
         return out
 
+    @contextlib.contextmanager
+    def full_weights(self, writeback: bool = False) -> Iterator[nn.Module]:
+        """Read (or, with ``writeback=True``, edit) the full weights, like FSDP's
+        ``summon_full_params``. Collective: every rank enters and leaves together.
+
+        Inside the context every weight attribute of the wrapped model (``model.lm_head.weight``)
+        is the whole fp32 tensor, on every rank (tied parameters stay one tensor). On leaving,
+        with ``writeback`` each rank copies its slice of every weight back into its shard (edits
+        made in place, e.g. under ``torch.no_grad()``); without it, edits are discarded. Costs
+        the whole model in fp32 on every rank while open; no forward may run inside. Yields the
+        wrapped model."""
+        s = self._schedule
+        if s.full_weights_open:
+            raise RuntimeError("model.full_weights(): already open (contexts do not nest)")
+        if s.phase is Phase.BACKWARD:
+            raise RuntimeError("model.full_weights(): not available during backward")
+        full = []
+        for u in self.units:
+            u.slot.wait()  # nothing in flight reads a shard while it may be written back
+            tensors = [v for f in u.flats for v in f.views(self.gather_flat(f))]
+            full.append((u, tensors))
+            u.bind(tensors)
+        s.full_weights_open = True
+        try:
+            yield self.module
+        finally:
+            s.full_weights_open = False
+            for u, tensors in full:
+                u.unbind()
+                if writeback:
+                    it = iter(tensors)
+                    for f in u.flats:
+                        for slot in f.slots:
+                            f.copy_from_full(slot, next(it))
+
     @torch.no_grad()
     def load_full_state_dict(
         self, state_dict: dict[str, torch.Tensor] | None, strict: bool = True
     ) -> None:
         """Load unsharded weights (e.g. from ``full_state_dict()`` or a HF model). Collective.
-        Either every rank passes the dict, or rank 0 does and the others pass ``None``."""
+        Either every rank passes the dict, or rank 0 does and the others pass ``None``. With
+        ``strict=False`` parameters and buffers missing from the dict keep their values and
+        unexpected keys are ignored, as in torch. Every rank agrees on an error before any
+        collective that moves data, so a bad dict raises everywhere instead of hanging."""
         comm, world = self._schedule.comm, self._schedule.world_size
-        rank = dist.get_rank(comm.group)
+        group = self.process_group
+        rank = dist.get_rank(group)
         device = self.flat_params[0].shard.device  # NCCL reduces device tensors only
         has = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64, device=device)
         if world > 1:
-            dist.all_reduce(has, group=comm.group)
+            dist.all_reduce(has, group=group)
         everyone = int(has) == world
         if int(has) == 0 or (not everyone and rank == 0 and state_dict is None):
             raise ValueError("load_full_state_dict(): rank 0 must pass a state dict")
-        error = ""
-        if state_dict is not None:
-            error = self._validate(state_dict, strict)
+        error = self._validate(state_dict, strict) if state_dict is not None else ""
         flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=device)
         if world > 1:
-            dist.all_reduce(flag, group=comm.group)
+            dist.all_reduce(flag, group=group)
         if int(flag):
             raise ValueError(
                 error or "load_full_state_dict(): another rank rejected the state dict"
             )
+        present = (
+            None if state_dict is None else [k for k, _, _ in self._entries if k in state_dict]
+        )
+        if not everyone and world > 1:  # which keys rank 0 has: the others copy only those
+            box = [present]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            present = box[0]
+        keys = set(present)
         by_slot = {}
-        if state_dict is not None:
-            for key, kind, ref in self._entries:
-                if kind == "param" and key in state_dict and id(ref[1]) not in by_slot:
-                    by_slot[id(ref[1])] = state_dict[key]
-        for f in self.flat_params:
-            if everyone:
-                for slot in f.slots:
-                    f.copy_from_full(slot, by_slot[id(slot)].to(f.shard.device, torch.float32))
-            else:
-                buf = torch.zeros(f.padded_numel, dtype=torch.float32, device=f.shard.device)
-                if rank == 0:
-                    for slot in f.slots:
-                        buf[slot.offset : slot.offset + slot.numel].copy_(
-                            by_slot[id(slot)].reshape(-1)
-                        )
-                comm.broadcast(buf, "state_dict")
-                f.shard.copy_(buf[f.shard_start : f.shard_start + f.shard_numel])
         for key, kind, ref in self._entries:
-            if kind == "buffer":
-                b = getattr(ref[0], ref[1])
-                if state_dict is not None and key in state_dict:
-                    b.copy_(state_dict[key])
-                if not everyone and world > 1:
-                    comm.broadcast(b, "state_dict")
+            if kind == "param" and key in keys and id(ref[1]) not in by_slot:
+                by_slot[id(ref[1])] = key
+        for f in self.flat_params:
+            loaded = [slot for slot in f.slots if id(slot) in by_slot]
+            if not loaded:
+                continue
+            if everyone:
+                for slot in loaded:
+                    value = state_dict[by_slot[id(slot)]]
+                    f.copy_from_full(slot, value.to(f.shard.device, torch.float32))
+                continue
+            buf = torch.zeros(f.padded_numel, dtype=torch.float32, device=f.shard.device)
+            if rank == 0:
+                for slot, view in zip(f.slots, f.views(buf)):
+                    if slot in loaded:
+                        view.copy_(state_dict[by_slot[id(slot)]])
+            comm.broadcast(buf, "state_dict")
+            for slot, view in zip(f.slots, f.views(buf)):
+                if slot in loaded:
+                    f.copy_from_full(slot, view)
+        for key, b in self.persistent_buffers():
+            if key not in keys:
+                continue
+            if state_dict is not None:
+                b.copy_(state_dict[key])
+            if not everyone and world > 1:
+                comm.broadcast(b, "state_dict")
 
     def _validate(self, sd: dict, strict: bool) -> str:
         expected = {key: ref for key, _, ref in self._entries}
@@ -462,7 +527,7 @@ class ShardedModule(nn.Module):
             return (
                 f"load_full_state_dict(): missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                 f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}; is this a "
-                "state dict of the same model?"
+                "state dict of the same model? (strict=False loads the keys present)"
             )
         for key, kind, ref in self._entries:
             if key not in sd:
@@ -488,24 +553,27 @@ class ShardedModule(nn.Module):
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds, by category (unique storages; includes optimizer state when an
-        optimizer is given). ``grad_buffers`` is what the gradient slots take during backward:
-        they are freed between backwards."""
+        optimizer is given). ``grad_buffers`` and ``reduce_scratch`` are what the gradient slots
+        take during backward (each slot's unsharded gradients and its reduce-scatter output, the
+        latter only where the backend needs one): they are freed between backwards."""
         s = self._schedule
         flats = self.flat_params
+        scratch = s.comm.needs_scratch
         report = {
             "params": sum(nbytes(f.shard) for f in flats),
             "grads": sum(nbytes(f.grad) for f in flats),
-            "params_lowp": sum(nbytes(c) for c, _ in s._lowp.values()),
             "gather_buffers": sum(nbytes(t) for t in _unique(u.slot.data for u in self.units)),
             "grad_buffers": sum(g.capacity for g in s.grad_slots),
-            "reduce_scratch": nbytes(s.scratch.data) if s.scratch is not None else 0,
+            "reduce_scratch": sum(g.shard_numel * g.dtype.itemsize for g in s.grad_slots)
+            if scratch
+            else 0,
             "module_buffers": sum(
                 {
                     b.untyped_storage().data_ptr(): nbytes(b)
                     for _, b in self.module.named_buffers()
                 }.values()
             ),
-            "no_sync": sum(nbytes(getattr(f, "acc", None)) for f in flats),
+            "no_sync": sum(nbytes(f.acc) for f in flats),
         }
         if optimizer is not None:
             storages = {}

@@ -19,7 +19,6 @@ _LABELS = {
     "params": "params (fp32 master shards)",
     "grads": "grads (fp32 shards)",
     "optimizer": "optimizer state",
-    "params_lowp": "params_lowp (compute-dtype shard)",
     "gather_buffers": "gather_buffers",
     "grad_buffers": "grad_buffers",
     "reduce_scratch": "reduce_scratch",

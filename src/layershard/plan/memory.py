@@ -12,18 +12,23 @@ gradient slots), ``c`` = bytes per element of the compute (param) dtype, ``r`` =
     optimizer       K_opt S' + 4 n_t    AdamW: exp_avg + exp_avg_sq per parameter view = 8 S'
                                         (S' = S without the padding) + a 4-byte ``step`` per
                                         parameter tensor (n_t of them)
-    params_lowp     c S                 compute-dtype copy of the shard (0 when param dtype is fp32)
     gather_buffers  c (U_0 + U_1 + R)   two gather slots, each sized for the units that take turns
                                         in it (unit i uses slot i % 2), + the root unit's buffer
     grad_buffers    2 r G_max           two gradient slots taken in turn (held during backward only)
-    reduce_scratch  r max_u S_u         the reduce-scatter's output (NCCL; gloo reduces in place)
+    reduce_scratch  2 r max_u S_u       each gradient slot's reduce-scatter output (NCCL; gloo
+                                        reduces in place); held during backward only
     module_buffers  4 * 2 T hd          Rotary's fp32 cos/sin tables (T = max_seq_len)
-    no_sync         r sum_u N S_u       unsharded accumulators, only if ``no_sync()`` was used
+    no_sync         4 sum_u N S_u       unsharded fp32 accumulators, only if ``no_sync()`` was used
+
+Every parameter starts at a multiple of 8 elements and every rank's slice is a multiple of 8
+elements (``layershard.flat.ALIGN``), so ``S_u`` includes small alignment gaps. There is no
+compute-dtype copy of the shard: each gather casts the fp32 shard into its own chunk of the
+gather buffer.
 
 The model-state part is the ZeRO paper's ``(2 + 2 + K) Psi / N_d`` with a different split: the
 paper keeps fp16 params (2) and fp16 grads (2) and puts the fp32 master into K = 12; layershard
-keeps fp32 grads (4), the fp32 master (4), Adam (8) and a bf16 shard copy (2): 18 bytes/param/N,
-plus buffers that do not shrink with N. ``zero_paper_model_states`` and ``bytes_per_param`` show
+keeps fp32 grads (4), the fp32 master (4) and Adam (8): 16 bytes/param/N whatever the compute
+dtype, plus buffers that do not shrink with N. ``zero_paper_model_states`` and ``bytes_per_param`` show
 both.
 """
 
@@ -40,7 +45,6 @@ STATE_KEYS = (
     "params",
     "grads",
     "optimizer",
-    "params_lowp",
     "gather_buffers",
     "grad_buffers",
     "reduce_scratch",
@@ -120,13 +124,13 @@ def zero_paper_model_states(psi: float, nd: int, k: int = 12, stage: int = 3) ->
 
 def bytes_per_param(param_dtype: Any = "bf16", optimizer: str = "adamw") -> dict[str, int]:
     """layershard's sharded model-state bytes per parameter (multiply by P / N), next to the
-    ZeRO paper's 2 + 2 + K split of the same total minus the bf16 copy and with fp32 grads."""
-    c = dtype_bytes(param_dtype)
+    ZeRO paper's 2 + 2 + K split of the same total, with fp32 grads. The compute dtype changes
+    nothing here: gathers cast the fp32 shard (no compute-dtype copy is kept)."""
+    dtype_bytes(param_dtype)  # validates the name
     out = {
         "params": 4,
         "grads": 4,
         "optimizer": optimizer_bytes(optimizer),
-        "params_lowp": 0 if c == 4 else c,
     }
     out["total"] = sum(out.values())
     return out
@@ -159,7 +163,7 @@ def predict_memory(
     ``strategy`` is ``full`` (ZeRO-3, the engine), or for comparison ``grad_op`` (ZeRO-2: the
     weights stay gathered, so ``gather_buffers`` holds the whole model in the compute dtype) or
     ``no_shard`` (DDP: everything replicated; autocast's compute-dtype weight copies count as
-    ``params_lowp``).
+    ``gather_buffers``).
     """
     shape = ModelShape.from_config(config)
     strategy = strategy_name(strategy)
@@ -181,8 +185,7 @@ def predict_memory(
             "params": 4 * p,
             "grads": 4 * p,
             "optimizer": k_opt * p + step_bytes,
-            "params_lowp": 0 if c == 4 else c * p,
-            "gather_buffers": 0,
+            "gather_buffers": 0 if c == 4 else c * p,
             "grad_buffers": 0,
             "reduce_scratch": 0,
             "module_buffers": module_buffers,
@@ -203,12 +206,11 @@ def predict_memory(
             "params": 4 * shard,
             "grads": 4 * shard,
             "optimizer": k_opt * sum(u.local_numel(n, rank) for u in us) + step_bytes,
-            "params_lowp": 0 if c == 4 else c * shard,
             "gather_buffers": gather,
             "grad_buffers": 2 * r * g_max,
-            "reduce_scratch": 0 if backend == "gloo" or n == 1 else r * s_max,
+            "reduce_scratch": 0 if backend == "gloo" or n == 1 else 2 * r * s_max,
             "module_buffers": module_buffers,
-            "no_sync": r * sum(u.padded_numel(n) for u in us) if no_sync else 0,
+            "no_sync": 4 * sum(u.padded_numel(n) for u in us) if no_sync else 0,
         }
     if optimizer is None:
         del out["optimizer"]
@@ -284,12 +286,13 @@ def unit_grad_bytes(config: Any, world_size: int, compute_dtype: Any = "bf16") -
 def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int) -> int:
     """Per-rank peak of a steady-state step (optimizer state already allocated), the larger of:
 
-    - forward, at the loss: model states without the gradient slots (they exist only during
-      backward) + activations + logits;
+    - forward, at the loss: model states without the gradient slots and their reduce scratch
+      (they exist only during backward) + activations + logits;
     - backward, at a unit's post-backward: model states + the activations still saved (at most
       all of them) + that unit's unsharded gradients (``unit_grad_bytes``).
     """
     states = mem["total"]
-    forward = states - mem["grad_buffers"] + act["activations"] + act["logits"]
+    backward_only = mem["grad_buffers"] + mem.get("reduce_scratch", 0)
+    forward = states - backward_only + act["activations"] + act["logits"]
     backward = states + act["activations"] + unit_grads
     return max(forward, backward)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layershard.flat import layout
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -45,6 +47,14 @@ class ModelShape:
         d, f, hd = self.dim, self.ffn_dim, self.hd
         attn = d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd + self.n_heads * hd * d
         return 2 * d + attn + 3 * d * f
+
+    @property
+    def block_param_numels(self) -> tuple[int, ...]:
+        """A block's parameters in registration order (attn_norm, wq, wk, wv, wo, mlp_norm, w1,
+        w2, w3): the order of its flat layout."""
+        d, f, hd = self.dim, self.ffn_dim, self.hd
+        q, kv = d * self.n_heads * hd, d * self.n_kv_heads * hd
+        return (d, q, kv, kv, q, d, d * f, f * d, d * f)
 
     @property
     def block_matmul_params(self) -> int:
@@ -132,10 +142,12 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Unit:
-    """A gather/reduce unit: ``numel`` parameters, padded to a multiple of the world size."""
+    """A gather/reduce unit laid out as ``layershard.flat`` lays it out: parameters of
+    ``param_numels`` elements at aligned offsets, padded so that every rank's slice is equal and
+    aligned."""
 
     name: str
-    numel: int
+    param_numels: tuple[int, ...]
     kind: str  # "block" | "extra" | "root"
     # False for an untied embedding: its backward needs the token ids, not the table (as
     # ``layershard.units.backward_needs_weights``).
@@ -145,29 +157,38 @@ class Unit:
     def persistent(self) -> bool:
         return self.kind == "root"
 
+    @property
+    def numel(self) -> int:
+        """Parameters (without alignment gaps or padding)."""
+        return sum(self.param_numels)
+
     def shard_numel(self, world_size: int) -> int:
-        return -(-self.numel // world_size)  # ceil, as FlatParam
+        return layout(list(self.param_numels), world_size)[2]
 
     def padded_numel(self, world_size: int) -> int:
         return self.shard_numel(world_size) * world_size
 
     def local_numel(self, world_size: int, rank: int) -> int:
-        """Real (non-padding) elements in ``rank``'s slice; the padding sits on the last ranks."""
-        s = self.shard_numel(world_size)
-        return max(0, min(s, self.numel - rank * s))
+        """Real (non-gap, non-padding) elements in ``rank``'s slice: what per-element optimizer
+        state is kept for."""
+        offsets, _, s = layout(list(self.param_numels), world_size)
+        lo, hi = rank * s, (rank + 1) * s
+        return sum(max(0, min(o + n, hi) - max(o, lo)) for o, n in zip(offsets, self.param_numels))
 
 
 def units(shape: ModelShape) -> list[Unit]:
     """layershard's units in forward order (root unit first, as ``find_units`` lists it)."""
     out: list[Unit] = []
+    embed = (shape.embedding_params,)
     if shape.tie_embeddings:
-        out.append(Unit("root (tied embed/lm_head)", shape.embedding_params, "root"))
+        out.append(Unit("root (tied embed/lm_head)", embed, "root"))
     else:
-        out.append(Unit("embed", shape.embedding_params, "extra", needs_weights_in_backward=False))
-    out += [Unit(f"layers.{i}", shape.block_params, "block") for i in range(shape.n_layers)]
-    out.append(Unit("norm", shape.dim, "extra"))
+        out.append(Unit("embed", embed, "extra", needs_weights_in_backward=False))
+    block = shape.block_param_numels
+    out += [Unit(f"layers.{i}", block, "block") for i in range(shape.n_layers)]
+    out.append(Unit("norm", (shape.dim,), "extra"))
     if not shape.tie_embeddings:
-        out.append(Unit("lm_head", shape.head_params, "extra"))
+        out.append(Unit("lm_head", (shape.head_params,), "extra"))
     return out
 
 
