@@ -474,13 +474,13 @@ class ShardedModule(nn.Module):
         if int(has) == 0 or (not everyone and rank == 0 and state_dict is None):
             raise ValueError("load_full_state_dict(): rank 0 must pass a state dict")
         error = self._validate(state_dict, strict) if state_dict is not None else ""
-        flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=device)
-        if world > 1:
-            dist.all_reduce(flag, group=group)
-        if int(flag):
-            raise ValueError(
-                error or "load_full_state_dict(): another rank rejected the state dict"
-            )
+        errors = [error]
+        if world > 1:  # every rank learns every rank's verdict before any data moves
+            errors = [""] * world
+            dist.all_gather_object(errors, error, group=group)
+        for r, e in enumerate(errors):
+            if e:
+                raise ValueError(e if r == rank or world == 1 else f"{e} (on rank {r})")
         present = (
             None if state_dict is None else [k for k, _, _ in self._entries if k in state_dict]
         )
