@@ -197,13 +197,13 @@ def _engine_paths(rank: int, world: int) -> None:
     comm = model._schedule.comm
     ag, rs = comm.all_gather, comm.reduce_scatter
 
-    def log_ag(out, shard, phase, label):
+    def log_ag(out, shard, phase, label, *args):
         issued.append(("AG", label, phase))
-        return ag(out, shard, phase, label)
+        return ag(out, shard, phase, label, *args)
 
-    def log_rs(inp, scratch, phase, label, post):
+    def log_rs(inp, scratch, phase, label, *args):
         issued.append(("RS", label, phase))
-        return rs(inp, scratch, phase, label, post)
+        return rs(inp, scratch, phase, label, *args)
 
     comm.all_gather, comm.reduce_scatter = log_ag, log_rs
     lm_loss(model, x).backward()

@@ -42,11 +42,15 @@ def test_layers_not_inside_model():
         ls.shard(model, layers=[model.layers[0], model.layers[0].attn])
 
 
-def test_strategies_not_yet_supported():
-    with pytest.raises(NotImplementedError, match="strategy='full'"):
-        ls.shard(tiny_llama(), strategy="grad_op")
-    with pytest.raises(ValueError, match="unknown strategy"):
+def test_strategy_arguments():
+    with pytest.raises(ValueError, match="unknown strategy.*full, grad_op, no_shard, hybrid"):
         ls.shard(tiny_llama(), strategy="zero4")
+    with pytest.raises(ValueError, match="shard_size=...\\) applies to strategy='hybrid'"):
+        ls.shard(tiny_llama(), strategy="full", shard_size=2)
+    with pytest.raises(ValueError, match="reshard_after_forward=...\\) applies to strategy='full'"):
+        ls.shard(tiny_llama(), strategy="no_shard", reshard_after_forward=2)
+    with pytest.raises(ValueError, match="shard_size=3\\): must divide the world size 1"):
+        ls.shard(tiny_llama(), strategy="hybrid", shard_size=3)
 
 
 def test_parameters_on_mixed_devices():

@@ -200,16 +200,26 @@ def test_predict_memory_by_hand_tied():
 
 def test_other_strategies():
     cfg, n = toy(), 4
-    p = 436
+    # no_shard: every unit whole on every rank, laid out as at one rank (embed 64, blocks 160,
+    # norm 4 -> 8, head 64: 456 elements); bf16 compute keeps a copy per unit, fp32 none.
     ddp = predict_memory(cfg, n, "bf16", "fp32", "adamw", strategy="no_shard")
-    assert (ddp["params"], ddp["grads"], ddp["gather_buffers"]) == (4 * p, 4 * p, 2 * p)
+    assert (ddp["params"], ddp["grads"], ddp["gather_buffers"]) == (4 * 456, 4 * 456, 2 * 456)
+    assert predict_memory(cfg, n, "fp32", "fp32", strategy="no_shard")["gather_buffers"] == 0
+    assert ddp["reduce_scratch"] == 0  # nothing to reduce-scatter: one all-reduce per unit
     z2 = predict_memory(cfg, n, "bf16", "fp32", "adamw", strategy="zero2")
     z3 = predict_memory(cfg, n, "bf16", "fp32", "adamw", strategy="zero3")
     padded = sum(u.padded_numel(n) for u in units(ModelShape.from_config(cfg)))
     assert z2["gather_buffers"] == 2 * padded > z3["gather_buffers"]
     assert z2["params"] == z3["params"]
-    with pytest.raises(ValueError):
-        predict_memory(cfg, n, strategy="hybrid")
+    # hybrid 2 x 2 is full at 2 ranks; hpZ keeps 1/K of every unit re-gathered in backward
+    hsdp = predict_memory(cfg, n, "bf16", "fp32", strategy="hybrid", shard_size=2)
+    assert hsdp == predict_memory(cfg, 2, "bf16", "fp32", strategy="full")
+    hpz = predict_memory(cfg, n, "bf16", "fp32", reshard_after_forward=2)
+    regathered = [u for u in units(ModelShape.from_config(cfg)) if u.needs_weights_in_backward]
+    extra = 2 * sum(u.padded_numel(n) // 2 for u in regathered)
+    assert hpz["gather_buffers"] == z3["gather_buffers"] + extra
+    with pytest.raises(ValueError, match="must divide"):
+        predict_memory(cfg, n, strategy="hybrid", shard_size=3)
 
 
 # --- activations -----------------------------------------------------------------------------

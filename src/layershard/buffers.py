@@ -40,8 +40,15 @@ if TYPE_CHECKING:
 
 
 class GatherSlot:
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
-        self.data = torch.empty(numel, dtype=dtype, device=device)
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        data: torch.Tensor | None = None,
+    ):
+        # ``data``: an existing buffer (no_shard in fp32: the unit's flat shards themselves)
+        self.data = torch.empty(numel, dtype=dtype, device=device) if data is None else data
         self.alias = self.data.data
         self.owner: Unit | None = None
         self.pending: list[Pending] = []
@@ -69,11 +76,20 @@ class GatherSlot:
 
 
 class GradSlot:
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, shard_numel: int):
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        shard_numel: int,
+        host: torch.device | None = None,
+    ):
         self.numel, self.dtype, self.device = numel, dtype, device  # numel: the largest unit's
         self.shard_numel = shard_numel  # the scratch: the largest unit's shard
         self.data: torch.Tensor | None = None  # exists only during backward (see the note)
         self.scratch: torch.Tensor | None = None  # allocated when the backend needs one
+        self.host = host  # CPU offload: reduced chunks are staged in (pinned) host memory
+        self.staging: torch.Tensor | None = None
         self.pending: list[Pending] = []
 
     def wait(self) -> None:
@@ -93,6 +109,15 @@ class GradSlot:
         if self.scratch is None:
             self.scratch = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
         return self.scratch
+
+    def get_staging(self) -> torch.Tensor:
+        """Host memory for one reduced chunk (CPU offload), kept: pinning is slow."""
+        if self.staging is None:
+            pin = self.device.type == "cuda"
+            self.staging = torch.empty(
+                self.shard_numel, dtype=self.dtype, device=self.host, pin_memory=pin
+            )
+        return self.staging
 
     def release(self) -> None:
         self.wait()

@@ -56,16 +56,19 @@ def force_comm() -> bool:
 @dataclass
 class CommStats:
     """Collectives issued by one sharded model, by kind and phase, with the bytes of the full
-    (unsharded) buffer each one moves (a ring moves ``(N-1)/N`` of that per rank), and the
-    seconds the main thread blocked waiting for them (CPU only: on CUDA waits are events)."""
+    buffer each one moves (a ring moves ``(N-1)/N`` of that per rank), the group each ran on
+    (``shard``, ``replicate``, ``hpz``, ``all``), and the seconds the main thread blocked waiting
+    for them (CPU only: on CUDA waits are events)."""
 
     count: Counter = field(default_factory=Counter)
     nbytes: Counter = field(default_factory=Counter)
+    groups: Counter = field(default_factory=Counter)
     wait_s: Counter = field(default_factory=Counter)
 
-    def record(self, op: str, phase: str, nbytes: int) -> None:
+    def record(self, op: str, phase: str, nbytes: int, group: str = "shard") -> None:
         self.count[op, phase] += 1
         self.nbytes[op, phase] += nbytes
+        self.groups[op, group] += 1
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -76,15 +79,25 @@ class CommStats:
             d[phase] = d.get(phase, 0) + n
         return out
 
+    def by_group(self) -> dict[str, dict[str, int]]:
+        """``{op: {group: count}}``."""
+        out: dict[str, dict[str, int]] = {}
+        for (op, group), n in sorted(self.groups.items()):
+            out.setdefault(op, {})[group] = n
+        return out
+
     def reset(self) -> None:
         self.count.clear()
         self.nbytes.clear()
+        self.groups.clear()
         self.wait_s.clear()
 
 
 class Pending:
     """A collective in flight. ``wait()`` makes the caller's (compute) stream wait for it, then
-    runs ``post`` on CPU; on CUDA ``post`` was already queued on the comm stream."""
+    runs ``post`` on CPU; on CUDA ``post`` was already queued on the comm stream. ``host_post``
+    runs on the CPU after the collective (and ``post``) finished: on CUDA after synchronizing
+    with its event (CPU offload: the gradient's copy to host memory)."""
 
     def __init__(
         self,
@@ -92,9 +105,12 @@ class Pending:
         event=None,
         post: Callable[[], None] | None = None,
         timer: tuple[Counter, str] | None = None,
+        host_post: Callable[[], None] | None = None,
+        host_sync: bool = False,
     ):
         self._works = work if isinstance(work, list) else [work] if work is not None else []
         self._event, self._post, self._timer = event, post, timer
+        self._host_post, self._host_sync = host_post, host_sync
         self.done = False
 
     def wait(self) -> None:
@@ -110,34 +126,76 @@ class Pending:
         if self._post is not None:
             self._post()
         if self._event is not None:
+            if self._host_sync or self._host_post is not None:
+                self._event.synchronize()  # the CPU reads or writes what it touched
             torch.cuda.current_stream().wait_event(self._event)
+        if self._host_post is not None:
+            self._host_post()
 
 
 DONE = Pending()
 DONE.done = True
 
 
-class Comm:
-    """Issues a sharded model's collectives on its process group and counts them."""
+class _TwoStage(Pending):
+    """A reduction over the shard group, then over the replicas (``hybrid``, ``no_shard``), on
+    gloo: the second collective may start only when the first is done, so it is issued by
+    ``Comm.advance`` (at the next reduction, or at this one's wait), in issue order on every
+    rank, which keeps the ranks' collective order equal."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+    def __init__(self, first: Pending, second: Callable[[], Pending]):
+        super().__init__()
+        self.first, self.second, self.issued = first, second, None
+
+    def start_second(self) -> None:
+        if self.issued is None:
+            self.first.wait()
+            self.issued = self.second()
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.start_second()
+        self.issued.wait()
+
+
+class Comm:
+    """Issues a sharded model's collectives and counts them. ``group`` is the shard group (the
+    ranks a unit is split over; None: this rank alone); ``replicate`` the group its slices are
+    replicated over; ``hpz`` the group backward re-gathers within (``reshard_after_forward=K``);
+    ``full`` every rank of the model (state loading, buffer broadcast)."""
+
+    def __init__(self, sharding, full_group: dist.ProcessGroup, device: torch.device):
+        self.sharding = sharding
+        self.group = sharding.shard_group
+        self.replicate = sharding.replicate_group
+        self.hpz = sharding.hpz_group
+        self.full = full_group
+        self.device = device
+        self.rank, self.world_size = sharding.shard_rank, sharding.shard_size
         # False: a one-rank group copies instead of communicating (unless forced, for tests)
-        self.active = self.world_size > 1 or force_comm()
+        self.active = self.group is not None and (self.world_size > 1 or force_comm())
         self.stats = CommStats()
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self.backend = dist.get_backend(full_group)
         self.gloo_workaround = (
-            dist.get_backend(group) == "gloo" and os.environ.get("LAYERSHARD_GLOO_NATIVE") != "1"
+            self.backend == "gloo" and os.environ.get("LAYERSHARD_GLOO_NATIVE") != "1"
         )
         self.needs_scratch = self.active and not self.gloo_workaround
-        self._src = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self.host_sync = False  # CPU offload: waits also synchronize the CPU (see Pending)
+        self._two_stage: list[_TwoStage] = []
 
-    def _issue(self, run: Callable[[bool], object], post, phase: str) -> Pending:
+    def _members(self, over: str) -> tuple[dist.ProcessGroup | None, int, int]:
+        g = {"shard": self.group, "hpz": self.hpz, "replicate": self.replicate}[over]
+        if g is None:
+            return None, 0, 1
+        return g, dist.get_rank(g), dist.get_world_size(g)
+
+    def _issue(self, run: Callable[[bool], object], post, phase: str, host_post=None) -> Pending:
         timer = (self.stats.wait_s, phase)
         if self.stream is None:  # CPU: async gloo work, post-processing at wait()
-            return Pending(work=run(True), post=post, timer=timer)
+            return Pending(work=run(True), post=post, timer=timer, host_post=host_post)
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             run(False)  # synchronous w.r.t. the comm stream, asynchronous for the CPU
@@ -145,30 +203,37 @@ class Comm:
                 post()
             event = torch.cuda.Event()
             event.record(self.stream)
-        return Pending(event=event)
+        return Pending(event=event, host_post=host_post, host_sync=self.host_sync)
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, phase: str, label: str) -> Pending:
-        """Concatenate every rank's ``shard`` (equal sizes) into ``out``, casting to ``out``'s
-        dtype: this rank's shard is written into its own chunk of ``out``, which is then
-        gathered in place (no separate input buffer)."""
-        own = out[self.rank * shard.numel() : (self.rank + 1) * shard.numel()]
-        if not self.active:
-            own.copy_(shard)
+    def all_gather(
+        self, out: torch.Tensor, src: torch.Tensor, phase: str, label: str, over: str = "shard"
+    ) -> Pending:
+        """Concatenate the ``src`` of every rank of group ``over`` (equal sizes) into ``out``,
+        casting to ``out``'s dtype: this rank's ``src`` is written into its own chunk of ``out``,
+        which is then gathered in place (no separate input buffer)."""
+        group, rank, world = self._members(over)
+        n = src.numel()
+        own = out[rank * n : (rank + 1) * n]
+        if group is None or not (world > 1 or force_comm()):
+            if own.data_ptr() != src.data_ptr():  # no_shard in fp32: the buffer is the shard
+                own.copy_(src, non_blocking=True)
             return DONE
-        self.stats.record("all_gather", phase, out.numel() * out.element_size())
+        self.stats.record("all_gather", phase, out.numel() * out.element_size(), over)
         with record_function(f"layershard::all_gather[{label}]"):
             if self.gloo_workaround:
-                own.copy_(shard)
-                chunks = out.split(shard.numel())
+                own.copy_(src)
                 works = [
-                    dist.broadcast(c, src=src, group=self.group, async_op=True)
-                    for c, src in zip(chunks, self._src)
+                    dist.broadcast(
+                        c, src=dist.get_global_rank(group, r), group=group, async_op=True
+                    )
+                    for r, c in enumerate(out.split(n))
                 ]
                 return Pending(work=works, timer=(self.stats.wait_s, phase))
 
             def run(async_op: bool):
-                own.copy_(shard)  # on the comm stream: after the optimizer step that wrote it
-                return _all_gather(out, own, group=self.group, async_op=async_op)
+                # on the comm stream: after the optimizer step that wrote the shard
+                own.copy_(src, non_blocking=True)
+                return _all_gather(out, own, group=group, async_op=async_op)
 
             return self._issue(run, None, phase)
 
@@ -179,27 +244,71 @@ class Comm:
         phase: str,
         label: str,
         post: Callable[[torch.Tensor], None],
+        host_post: Callable[[], None] | None = None,
     ) -> Pending:
-        """Sum ``inp`` across ranks; then ``post(chunk)`` with this rank's chunk of the sum.
-        ``scratch`` holds the chunk where the backend needs one (``needs_scratch``)."""
-        if not self.active:
-            post(inp)
-            return DONE
-        self.stats.record("reduce_scatter", phase, inp.numel() * inp.element_size())
+        """Sum ``inp`` across the shard group and then this rank's chunk across the replicas;
+        then ``post(chunk)`` with the chunk of the sum (on the comm stream on CUDA), then
+        ``host_post()`` on the CPU. ``scratch`` holds the chunk where the backend needs one
+        (``needs_scratch``)."""
         n = inp.numel() // self.world_size
-        with record_function(f"layershard::reduce_scatter[{label}]"):
+        first = None
+        if not self.active:
+            chunk = inp
+        else:
+            self.stats.record("reduce_scatter", phase, inp.numel() * inp.element_size())
             if self.gloo_workaround:
                 chunk = inp[self.rank * n : (self.rank + 1) * n]
-                run = lambda a: dist.all_reduce(inp, group=self.group, async_op=a)  # noqa: E731
+                first = lambda a: dist.all_reduce(inp, group=self.group, async_op=a)  # noqa: E731
             else:
                 chunk = scratch[:n]
-                run = lambda a: _reduce_scatter(chunk, inp, group=self.group, async_op=a)  # noqa: E731
-            return self._issue(run, lambda: post(chunk), phase)
+                first = lambda a: _reduce_scatter(chunk, inp, group=self.group, async_op=a)  # noqa: E731
+        second = None
+        if self.replicate is not None:
+            self.stats.record(
+                "all_reduce", phase, chunk.numel() * chunk.element_size(), "replicate"
+            )
+            second = lambda a: dist.all_reduce(chunk, group=self.replicate, async_op=a)  # noqa: E731
+        with record_function(f"layershard::reduce_scatter[{label}]"):
+            if first is None and second is None:
+                post(chunk)
+                if host_post is not None:
+                    host_post()
+                return DONE
+            if self.stream is not None or first is None or second is None:
+                stages = [f for f in (first, second) if f is not None]
 
-    def all_reduce(self, t: torch.Tensor, op, phase: str) -> None:
+                def run(async_op: bool):
+                    works = [f(async_op) for f in stages]
+                    return works if async_op else None
+
+                return self._issue(run, lambda: post(chunk), phase, host_post)
+            # gloo with replicas: the all-reduce waits for the reduce-scatter (see _TwoStage)
+            self.advance()
+            p = _TwoStage(
+                self._issue(first, None, phase),
+                lambda: self._issue(second, lambda: post(chunk), phase, host_post),
+            )
+            self._two_stage.append(p)
+            return p
+
+    def advance(self) -> None:
+        """Start the replica all-reduce of every two-stage reduction issued so far, in order."""
+        for p in self._two_stage:
+            p.start_second()
+        self._two_stage = []
+
+    def all_reduce(self, t: torch.Tensor, op, phase: str) -> torch.Tensor:
+        """All-reduce ``t`` over the shard group (a quantity every shard holds a part of, such as
+        a gradient norm; replicas hold the same parts). Returns the result (``t`` itself unless
+        ``t`` had to travel to the comm device)."""
+        if self.group is None:
+            return t
         self.stats.record("all_reduce", phase, t.numel() * t.element_size())
-        dist.all_reduce(t, op=op, group=self.group)
+        moved = t.to(self.device) if self.backend == "nccl" and t.device != self.device else t
+        dist.all_reduce(moved, op=op, group=self.group)
+        return moved.to(t.device) if moved is not t else t
 
     def broadcast(self, t: torch.Tensor, phase: str) -> None:
-        self.stats.record("broadcast", phase, t.numel() * t.element_size())
-        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        """From the model's first rank to all of its ranks (replicas included)."""
+        self.stats.record("broadcast", phase, t.numel() * t.element_size(), "all")
+        dist.broadcast(t, src=dist.get_global_rank(self.full, 0), group=self.full)

@@ -77,6 +77,7 @@ class FlatParam:
     world_size: int
     rank: int
     device: torch.device
+    storage: torch.Tensor | None = field(default=None, repr=False)  # zeroed, shard_numel long
     numel: int = field(init=False)  # up to the end of the last parameter
     padded_numel: int = field(init=False)
     shard_numel: int = field(init=False)
@@ -94,7 +95,11 @@ class FlatParam:
         ends = [s.offset + s.numel for s in self.slots]
         starts = [s.offset for s in self.slots[1:]] + [self.padded_numel]
         self.gaps = [(a, b) for a, b in zip(ends, starts) if b > a]
-        self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        if self.storage is not None:
+            self.shard = self.storage
+        else:
+            self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        self.storage = None
         self.grad = torch.zeros_like(self.shard) if self.requires_grad else None
         self.shard_params: list[nn.Parameter] = []
         for slot in self.slots:
@@ -102,6 +107,21 @@ class FlatParam:
             view = self.shard[lo - self.shard_start : hi - self.shard_start]
             # nn.Parameter shares storage (and the version counter) with the flat shard.
             p = nn.Parameter(view, requires_grad=self.requires_grad)
+            if self.requires_grad:
+                p.grad = self.grad[lo - self.shard_start : hi - self.shard_start]
+            self.shard_params.append(p)
+
+    def pin(self) -> None:
+        """Move the shard and its gradient into pinned host memory (CPU offload with CUDA), so
+        that copies to and from the GPU are asynchronous. Call before any view is taken."""
+        self.shard = self.shard.pin_memory()
+        if self.grad is not None:
+            self.grad = self.grad.pin_memory()
+        self.shard_params = []
+        for slot in self.slots:
+            lo, hi = self.local_range(slot)
+            p = nn.Parameter(self.shard[lo - self.shard_start : hi - self.shard_start])
+            p.requires_grad_(self.requires_grad)
             if self.requires_grad:
                 p.grad = self.grad[lo - self.shard_start : hi - self.shard_start]
             self.shard_params.append(p)

@@ -81,6 +81,9 @@ class Unit:
             for v in f.views(slot.alias[o : o + f.padded_numel])
         ]
         self.anchor = torch.empty(0, device=device, requires_grad=True)
+        # reshard_after_forward=K: per flat, this rank's 1/K of the gathered weights, kept from
+        # the forward to the backward, which gathers within the K ranks (see strategy.py)
+        self.secondary: list[torch.Tensor] | None = None
         self.bound = False
         self.span: record_function | None = None  # profiler label of the compute in progress
 
@@ -178,10 +181,14 @@ class Schedule:
         grad_slots: list[GradSlot],
         comm: Comm,
         precision: MixedPrecision,
+        offload: bool = False,
     ):
         self.root, self.units, self.comm, self.precision = root, units, comm, precision
         self.grad_slots = grad_slots
+        self.offload = offload  # shards and their gradients live in CPU memory
         self.world_size = comm.world_size
+        # gradients are averaged over every data-parallel rank: the shard group and its replicas
+        self.data_parallel = comm.world_size * comm.sharding.replicas
         self.order: list[Unit] = list(units)  # forward execution order, learned on first forward
         self._recorded: list[Unit] | None = []
         self._link()
@@ -271,6 +278,8 @@ class Schedule:
         u.unbind()
         if not self._in_backward():
             u.close_span()
+            if u.secondary is not None and torch.is_grad_enabled():
+                self._keep_secondary(u)
             self.release(u)
             self.refill(u, self._next, Phase.FORWARD)
         if torch.is_grad_enabled():
@@ -369,11 +378,14 @@ class Schedule:
             self.gather(nxt, phase)
 
     def refill(self, u: Unit, step: dict[int, Unit], phase: Phase) -> None:
-        """``u`` released its slot: start the gather of the unit after next if that unit uses
-        this slot (never evicting a gather that a sooner unit waits for)."""
+        """``u`` released its slot: start the gather of the unit after next if its slot is free
+        or is the one ``u`` released (never evicting weights a sooner unit waits for)."""
         nxt = self._step(self._step(u, step, phase), step, phase)
-        if nxt is not None and nxt.slot is u.slot and u.slot.owner is u and not u.slot.busy:
-            self._issue_gather(nxt, phase)
+        if nxt is None:
+            return
+        s = nxt.slot  # u's slot (two alternating slots) or nxt's own (grad_op, no_shard)
+        if s.owner is nxt or (not s.busy and s.owner in (None, u)):
+            self.gather(nxt, phase)
 
     def release(self, u: Unit) -> None:
         s = u.slot
@@ -386,9 +398,21 @@ class Schedule:
     def _issue_gather(self, u: Unit, phase: Phase) -> None:
         s = u.slot
         s.take(u)
-        for f, off in zip(u.flats, u.flat_offsets):
+        secondary = u.secondary if phase is Phase.BACKWARD else None
+        for i, (f, off) in enumerate(zip(u.flats, u.flat_offsets)):
             out = s.data[off : off + f.padded_numel]
-            s.pending.append(self.comm.all_gather(out, f.shard, phase.value, u.name))
+            if secondary is not None:  # within the K ranks of reshard_after_forward=K
+                p = self.comm.all_gather(out, secondary[i], phase.value, u.name, over="hpz")
+            else:
+                p = self.comm.all_gather(out, f.shard, phase.value, u.name)
+            s.pending.append(p)
+
+    def _keep_secondary(self, u: Unit) -> None:
+        """After the forward: keep this rank's 1/K of the unit's gathered weights."""
+        _, j, k = self.comm._members("hpz")
+        for buf, f, off in zip(u.secondary, u.flats, u.flat_offsets):
+            m = f.padded_numel // k
+            buf.copy_(u.slot.data[off + j * m : off + (j + 1) * m])
 
     def _learn_order(self) -> None:
         if self._recorded is None or not self._recorded:
@@ -437,16 +461,29 @@ class Schedule:
                 torch._foreach_copy_([buf[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs])
             for a, b in f.gaps:
                 buf[a:b].zero_()
-        pre, post_factor = reduce_factors(buf.dtype, self.world_size)
+        pre, post_factor = reduce_factors(buf.dtype, self.data_parallel)
         if pre != 1.0:
             buf.mul_(pre)
         fresh = self._attach_grads(f)
+        host_post = None
+        if self.offload:  # the chunk travels to host memory; the CPU adds it into the slice
+            staging = gs.get_staging()[: f.shard_numel]
 
-        def post(chunk: torch.Tensor, f=f, fresh=fresh) -> None:
-            scale_into(f.grad, chunk, post_factor, fresh)
+            def post(chunk: torch.Tensor) -> None:
+                staging.copy_(chunk, non_blocking=True)
+
+            def host_post(f=f, fresh=fresh) -> None:
+                scale_into(f.grad, staging, post_factor, fresh)
+
+        else:
+
+            def post(chunk: torch.Tensor, f=f, fresh=fresh) -> None:
+                scale_into(f.grad, chunk, post_factor, fresh)
 
         scratch = gs.get_scratch() if self.comm.needs_scratch else None
-        gs.pending.append(self.comm.reduce_scatter(buf, scratch, "backward", u.name, post))
+        gs.pending.append(
+            self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
+        )
 
     def _free_grad_slots(self) -> None:
         """Wait for every reduce-scatter, then free the gradient slots until the next backward."""

@@ -25,10 +25,9 @@ from layershard.distributed import default_device
 from layershard.flat import FlatParam, ParamSlot, layout
 from layershard.precision import FULL_PRECISION, MixedPrecision
 from layershard.schedule import Phase, Schedule, Unit
+from layershard.strategy import CPUOffload, Sharding
+from layershard.strategy import resolve as resolve_strategy
 from layershard.units import UnitSpec, backward_needs_weights, find_units
-
-STRATEGIES = {"full": "ZeRO-3: parameters, gradients and optimizer state sharded"}
-PLANNED_STRATEGIES = ("grad_op", "no_shard", "hybrid")
 
 
 def shard(
@@ -40,6 +39,12 @@ def shard(
     process_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    *,
+    shard_size: int | None = None,
+    reshard_after_forward: bool | int = True,
+    mesh=None,
+    offload: CPUOffload | None = None,
+    compile: bool | dict = False,
 ) -> ShardedModule:
     """Shard ``model`` across the ranks of ``process_group`` (default: all ranks).
 
@@ -48,21 +53,26 @@ def shard(
             of the longest ``nn.ModuleList`` of same-class modules. Every other module that owns
             parameters (embeddings, final norm, head) becomes an extra unit.
         mixed_precision: compute and reduce dtypes; ``None`` means fp32 throughout.
-        strategy: ``"full"`` (ZeRO-3). Other strategies are not available yet.
+        strategy: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2), ``"no_shard"`` (DDP-like) or
+            ``"hybrid"`` (HSDP: sharded within groups of ``shard_size`` ranks, default the ranks
+            of a node, replicated across groups; or pass a 2-D ``mesh`` (replicate, shard)).
+            See ``layershard.strategy``.
+        reshard_after_forward: for ``"full"``: ``True``; ``False`` is ``"grad_op"``; an int K
+            keeps each unit sharded over K ranks (a node) from its forward to its backward, so
+            the backward gather stays within them (ZeRO++ hpZ, FSDP2's int).
         activation_checkpointing: recompute the first K blocks in backward.
-        device: where shards and compute live; default: this rank's GPU under NCCL, else CPU.
+        device: where compute lives; default: this rank's GPU under NCCL, else CPU.
+        offload: ``ls.CPUOffload()``: fp32 shards, gradient slices and optimizer state in CPU
+            memory (pinned where CUDA), the optimizer stepping there; gathered weights on
+            ``device``.
+        compile: ``torch.compile`` each block's forward (not the hooks); a dict is passed to
+            ``torch.compile`` as keyword arguments.
         param_init_fn: for a model on the meta device, called as ``param_init_fn(module)`` for
             each module with parameters (default: a HF transformers model's ``_init_weights``,
             else the module's own ``reset_parameters()``).
 
     Build the optimizer *after* this call, from the returned module's ``parameters()``.
     """
-    if strategy not in STRATEGIES:
-        if strategy in PLANNED_STRATEGIES:
-            raise NotImplementedError(
-                f"shard(strategy={strategy!r}) is not supported yet; use strategy='full' (ZeRO-3)"
-            )
-        raise ValueError(f"shard(strategy={strategy!r}): unknown strategy; use 'full' (ZeRO-3)")
     if isinstance(model, ShardedModule) or getattr(model, "_layershard_sharded", False):
         raise ValueError("shard(): this model is already sharded")
     inner = next((n for n, m in model.named_modules() if isinstance(m, ShardedModule)), None)
@@ -74,10 +84,12 @@ def shard(
     if not dist.is_initialized():
         raise RuntimeError("shard(): call ls.init_distributed() first (it works without torchrun)")
     group = process_group or dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     precision = mixed_precision or FULL_PRECISION
     device = torch.device(device) if device is not None else default_device(group)
     _check_devices(model)
+    sharding = resolve_strategy(strategy, group, shard_size, reshard_after_forward, mesh)
+    rank, world = sharding.shard_rank, sharding.shard_size
+    host = torch.device("cpu") if offload is not None else device
 
     specs = find_units(model, layers)
     if not specs:
@@ -93,14 +105,24 @@ def shard(
         param_init_fn = model._init_weights  # how HF transformers initializes its modules
 
     # 1. Flat storage: one trainable and/or one frozen FlatParam per unit; fill this rank's slice.
-    flats_of = [_make_flats(s, world, rank, device) for s in specs]
+    #    Unsharded fp32 compute (no_shard) computes on the shards themselves: the unit's flats are
+    #    views of one buffer, which is also its gather slot (no copy, no second copy in memory).
+    in_place = world == 1 and precision.param_dtype == torch.float32 and offload is None
+    flats_of, unit_buffers = [], []
+    for spec in specs:
+        flats, buffer = _make_flats(spec, world, rank, host, in_place)
+        if offload is not None and device.type == "cuda" and offload.pin_memory:
+            for f in flats:
+                f.pin()
+        flats_of.append(flats)
+        unit_buffers.append(buffer)
     slot_of = {
         id(p): (f, sl)
         for s, fl in zip(specs, flats_of)
         for f in fl
         for sl, p in zip(f.slots, f._originals)
     }
-    _fill(model, specs, flats_of, slot_of, device, param_init_fn)
+    _fill(model, specs, flats_of, slot_of, host, param_init_fn)
 
     # 2. The original parameters leave the modules; weights become attributes set per forward.
     for fl in flats_of:
@@ -122,39 +144,57 @@ def shard(
                     use.module._parameters[use.attr] = p
 
     # 3. Preallocated buffers, units, hooks.
-    comm = Comm(group, device)
+    comm = Comm(sharding, group, device)
+    comm.host_sync = offload is not None
     root_spec = specs[0] if specs[0].module is None else None
-    others = [(s, fl) for s, fl in zip(specs, flats_of) if s is not root_spec]
-    # Each slot is sized for the units that take turns in it (i % 2), not for the largest unit.
-    unit_numel = [sum(f.padded_numel for f in fl) for _, fl in others]
-    slot_numel = [max(unit_numel[k::2], default=0) for k in range(2)]
+    others = [
+        (s, fl, buf) for s, fl, buf in zip(specs, flats_of, unit_buffers) if s is not root_spec
+    ]
+    cdtype, rdtype = precision.param_dtype, precision.reduce_dtype
+    unit_numel = [sum(f.padded_numel for f in fl) for _, fl, _ in others]
+    if sharding.keep_gathered:  # weights stay gathered until the backward: a slot per unit
+        slots = [GatherSlot(n, cdtype, device, buf) for n, (_, _, buf) in zip(unit_numel, others)]
+    else:  # two slots taken in turn, each sized for the units that use it (i % 2)
+        pair = [GatherSlot(max(unit_numel[k::2], default=0), cdtype, device) for k in range(2)]
+        slots = [pair[i % 2] for i in range(len(others))]
     trainable = [f for fl in flats_of for f in fl if f.requires_grad]
     grad_numel = max((f.padded_numel for f in trainable), default=0)
     shard_numel = max((f.shard_numel for f in trainable), default=0)
-    cdtype, rdtype = precision.param_dtype, precision.reduce_dtype
-    slots = [GatherSlot(n, cdtype, device) for n in slot_numel] if others else []
     grad_slots = [
-        GradSlot(grad_numel, rdtype, device, shard_numel) for _ in range(2 if trainable else 0)
+        GradSlot(grad_numel, rdtype, device, shard_numel, host if offload else None)
+        for _ in range(2 if trainable else 0)
     ]
     units = [
-        Unit(s.name, s.module, s.is_block, fl, slots[i % 2], device, backward_needs_weights(s))
-        for i, (s, fl) in enumerate(others)
+        Unit(s.name, s.module, s.is_block, fl, slot, device, backward_needs_weights(s))
+        for (s, fl, _), slot in zip(others, slots)
     ]
+    if sharding.hpz_group is not None:
+        k = sharding.hpz_size
+        for u in units:
+            if u.gather_in_backward:
+                u.secondary = [
+                    torch.empty(f.padded_numel // k, dtype=cdtype, device=device) for f in u.flats
+                ]
     root = None
     if root_spec is not None:
-        root_flats = flats_of[0]
-        root_slot = GatherSlot(sum(f.padded_numel for f in root_flats), cdtype, device)
+        root_flats, root_buffer = flats_of[0], unit_buffers[0]
+        numel = sum(f.padded_numel for f in root_flats)
+        root_slot = GatherSlot(numel, cdtype, device, root_buffer)
         root = Unit("<root>", None, False, root_flats, root_slot, device)
-    schedule = Schedule(root, units, grad_slots, comm, precision)
+    schedule = Schedule(root, units, grad_slots, comm, precision, offload=offload is not None)
     schedule.install(model)
     model._layershard_sharded = True
 
     blocks = [u for u in units if u.is_block]
+    if compile:
+        options = compile if isinstance(compile, dict) else {}
+        for u in blocks:  # the block's computation only: the unit's hooks stay outside
+            u.module.forward = torch.compile(u.module.forward, **options)
     for u in blocks[:activation_checkpointing]:
         u.module.forward = partial(_checkpointed, u.module.forward)
 
-    for b in _unique(t for _, t in model.named_buffers()):  # every rank starts equal
-        if world > 1:
+    if dist.get_world_size(group) > 1:
+        for b in _unique(t for _, t in model.named_buffers()):  # every rank starts equal
             comm.broadcast(b, "init")
     comm.stats.reset()
     _install_optimizer_guard()
@@ -177,21 +217,32 @@ def _check_devices(model: nn.Module) -> None:
         )
 
 
-def _make_flats(spec: UnitSpec, world: int, rank: int, device: torch.device) -> list[FlatParam]:
-    flats = []
+def _make_flats(
+    spec: UnitSpec, world: int, rank: int, device: torch.device, in_place: bool
+) -> tuple[list[FlatParam], torch.Tensor | None]:
+    """The unit's flat groups (trainable first, then frozen) and, with ``in_place``, the one
+    zeroed buffer whose consecutive views their shards are."""
+    groups = []
     for requires_grad in (True, False):
         group = [(p, uses) for p, uses in spec.params if p.requires_grad == requires_grad]
-        if not group:
-            continue
-        offsets, _, _ = layout([p.numel() for p, _ in group], world)
+        if group:
+            offsets, _, shard_numel = layout([p.numel() for p, _ in group], world)
+            groups.append((requires_grad, group, offsets, shard_numel))
+    buffer = None
+    if in_place:
+        buffer = torch.zeros(sum(g[3] * world for g in groups), device=device)
+    flats, start = [], 0
+    for requires_grad, group, offsets, shard_numel in groups:
         slots = [
             ParamSlot(uses, p.shape, offset, requires_grad)
             for (p, uses), offset in zip(group, offsets)
         ]
-        f = FlatParam(slots, requires_grad, world, rank, device)
+        storage = None if buffer is None else buffer[start : start + shard_numel]
+        f = FlatParam(slots, requires_grad, world, rank, device, storage=storage)
+        start += shard_numel * world
         f._originals = [p for p, _ in group]
         flats.append(f)
-    return flats
+    return flats, buffer
 
 
 @torch.no_grad()
@@ -306,7 +357,14 @@ class ShardedModule(nn.Module):
 
     @property
     def process_group(self) -> dist.ProcessGroup:
-        return self._schedule.comm.group
+        """Every rank of the model (``shard(process_group=...)``, default: all ranks)."""
+        return self._schedule.comm.full
+
+    @property
+    def sharding(self) -> Sharding:
+        """The strategy's groups: ``shard_group`` (the ranks a unit is split over),
+        ``replicate_group``, ``shard_rank`` / ``shard_size``, ``replica_index`` / ``replicas``."""
+        return self._schedule.comm.sharding
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -366,12 +424,13 @@ class ShardedModule(nn.Module):
         norm_type = float(norm_type)
         norms = torch._foreach_norm(grads, norm_type) if grads else []
         local = torch.stack(norms) if norms else torch.zeros(1, device=device)
+        comm = self._schedule.comm  # over the shard group: replicas hold the same slices
         if math.isinf(norm_type):
-            total = local.max().reshape(1)
-            self._schedule.comm.all_reduce(total, dist.ReduceOp.MAX, "clip")
+            total = comm.all_reduce(local.max().reshape(1), dist.ReduceOp.MAX, "clip")
         else:
-            total = local.pow(norm_type).sum().reshape(1)
-            self._schedule.comm.all_reduce(total, dist.ReduceOp.SUM, "clip")
+            total = comm.all_reduce(
+                local.pow(norm_type).sum().reshape(1), dist.ReduceOp.SUM, "clip"
+            )
             total = total.pow(1.0 / norm_type)
         total = total[0]
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -559,10 +618,16 @@ class ShardedModule(nn.Module):
         s = self._schedule
         flats = self.flat_params
         scratch = s.comm.needs_scratch
+        shards = {f.shard.untyped_storage().data_ptr() for f in flats}
+        weights = [u.slot.data for u in self.units] + [
+            t for u in self.units for t in (u.secondary or [])
+        ]
         report = {
             "params": sum(nbytes(f.shard) for f in flats),
             "grads": sum(nbytes(f.grad) for f in flats),
-            "gather_buffers": sum(nbytes(t) for t in _unique(u.slot.data for u in self.units)),
+            "gather_buffers": sum(  # (no_shard in fp32 computes on the shards: not counted twice)
+                nbytes(t) for t in _unique(weights) if t.untyped_storage().data_ptr() not in shards
+            ),
             "grad_buffers": sum(g.capacity for g in s.grad_slots),
             "reduce_scratch": sum(g.shard_numel * g.dtype.itemsize for g in s.grad_slots)
             if scratch

@@ -56,8 +56,8 @@ STATE_KEYS = (
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
 
 # shard(strategy=...) names; "full" is what the engine implements, the others are for comparison.
-STRATEGIES = ("full", "grad_op", "no_shard")
-_STRATEGY_ALIASES = {"zero3": "full", "zero2": "grad_op", "ddp": "no_shard"}
+STRATEGIES = ("full", "grad_op", "no_shard", "hybrid")
+_STRATEGY_ALIASES = {"zero3": "full", "zero2": "grad_op", "ddp": "no_shard", "hsdp": "hybrid"}
 
 
 def strategy_name(strategy: str) -> str:
@@ -149,27 +149,40 @@ def predict_memory(
     no_sync: bool = False,
     rank: int = 0,
     backend: str = "nccl",
+    shard_size: int | None = None,
+    reshard_after_forward: bool | int = True,
+    offload: bool = False,
 ) -> dict[str, int]:
-    """Per-rank bytes of layershard's model states, keyed as ``ShardedModule.memory_report()``.
+    """Per-rank bytes of layershard's model states, keyed as ``ShardedModule.memory_report()``,
+    for every strategy of ``ls.shard`` (byte for byte, tested).
 
     ``config`` is a ``layershard.models.LlamaConfig`` or a ``ModelShape``; dtypes are
     ``torch.dtype`` or names (``"bf16"``). ``optimizer=None`` leaves out the ``optimizer`` key, as
     ``memory_report()`` without an optimizer does. ``no_sync`` adds the unsharded gradient
-    accumulators that ``ShardedModule.no_sync()`` allocates. ``rank`` matters only for the
-    optimizer state, which is per parameter view and so skips the padding on the last ranks.
-    Activations are not included (see ``predict_activations``). ``backend="gloo"`` (CPU) has no
-    ``reduce_scratch``: there the engine reduce-scatters through an in-place all_reduce.
+    accumulators that ``ShardedModule.no_sync()`` allocates. ``rank`` (global) matters only for
+    the optimizer state, which is per parameter view and so skips the padding on the last ranks
+    of a shard group. Activations are not included (see ``predict_activations``).
+    ``backend="gloo"`` (CPU) has no ``reduce_scratch``: there the engine reduce-scatters through
+    an in-place all_reduce.
 
-    ``strategy`` is ``full`` (ZeRO-3, the engine), or for comparison ``grad_op`` (ZeRO-2: the
-    weights stay gathered, so ``gather_buffers`` holds the whole model in the compute dtype) or
-    ``no_shard`` (DDP: everything replicated; autocast's compute-dtype weight copies count as
-    ``gather_buffers``).
+    ``strategy``: ``full`` (ZeRO-3; ``reshard_after_forward=K`` adds each unit's 1/K kept for
+    the backward), ``grad_op`` (ZeRO-2: a gather buffer per unit, the whole model in the compute
+    dtype), ``hybrid`` (``full`` within groups of ``shard_size`` ranks) or ``no_shard`` (nothing
+    sharded; in fp32 the model computes on its own weights, with no gather buffer).
+    ``offload`` moves params, grads and optimizer state to CPU memory; the bytes are the same.
     """
     shape = ModelShape.from_config(config)
     strategy = strategy_name(strategy)
     n = int(world_size)
     if n < 1:
         raise ValueError("world_size must be >= 1")
+    if strategy == "hybrid":
+        s_n = int(shard_size or n)
+        if n % s_n:
+            raise ValueError(f"shard_size={s_n} must divide world_size={n}")
+    else:
+        s_n = 1 if strategy == "no_shard" else n
+    shard_rank = rank % s_n
     c = dtype_bytes(param_dtype)
     r = dtype_bytes(reduce_dtype)
     k_opt = 0 if optimizer is None else optimizer_bytes(optimizer)
@@ -177,41 +190,36 @@ def predict_memory(
     adam = optimizer is not None and optimizer.lower() in ("adam", "adamw")
     step_bytes = 4 * shape.n_param_tensors if adam else 0
     us = units(shape)
-    module_buffers = 4 * shape.rope_buffer_numel
 
-    if strategy == "no_shard":
-        p = shape.total_params
-        out = {
-            "params": 4 * p,
-            "grads": 4 * p,
-            "optimizer": k_opt * p + step_bytes,
-            "gather_buffers": 0 if c == 4 else c * p,
-            "grad_buffers": 0,
-            "reduce_scratch": 0,
-            "module_buffers": module_buffers,
-            "no_sync": 0,
-        }
-    else:
-        shard = sum(u.shard_numel(n) for u in us)
-        turns = [u.padded_numel(n) for u in us if not u.persistent]  # slot i % 2 takes unit i
-        slots = max(turns[0::2], default=0) + max(turns[1::2], default=0)
-        root = sum(u.padded_numel(n) for u in us if u.persistent)
-        g_max = max(u.padded_numel(n) for u in us)
-        s_max = max(u.shard_numel(n) for u in us)
-        if strategy == "full":
-            gather = c * (slots + root)
-        else:  # grad_op: every unit stays gathered
-            gather = c * sum(u.padded_numel(n) for u in us)
-        out = {
-            "params": 4 * shard,
-            "grads": 4 * shard,
-            "optimizer": k_opt * sum(u.local_numel(n, rank) for u in us) + step_bytes,
-            "gather_buffers": gather,
-            "grad_buffers": 2 * r * g_max,
-            "reduce_scratch": 0 if backend == "gloo" or n == 1 else 2 * r * s_max,
-            "module_buffers": module_buffers,
-            "no_sync": 4 * sum(u.padded_numel(n) for u in us) if no_sync else 0,
-        }
+    # compute on the shards themselves: one rank per shard group, fp32, not offloaded
+    in_place = s_n == 1 and c == 4 and not offload
+    root = 0 if in_place else sum(u.padded_numel(s_n) for u in us if u.persistent)
+    others = [u.padded_numel(s_n) for u in us if not u.persistent]
+    if strategy in ("grad_op", "no_shard"):  # every unit keeps its own buffer
+        gathered = 0 if in_place else sum(others)
+    else:  # two slots taken in turn: slot i % 2 takes unit i
+        gathered = max(others[0::2], default=0) + max(others[1::2], default=0)
+    k = (
+        1
+        if reshard_after_forward is True or reshard_after_forward is False
+        else int(reshard_after_forward)
+    )
+    if k > 1 and strategy == "full" and k < n:  # the 1/K kept from forward to backward
+        gathered += sum(
+            u.padded_numel(s_n) // k for u in us if not u.persistent and u.needs_weights_in_backward
+        )
+    out = {
+        "params": 4 * sum(u.shard_numel(s_n) for u in us),
+        "grads": 4 * sum(u.shard_numel(s_n) for u in us),
+        "optimizer": k_opt * sum(u.local_numel(s_n, shard_rank) for u in us) + step_bytes,
+        "gather_buffers": c * (gathered + root),
+        "grad_buffers": 2 * r * max(u.padded_numel(s_n) for u in us),
+        "reduce_scratch": 0
+        if backend == "gloo" or s_n == 1
+        else 2 * r * max(u.shard_numel(s_n) for u in us),
+        "module_buffers": 4 * shape.rope_buffer_numel,
+        "no_sync": 4 * sum(u.padded_numel(s_n) for u in us) if no_sync else 0,
+    }
     if optimizer is None:
         del out["optimizer"]
     out["total"] = sum(out.values())

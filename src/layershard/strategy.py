@@ -1,0 +1,149 @@
+"""Sharding strategies: over which ranks a unit's weights, gradients and optimizer state are split,
+across which they are replicated, and whether weights stay gathered from forward to backward.
+
+Every strategy is the same engine with different groups (N ranks in all):
+
+    strategy    shard over      replicate over    weights between forward and backward
+    full        all N           -                 resharded (backward re-gathers)
+    full, K     all N           -                 kept sharded over K ranks (backward gathers
+                                                  within those K: ZeRO++ hpZ, FSDP2's int)
+    grad_op     all N           -                 kept gathered (no backward all-gather)
+    hybrid      K (a node)      N / K groups      resharded; backward re-gathers within the node
+    no_shard    1 (itself)      all N             kept (DDP: one all-reduce per unit)
+
+A unit's gradients are reduce-scattered over the shard group, then the slices are all-reduced over
+the replicate group; the optimizer steps on the slice a rank holds (replicated ranks step the same
+slice with the same gradients, so they stay equal). Groups come from torch: ``DeviceMesh`` for the
+2-D (replicate, shard) layout of ``hybrid``, ``new_subgroups`` for the hpZ groups.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+STRATEGIES = {
+    "full": "ZeRO-3: parameters, gradients and optimizer state sharded over all ranks",
+    "grad_op": "ZeRO-2: weights stay gathered from a unit's forward to its backward",
+    "no_shard": "DDP-like: everything replicated, one all-reduce per unit's gradients",
+    "hybrid": "HSDP: sharded within groups of shard_size ranks, replicated across groups",
+}
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """``ls.shard(..., offload=ls.CPUOffload())``: fp32 shards, gradient slices and optimizer
+    state live in CPU memory (pinned where CUDA, for asynchronous copies) and the optimizer steps
+    there; gathered weights and gradient buffers stay on the device. Costs a host-to-device copy
+    of every shard per gather and a device-to-host copy of every reduced gradient chunk."""
+
+    pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """The resolved strategy of one sharded model."""
+
+    name: str
+    shard_group: dist.ProcessGroup | None  # None: a group of one (this rank alone)
+    replicate_group: dist.ProcessGroup | None  # None: no replicas
+    keep_gathered: bool  # grad_op, no_shard: no re-gather in backward
+    hpz_group: dist.ProcessGroup | None = None  # full with reshard_after_forward=K
+
+    @property
+    def shard_size(self) -> int:
+        return 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
+
+    @property
+    def shard_rank(self) -> int:
+        return 0 if self.shard_group is None else dist.get_rank(self.shard_group)
+
+    @property
+    def replicas(self) -> int:
+        return 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
+
+    @property
+    def replica_index(self) -> int:
+        return 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
+
+    @property
+    def hpz_size(self) -> int:
+        return 1 if self.hpz_group is None else dist.get_world_size(self.hpz_group)
+
+    def shard_ranks(self) -> list[int]:
+        """Global ranks of this rank's shard group, by shard index."""
+        if self.shard_group is None:
+            return [dist.get_rank()]
+        return dist.get_process_group_ranks(self.shard_group)
+
+
+def _local_world_size(world: int) -> int:
+    k = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return k if 0 < k <= world and world % k == 0 else world
+
+
+def resolve(
+    strategy: str,
+    group: dist.ProcessGroup,
+    shard_size: int | None = None,
+    reshard_after_forward: bool | int = True,
+    mesh=None,
+) -> Sharding:
+    """Build the groups of ``strategy`` over ``group`` (collective: every rank calls it)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"shard(strategy={strategy!r}): unknown strategy; use one of {', '.join(STRATEGIES)}"
+        )
+    world = dist.get_world_size(group)
+    if shard_size is not None and strategy != "hybrid":
+        raise ValueError(f"shard(shard_size=...) applies to strategy='hybrid', not {strategy!r}")
+    if reshard_after_forward is not True and strategy != "full":
+        raise ValueError(
+            f"shard(reshard_after_forward=...) applies to strategy='full' (grad_op never "
+            f"reshards after forward), not {strategy!r}"
+        )
+    if mesh is not None and strategy != "hybrid":
+        raise ValueError("shard(mesh=...) applies to strategy='hybrid'")
+    if strategy == "full":
+        hpz = None
+        if reshard_after_forward is not True and reshard_after_forward is not False:
+            k = int(reshard_after_forward)
+            if k < 1 or world % k:
+                raise ValueError(
+                    f"shard(reshard_after_forward={k}): must divide the world size {world}"
+                )
+            if k < world:
+                if group is not dist.group.WORLD:
+                    raise ValueError("shard(reshard_after_forward=K) needs the default group")
+                hpz, _ = dist.new_subgroups(group_size=k)
+        elif reshard_after_forward is False:
+            return Sharding("grad_op", group, None, keep_gathered=True)
+        return Sharding("full", group, None, keep_gathered=False, hpz_group=hpz)
+    if strategy == "grad_op":
+        return Sharding("grad_op", group, None, keep_gathered=True)
+    if strategy == "no_shard":
+        return Sharding("no_shard", None, group if world > 1 else None, keep_gathered=True)
+    # hybrid
+    if mesh is not None:
+        if mesh.ndim != 2:
+            raise ValueError("shard(mesh=...): a 2-D DeviceMesh (replicate, shard)")
+        shard_group, replicate_group = mesh.get_group(1), mesh.get_group(0)
+    else:
+        k = shard_size if shard_size is not None else _local_world_size(world)
+        if k < 1 or world % k:
+            raise ValueError(
+                f"shard(strategy='hybrid', shard_size={k}): must divide the world size {world}"
+            )
+        if group is not dist.group.WORLD:
+            raise ValueError("shard(strategy='hybrid') builds its groups over the default group")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        backend = dist.get_backend(group)
+        device_type = "cuda" if backend == "nccl" else "cpu"
+        m = init_device_mesh(device_type, (world // k, k), mesh_dim_names=("replicate", "shard"))
+        shard_group, replicate_group = m.get_group("shard"), m.get_group("replicate")
+    shard = shard_group if dist.get_world_size(shard_group) > 1 else None
+    replicate = replicate_group if dist.get_world_size(replicate_group) > 1 else None
+    return Sharding("hybrid", shard, replicate, keep_gathered=False)

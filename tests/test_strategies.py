@@ -1,0 +1,201 @@
+"""Every sharding strategy against the single-process reference at world size 4 (hybrid as 2
+groups of 2): losses, parameters, the collectives and the groups they run on, and the bytes each
+rank holds against the planner's formula for that strategy."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+from _parity import LOSS_RTOL, LR, PARAM_TOL, TINY, batches, clone, lm_loss, local, max_diff
+from _parity import tiny_llama as _tiny
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import layershard as ls
+from layershard.models import LlamaConfig
+from layershard.plan import predict_memory
+
+STEPS = 10
+
+# (name, shard() keyword arguments)
+STRATEGIES = [
+    ("full", {}),
+    ("grad_op", {"strategy": "grad_op"}),
+    ("no_shard", {"strategy": "no_shard"}),
+    ("hybrid", {"strategy": "hybrid", "shard_size": 2}),
+    ("hpz", {"reshard_after_forward": 2}),
+    ("offload", {"offload": ls.CPUOffload()}),
+    ("compile", {"compile": {"backend": "aot_eager"}}),
+]
+
+
+def _variant(m):
+    """Tied embeddings, a partly frozen block (a unit with trainable and frozen flats)."""
+    m.layers[1].mlp.requires_grad_(False)
+    return m
+
+
+def _micro(model, batch, rank, world, sync_first: bool):
+    """Two micro-batches of this rank's part of ``batch``; the first without communication
+    when ``sync_first`` is False. Returns the mean loss over both (local)."""
+    x = local(batch, rank, world)
+    half = x.shape[0] // 2
+    ctx = model.no_sync() if not sync_first else _null()
+    with ctx:
+        first = lm_loss(model, x[:half]) / 2
+        first.backward()
+    second = lm_loss(model, x[half:]) / 2
+    second.backward()
+    return (first + second).detach()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _mean(t: torch.Tensor) -> float:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _expected_counts(model, sync_first: bool, name: str) -> dict:
+    """Collectives of one step (two micro-batches and a clip), by op and group."""
+    units = [u for u in model.units if u.module is not None]  # forward order here
+    gathered = sum(len(u.flats) for u in model.units)
+    # backward re-gathers all but the last two units of the forward (still gathered)
+    regathered = sum(len(u.flats) for u in units[:-2] if u.gather_in_backward)
+    trainable = sum(1 for u in model.units if u.trainable is not None)
+    reductions = trainable * (2 if sync_first else 1)
+    out: dict = {}
+    if name != "no_shard":
+        out["all_gather"] = {"shard": 2 * gathered}
+        if name in ("full", "offload", "compile", "hybrid"):
+            out["all_gather"]["shard"] += 2 * regathered
+        if name == "hpz":
+            out["all_gather"]["hpz"] = 2 * regathered
+        out["reduce_scatter"] = {"shard": reductions}
+        out["all_reduce"] = {"shard": 1}  # clip_grad_norm_
+    if name in ("hybrid", "no_shard"):
+        out.setdefault("all_reduce", {})["replicate"] = reductions
+    return out
+
+
+def _strategies(rank: int, world: int) -> None:
+    base = _variant(_tiny(tie_embeddings=True))
+    reference = clone(base)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    ddp = DDP(clone(base))
+    ddp_opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=LR)
+    models = {}
+    for name, kwargs in STRATEGIES:
+        model = ls.shard(clone(base), activation_checkpointing=1, **kwargs)
+        models[name] = (model, torch.optim.AdamW(model.parameters(), lr=LR))
+    for step, batch in enumerate(batches(STEPS)):
+        sync_first = step % 2 == 0  # accumulation with and without no_sync
+        ref_loss = lm_loss(reference, batch)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        x = local(batch, rank, world)
+        half = x.shape[0] // 2
+        with ddp.no_sync() if not sync_first else _null():
+            (lm_loss(ddp, x[:half]) / 2).backward()
+        (lm_loss(ddp, x[half:]) / 2).backward()
+        ddp_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        # The norm of the accumulated gradient drifts from the reference's as the weights do:
+        # measured 0 to 5.3e-5 relative for DDP over these 10 steps, the strategies at or below.
+        norm_tol = max(1e-5, 2 * abs(ddp_norm.item() / ref_norm.item() - 1))
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+        for name, (model, opt) in models.items():
+            model.comm_stats(reset=True)
+            loss = _micro(model, batch, rank, world, sync_first)
+            norm = model.clip_grad_norm_(1.0)
+            assert model._schedule.comm.stats.by_group() == _expected_counts(
+                model, sync_first, name
+            ), (name, step, model._schedule.comm.stats.by_group())
+            opt.step()
+            opt.zero_grad()
+            ours = _mean(loss)
+            assert abs(ours - ref_loss.item()) <= LOSS_RTOL * ref_loss.item(), (name, step)
+            torch.testing.assert_close(norm, ref_norm, rtol=norm_tol, atol=0, msg=name)
+    ddp_full = {k.removeprefix("module."): v for k, v in ddp.state_dict().items()}
+    ddp_dev, _ = max_diff(ddp_full, reference)
+    # DDP-calibrated (tests/_parity.py): no farther than DDP itself lands in this same run. With
+    # accumulation and clipping DDP lands farther than in the parity test: measured 1.28e-4 (the
+    # strategies 1.06e-4 to 1.16e-4), on 2026-11-22, CPU, torch 2.13.
+    tol = max(PARAM_TOL, 1.5 * ddp_dev)
+    for name, (model, _) in models.items():
+        full = model.full_state_dict()
+        if rank == 0:
+            dev, where = max_diff(full, reference)
+            print(f"{name}: max |param - ref| {dev:.2e} ({where}), DDP {ddp_dev:.2e}", flush=True)
+            assert dev <= tol, (name, dev, where, ddp_dev)
+            frozen = reference.layers[1].mlp.w1.weight.detach()
+            assert torch.equal(full["layers.1.mlp.w1.weight"], frozen), name
+
+    # Where tensors live under CPU offload (the device is the CPU here: the GPU suite checks
+    # the split), and that every replica holds the same slices.
+    model, opt = models["offload"]
+    assert all(f.shard.device.type == "cpu" for f in model.flat_params)
+    assert all(v.device.type == "cpu" for st in opt.state.values() for v in st.values())
+    model, _ = models["hybrid"]
+    s = model.sharding
+    assert (s.shard_size, s.replicas) == (2, 2) and s.shard_ranks() == [
+        rank - rank % 2,
+        rank - rank % 2 + 1,
+    ]
+    mine = torch.cat([f.shard for f in model.flat_params])
+    other = mine.clone()
+    dist.all_reduce(other, group=s.replicate_group)
+    torch.testing.assert_close(other, 2 * mine, rtol=0, atol=0)  # replicas are bitwise equal
+
+
+def test_strategies_match_single_process():
+    run_ranks(_strategies, 4)
+
+
+# ---- memory per strategy against the planner ----------------------------------------------------
+MEMORY_CASES = [
+    ("full", {}, {}),
+    ("grad_op", {"strategy": "grad_op"}, {"strategy": "grad_op"}),
+    ("no_shard", {"strategy": "no_shard"}, {"strategy": "no_shard"}),
+    ("hybrid", {"strategy": "hybrid", "shard_size": 2}, {"strategy": "hybrid", "shard_size": 2}),
+    ("hpz", {"reshard_after_forward": 2}, {"reshard_after_forward": 2}),
+    ("offload", {"offload": ls.CPUOffload()}, {"offload": True}),
+]
+
+
+def _memory(rank: int, world: int) -> None:
+    for tied in (False, True):
+        cfg = LlamaConfig(**{**TINY, "tie_embeddings": tied})
+        for pd in (torch.bfloat16, torch.float32):
+            for name, kwargs, plan_kwargs in MEMORY_CASES:
+                torch.manual_seed(0)
+                model = ls.shard(
+                    _tiny(tie_embeddings=tied),
+                    mixed_precision=ls.MixedPrecision(pd, torch.float32),
+                    **kwargs,
+                )
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                x = torch.randint(0, cfg.vocab_size, (2, 16))
+                with model.no_sync():
+                    lm_loss(model, x).backward()
+                lm_loss(model, x).backward()
+                opt.step()
+                report = model.memory_report(opt)
+                pred = predict_memory(
+                    cfg, world, pd, torch.float32, "adamw", no_sync=True, rank=rank,
+                    backend="gloo", **plan_kwargs,
+                )  # fmt: skip
+                assert report == pred, (name, tied, pd, report, pred)
+
+
+def test_memory_per_strategy_equals_plan():
+    run_ranks(_memory, 4)
