@@ -1,0 +1,348 @@
+"""The GPU suite: ``pytest -m gpu`` (skipped without CUDA). One GPU runs it all in minutes.
+
+Every test that shards runs twice: at world size 1 as usual ("copy": gathers are copies) and with
+``LAYERSHARD_FORCE_COMM=1`` ("comm": the same collectives, comm stream and events as N > 1, NCCL
+over one rank). Two ranks cannot share one GPU under NCCL, so the two-rank test runs gloo with
+CUDA tensors. ``LAYERSHARD_GPU_REPORT=DIR`` writes the measured figures (overlap, exposed
+communication, memory) as JSON files there. ``LAYERSHARD_GPU_TESTS_ON_CPU=1`` runs the tests that
+can run on the CPU (no streams, no CUDA memory), to check the suite itself without a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+from _parity import PARAM_TOL, max_diff
+
+import layershard as ls
+from layershard.models import LlamaConfig, LlamaForCausalLM
+
+ON_CPU = os.environ.get("LAYERSHARD_GPU_TESTS_ON_CPU") == "1"
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_CUDA and not ON_CPU, reason="needs CUDA (pytest -m gpu)"),
+]
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA only (streams, kernels, memory)")
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# ~134M parameters: embed and head 32000 x 768 each, 12 blocks of 7.1M
+GPU_LLAMA = dict(
+    vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048,
+    max_seq_len=512,
+)  # fmt: skip
+SMALL = dict(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=128)  # fmt: skip
+
+
+def _report(name: str, data: dict) -> None:
+    out = os.environ.get("LAYERSHARD_GPU_REPORT")
+    print(f"{name}: {json.dumps(data)}", flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    if HAS_CUDA:
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 GEMMs
+        torch.backends.cudnn.allow_tf32 = False
+    created = not dist.is_initialized()
+    if created:
+        ls.init_distributed(backend="nccl" if HAS_CUDA else "gloo")
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(params=["copy", "comm"])
+def comm_path(request, monkeypatch):
+    monkeypatch.setenv("LAYERSHARD_FORCE_COMM", "1" if request.param == "comm" else "0")
+    return request.param
+
+
+def _llama(cfg: dict, seed: int = 0, **over) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **over})).to(DEVICE)
+
+
+def _batches(n: int, vocab: int, batch: int, seq: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=g).to(DEVICE) for _ in range(n)]
+
+
+def _train_pair(model, reference, batches, lr=1e-3, step_fn=None):
+    """Train the sharded model and the reference on the same batches; returns the worst relative
+    loss difference."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr)
+    worst = 0.0
+    for x in batches:
+        loss = (step_fn or _plain_step)(model, x)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = _plain_step(reference, x)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst = max(worst, abs(loss - ref_loss) / abs(ref_loss))
+    return worst
+
+
+def _plain_step(model, x) -> float:
+    loss = model(x, labels=x).loss
+    loss.backward()
+    return loss.item()
+
+
+# ---- exactness ------------------------------------------------------------------------------------
+@needs_cuda
+def test_fp32_parity_100m(comm_path):
+    base = _llama(GPU_LLAMA)
+    reference, model = copy.deepcopy(base), ls.shard(copy.deepcopy(base))
+    worst = _train_pair(model, reference, _batches(20, GPU_LLAMA["vocab_size"], 4, 512))
+    dev, where = max_diff(model.full_state_dict(cpu=False), reference)
+    _report(f"fp32_parity_{comm_path}", {"loss_rel": worst, "param_max_abs": dev, "at": where})
+    assert worst <= 1e-5, worst
+    assert dev <= PARAM_TOL, (dev, where)  # calibrated on DDP on CPU (tests/_parity.py)
+
+
+def _relative_distance(a: dict, b: torch.nn.Module, start: dict) -> float:
+    num = sum(
+        ((a[n].float() - p.detach().float()) ** 2).sum().item() for n, p in b.named_parameters()
+    )
+    den = sum(((p.detach().float() - start[n]) ** 2).sum().item() for n, p in b.named_parameters())
+    return math.sqrt(num / den)
+
+
+@needs_cuda
+def test_bf16_against_autocast(comm_path):
+    """bf16 compute, fp32 masters, against the unsharded fp32 model under torch.autocast: closer
+    to it than an fp32 run is (the distance relative to how far training moved the weights)."""
+    base = _llama(GPU_LLAMA, n_layers=4)
+    start = {n: p.detach().float().clone() for n, p in base.named_parameters()}
+    model = ls.shard(copy.deepcopy(base), mixed_precision=ls.MixedPrecision(torch.bfloat16))
+    autocast, fp32 = copy.deepcopy(base), copy.deepcopy(base)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, autocast, fp32)]
+    worst = 0.0
+    for x in _batches(20, GPU_LLAMA["vocab_size"], 4, 512):
+        loss = _plain_step(model, x)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref = autocast(x, labels=x).loss
+        ref.backward()
+        _plain_step(fp32, x)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        worst = max(worst, abs(loss - ref.item()) / ref.item())
+    ours = _relative_distance(model.full_state_dict(cpu=False), autocast, start)
+    fp32_run = _relative_distance(dict(fp32.named_parameters()), autocast, start)
+    _report(f"bf16_{comm_path}", {"loss_rel": worst, "ours": ours, "fp32_run": fp32_run})
+    assert worst <= 1e-2, worst  # bf16 weights and activations vs autocast's fp32 norms
+    assert ours < fp32_run, (ours, fp32_run)
+
+
+def _features(device: torch.device) -> dict:
+    """Activation checkpointing, no_sync accumulation, tied and frozen parameters, meta init: a
+    small model against one process, exact (fp32)."""
+    out = {}
+    base = _llama(SMALL, tie_embeddings=True)
+    base.layers[1].mlp.requires_grad_(False)
+    reference = copy.deepcopy(base)
+    model = ls.shard(copy.deepcopy(base), activation_checkpointing=2, device=device)
+
+    def accumulate(m, x):
+        half = x.shape[0] // 2
+        with m.no_sync():
+            (m(x[:half], labels=x[:half]).loss / 2).backward()
+        loss = m(x[half:], labels=x[half:]).loss / 2
+        loss.backward()
+        return 2 * loss.item()  # the second half's loss, as the reference's below
+
+    def ref_step(m, x):
+        half = x.shape[0] // 2
+        (m(x[:half], labels=x[:half]).loss / 2).backward()
+        loss = m(x[half:], labels=x[half:]).loss / 2
+        loss.backward()
+        return 2 * loss.item()
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3)
+    worst = 0.0
+    for x in _batches(6, SMALL["vocab_size"], 8, 128):
+        a, b = accumulate(model, x), ref_step(reference, x)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        worst = max(worst, abs(a - b) / b)
+    out["features_loss_rel"] = worst
+    dev, where = max_diff(model.full_state_dict(cpu=False), reference)
+    out["features_param_max_abs"] = dev
+    assert worst <= 1e-5 and dev <= PARAM_TOL, (worst, dev, where)
+
+    # meta init on the device equals eager init (our Llama: bitwise, see the README)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(LlamaConfig(**SMALL))
+    lazy = ls.shard(meta, device=device)
+    eager = ls.shard(_llama(SMALL, seed=3).cpu(), device=device)
+    a, b = lazy.full_state_dict(), eager.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    return out
+
+
+def test_features_small(comm_path):
+    _report(f"features_{comm_path}", _features(DEVICE))
+
+
+def _two_ranks_gloo_cuda(rank: int, world: int) -> None:
+    _features(torch.device("cuda", 0))
+
+
+@needs_cuda
+def test_two_ranks_on_one_gpu_gloo():
+    """NCCL refuses two ranks on one device, so two gloo ranks exchange CUDA tensors."""
+    run_ranks(_two_ranks_gloo_cuda, 2)
+
+
+# ---- races ----------------------------------------------------------------------------------------
+@needs_cuda
+def test_cuda_sanitizer():
+    """The comm-path tests under torch's CUDA sanitizer (CSAN): no unsynchronized access to any
+    tensor between the compute and comm streams."""
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-m", "gpu", __file__, "-k",
+         "features_small and comm"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    report = r.stdout[-3000:] + r.stderr[-3000:]
+    _report("sanitizer", {"returncode": r.returncode, "tail": report[-1500:]})
+    assert r.returncode == 0 and "data race" not in report, report
+
+
+@needs_cuda
+def test_delays_injected_stay_exact():
+    """``torch.cuda._sleep`` inside every block (compute stream) and before every collective
+    (comm stream) widens every timing window; results must not change."""
+    os.environ["LAYERSHARD_FORCE_COMM"] = "1"
+    try:
+        base = _llama(SMALL)
+        reference = copy.deepcopy(base)
+        model = ls.shard(copy.deepcopy(base))
+        for block in model.module.layers:
+            block.register_forward_pre_hook(lambda m, a: torch.cuda._sleep(2_000_000))
+        comm = model._schedule.comm
+        issue = comm._issue
+
+        def slow_issue(run, *args, **kwargs):
+            def delayed(a):
+                torch.cuda._sleep(2_000_000)  # on the comm stream, before the collective
+                return run(a)
+
+            return issue(delayed, *args, **kwargs)
+
+        comm._issue = slow_issue
+        worst = _train_pair(model, reference, _batches(6, SMALL["vocab_size"], 8, 128))
+        dev, _ = max_diff(model.full_state_dict(cpu=False), reference)
+        _report("delays", {"loss_rel": worst, "param_max_abs": dev})
+        assert worst <= 1e-5 and dev <= PARAM_TOL
+    finally:
+        os.environ.pop("LAYERSHARD_FORCE_COMM", None)
+
+
+# ---- overlap --------------------------------------------------------------------------------------
+def _intervals(events, pred):
+    return sorted((e.time_range.start, e.time_range.end) for e in events if pred(e))
+
+
+def _overlap(a: list, b: list) -> float:
+    """Total length of ``a``'s intervals covered by any of ``b``'s."""
+    total = 0.0
+    for s, e in a:
+        for bs, be in b:
+            lo, hi = max(s, bs), min(e, be)
+            if hi > lo:
+                total += hi - lo
+    return total
+
+
+@needs_cuda
+def test_gathers_overlap_compute():
+    """A profiled step: the comm stream's all-gathers run while the compute stream's GEMMs run,
+    in forward and backward; exposed communication (comm-stream time not covered by compute)
+    is reported."""
+    os.environ["LAYERSHARD_FORCE_COMM"] = "1"
+    try:
+        model = ls.shard(_llama(GPU_LLAMA), mixed_precision=ls.MixedPrecision(torch.bfloat16))
+        x = _batches(1, GPU_LLAMA["vocab_size"], 4, 512)[0]
+        for _ in range(2):  # warm up
+            model(x, labels=x).loss.backward()
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            model(x, labels=x).loss.backward()
+            torch.cuda.synchronize()
+        out = os.environ.get("LAYERSHARD_GPU_REPORT")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(out) / "step_trace.json"))
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        comm_stream = model._schedule.comm.stream.cuda_stream
+
+        def on_comm(e):
+            return getattr(e, "stream", None) == comm_stream or "nccl" in e.name.lower()
+
+        comm = _intervals(kernels, on_comm)
+        gemm = _intervals(
+            kernels, lambda e: not on_comm(e) and any(k in e.name.lower() for k in ("gemm", "cutlass", "matmul", "sm90", "sm80"))
+        )  # fmt: skip
+        compute = _intervals(kernels, lambda e: not on_comm(e))
+        comm_total = sum(e - s for s, e in comm)
+        data = {
+            "comm_us": comm_total,
+            "comm_under_gemm_us": _overlap(comm, gemm),
+            "exposed_comm_us": comm_total - _overlap(comm, compute),
+            "n_comm_ops": len(comm),
+        }
+        _report("overlap", data)
+        assert comm and data["comm_under_gemm_us"] > 0.5 * comm_total, data
+    finally:
+        os.environ.pop("LAYERSHARD_FORCE_COMM", None)
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+@needs_cuda
+def test_memory_constant_and_as_planned(comm_path):
+    """``max_memory_allocated`` of every step from the second on is the same, and within 5% of
+    what the planner predicts for the same run."""
+    from layershard.models import build_config
+    from layershard.plan import predict_activations, predict_memory
+    from layershard.plan.memory import peak_bytes, unit_grad_bytes
+
+    cfg = build_config("small", max_seq_len=512)
+    model = ls.shard(
+        LlamaForCausalLM(cfg).to(DEVICE), mixed_precision=ls.MixedPrecision(torch.bfloat16)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    peaks = []
+    for x in _batches(5, cfg.vocab_size, 8, 512):
+        torch.cuda.reset_peak_memory_stats()
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        peaks.append(torch.cuda.max_memory_allocated())
+    mem = predict_memory(cfg, 1, "bf16", "fp32", "adamw")
+    act = predict_activations(cfg, 8, 512, 0, "bf16")
+    predicted = peak_bytes(mem, act, unit_grad_bytes(cfg, 1, "bf16"))
+    _report(f"memory_{comm_path}", {"peaks": peaks, "predicted_peak": predicted})
+    assert len(set(peaks[1:])) == 1, peaks
+    assert abs(peaks[-1] / predicted - 1) <= 0.05, (peaks[-1], predicted)
