@@ -62,7 +62,7 @@ class GatherSlot:
 
     def take(self, u: Unit) -> None:
         """Make ``u`` the owner, before its gather is issued into the slot."""
-        if self.busy and self.owner is not u:
+        if self.busy and self.owner is not None and self.owner is not u:
             raise RuntimeError(
                 f"layershard: gathering {u.name} into the buffer that {self.owner.name} is still "
                 "computing with (an engine bug: please report it with the model's structure)"

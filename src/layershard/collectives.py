@@ -60,10 +60,10 @@ class CommStats:
     (``shard``, ``replicate``, ``hpz``, ``all``), and the seconds the main thread blocked waiting
     for them (CPU only: on CUDA waits are events)."""
 
-    count: Counter = field(default_factory=Counter)
-    nbytes: Counter = field(default_factory=Counter)
-    groups: Counter = field(default_factory=Counter)
-    wait_s: Counter = field(default_factory=Counter)
+    count: Counter[tuple[str, str]] = field(default_factory=Counter)
+    nbytes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    groups: Counter[tuple[str, str]] = field(default_factory=Counter)
+    wait_s: dict[str, float] = field(default_factory=dict)
 
     def record(self, op: str, phase: str, nbytes: int, group: str = "shard") -> None:
         self.count[op, phase] += 1
@@ -104,7 +104,7 @@ class Pending:
         work=None,
         event=None,
         post: Callable[[], None] | None = None,
-        timer: tuple[Counter, str] | None = None,
+        timer: tuple[dict[str, float], str] | None = None,
         host_post: Callable[[], None] | None = None,
         host_sync: bool = False,
     ):
@@ -122,7 +122,8 @@ class Pending:
             for work in self._works:
                 work.wait()
             if self._timer is not None:
-                self._timer[0][self._timer[1]] += time.perf_counter() - t0
+                waits, phase = self._timer
+                waits[phase] = waits.get(phase, 0.0) + time.perf_counter() - t0
         if self._post is not None:
             self._post()
         if self._event is not None:
@@ -145,7 +146,8 @@ class _TwoStage(Pending):
 
     def __init__(self, first: Pending, second: Callable[[], Pending]):
         super().__init__()
-        self.first, self.second, self.issued = first, second, None
+        self.first, self.second = first, second
+        self.issued: Pending | None = None
 
     def start_second(self) -> None:
         if self.issued is None:
@@ -157,6 +159,7 @@ class _TwoStage(Pending):
             return
         self.done = True
         self.start_second()
+        assert self.issued is not None
         self.issued.wait()
 
 
@@ -243,8 +246,8 @@ class Comm:
         scratch: torch.Tensor | None,
         phase: str,
         label: str,
-        post: Callable[[torch.Tensor], None],
-        host_post: Callable[[], None] | None = None,
+        post: Callable[[torch.Tensor], object],
+        host_post: Callable[[], object] | None = None,
     ) -> Pending:
         """Sum ``inp`` across the shard group and then this rank's chunk across the replicas;
         then ``post(chunk)`` with the chunk of the sum (on the comm stream on CUDA), then
@@ -260,6 +263,7 @@ class Comm:
                 chunk = inp[self.rank * n : (self.rank + 1) * n]
                 first = lambda a: dist.all_reduce(inp, group=self.group, async_op=a)  # noqa: E731
             else:
+                assert scratch is not None, "this backend reduce-scatters into a scratch"
                 chunk = scratch[:n]
                 first = lambda a: _reduce_scatter(chunk, inp, group=self.group, async_op=a)  # noqa: E731
         second = None

@@ -102,12 +102,17 @@ class FlatParam:
         self.storage = None
         self.grad = torch.zeros_like(self.shard) if self.requires_grad else None
         self.shard_params: list[nn.Parameter] = []
+        self._make_params()
+
+    def _make_params(self) -> None:
+        """Per parameter, its part of this rank's slice as a 1-D ``nn.Parameter`` (sharing storage
+        and version counter with the flat shard), with ``.grad`` a view of the flat gradient."""
+        self.shard_params = []
         for slot in self.slots:
             lo, hi = self.local_range(slot)
-            view = self.shard[lo - self.shard_start : hi - self.shard_start]
-            # nn.Parameter shares storage (and the version counter) with the flat shard.
-            p = nn.Parameter(view, requires_grad=self.requires_grad)
-            if self.requires_grad:
+            p = nn.Parameter(self.shard[lo - self.shard_start : hi - self.shard_start])
+            p.requires_grad_(self.requires_grad)
+            if self.grad is not None:
                 p.grad = self.grad[lo - self.shard_start : hi - self.shard_start]
             self.shard_params.append(p)
 
@@ -117,14 +122,7 @@ class FlatParam:
         self.shard = self.shard.pin_memory()
         if self.grad is not None:
             self.grad = self.grad.pin_memory()
-        self.shard_params = []
-        for slot in self.slots:
-            lo, hi = self.local_range(slot)
-            p = nn.Parameter(self.shard[lo - self.shard_start : hi - self.shard_start])
-            p.requires_grad_(self.requires_grad)
-            if self.requires_grad:
-                p.grad = self.grad[lo - self.shard_start : hi - self.shard_start]
-            self.shard_params.append(p)
+        self._make_params()
 
     @property
     def shard_start(self) -> int:
@@ -173,10 +171,12 @@ class FlatParam:
             self.grad.untyped_storage().resize_(0)
 
     def ensure_grad(self) -> None:
+        assert self.grad is not None, "a frozen flat parameter has no gradient"
         storage = self.grad.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.shard_numel * self.grad.element_size())
 
     def grad_view(self, i: int) -> torch.Tensor:
+        assert self.grad is not None, "a frozen flat parameter has no gradient"
         lo, hi = self.local_range(self.slots[i])
         return self.grad[lo - self.shard_start : hi - self.shard_start]

@@ -31,7 +31,8 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 from torch import nn
@@ -214,6 +215,7 @@ class Schedule:
             model.register_forward_hook(lambda m, a, out: self.root_post_forward()),
         ]
         for u in self.units:
+            assert u.module is not None  # only the root unit has no module
             handles.append(
                 u.module.register_forward_pre_hook(lambda m, a, u=u: self.pre_forward(u))
             )
@@ -410,7 +412,7 @@ class Schedule:
     def _keep_secondary(self, u: Unit) -> None:
         """After the forward: keep this rank's 1/K of the unit's gathered weights."""
         _, j, k = self.comm._members("hpz")
-        for buf, f, off in zip(u.secondary, u.flats, u.flat_offsets):
+        for buf, f, off in zip(u.secondary or [], u.flats, u.flat_offsets):
             m = f.padded_numel // k
             buf.copy_(u.slot.data[off + j * m : off + (j + 1) * m])
 
@@ -448,7 +450,7 @@ class Schedule:
         gs = self.grad_slots[self._n_reduced % len(self.grad_slots)]
         self._n_reduced += 1
         buf = gs.acquire(f.padded_numel)
-        if f.acc_dirty:
+        if f.acc is not None and f.acc_dirty:
             buf.copy_(f.acc)  # one cast of the fp32 sum
             f.acc.zero_()
             f.acc_dirty = False
@@ -465,21 +467,16 @@ class Schedule:
         if pre != 1.0:
             buf.mul_(pre)
         fresh = self._attach_grads(f)
-        host_post = None
+        grad = f.grad
+        assert grad is not None
+        post: Callable[[torch.Tensor], object]
+        host_post: Callable[[], object] | None = None
         if self.offload:  # the chunk travels to host memory; the CPU adds it into the slice
             staging = gs.get_staging()[: f.shard_numel]
-
-            def post(chunk: torch.Tensor) -> None:
-                staging.copy_(chunk, non_blocking=True)
-
-            def host_post(f=f, fresh=fresh) -> None:
-                scale_into(f.grad, staging, post_factor, fresh)
-
+            post = partial(staging.copy_, non_blocking=True)
+            host_post = partial(scale_into, grad, staging, post_factor, fresh)
         else:
-
-            def post(chunk: torch.Tensor, f=f, fresh=fresh) -> None:
-                scale_into(f.grad, chunk, post_factor, fresh)
-
+            post = lambda chunk: scale_into(grad, chunk, post_factor, fresh)  # noqa: E731
         scratch = gs.get_scratch() if self.comm.needs_scratch else None
         gs.pending.append(
             self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)

@@ -29,6 +29,8 @@ from layershard.strategy import CPUOffload, Sharding
 from layershard.strategy import resolve as resolve_strategy
 from layershard.units import UnitSpec, backward_needs_weights, find_units
 
+_sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # their hooks are installed
+
 
 def shard(
     model: nn.Module,
@@ -73,7 +75,7 @@ def shard(
 
     Build the optimizer *after* this call, from the returned module's ``parameters()``.
     """
-    if isinstance(model, ShardedModule) or getattr(model, "_layershard_sharded", False):
+    if isinstance(model, ShardedModule) or model in _sharded_models:
         raise ValueError("shard(): this model is already sharded")
     inner = next((n for n, m in model.named_modules() if isinstance(m, ShardedModule)), None)
     if inner is not None:
@@ -84,6 +86,7 @@ def shard(
     if not dist.is_initialized():
         raise RuntimeError("shard(): call ls.init_distributed() first (it works without torchrun)")
     group = process_group or dist.group.WORLD
+    assert group is not None
     precision = mixed_precision or FULL_PRECISION
     device = torch.device(device) if device is not None else default_device(group)
     _check_devices(model)
@@ -101,8 +104,9 @@ def shard(
             f"the number of blocks ({n_blocks})"
         )
     state_keys = list(model.state_dict(keep_vars=True).items())
-    if param_init_fn is None and callable(getattr(model, "_init_weights", None)):
-        param_init_fn = model._init_weights  # how HF transformers initializes its modules
+    hf_init = getattr(model, "_init_weights", None)
+    if param_init_fn is None and callable(hf_init):
+        param_init_fn = hf_init  # how HF transformers initializes its modules
 
     # 1. Flat storage: one trainable and/or one frozen FlatParam per unit; fill this rank's slice.
     #    Unsharded fp32 compute (no_shard) computes on the shards themselves: the unit's flats are
@@ -183,15 +187,16 @@ def shard(
         root = Unit("<root>", None, False, root_flats, root_slot, device)
     schedule = Schedule(root, units, grad_slots, comm, precision, offload=offload is not None)
     schedule.install(model)
-    model._layershard_sharded = True
+    _sharded_models.add(model)
 
     blocks = [u for u in units if u.is_block]
+    block_modules = [u.module for u in blocks if u.module is not None]
     if compile:
         options = compile if isinstance(compile, dict) else {}
-        for u in blocks:  # the block's computation only: the unit's hooks stay outside
-            u.module.forward = torch.compile(u.module.forward, **options)
-    for u in blocks[:activation_checkpointing]:
-        u.module.forward = partial(_checkpointed, u.module.forward)
+        for m in block_modules:  # the block's computation only: the unit's hooks stay outside
+            m.forward = torch.compile(m.forward, **options)  # type: ignore[method-assign]
+    for m in block_modules[:activation_checkpointing]:
+        m.forward = partial(_checkpointed, m.forward)  # type: ignore[method-assign]
 
     if dist.get_world_size(group) > 1:
         for b in _unique(t for _, t in model.named_buffers()):  # every rank starts equal
@@ -418,11 +423,15 @@ class ShardedModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient slices by the norm of the whole (unsharded) gradient; returns that
         norm, the same on every rank, as ``torch.nn.utils.clip_grad_norm_`` would."""
-        grads = [p.grad for f in self.flat_params if f.requires_grad for p in f.shard_params]
-        grads = [g for g in grads if g is not None and g.numel() > 0]
+        grads = [
+            p.grad
+            for f in self.flat_params
+            for p in f.shard_params
+            if p.grad is not None and p.grad.numel() > 0
+        ]
         device = self.flat_params[0].shard.device
         norm_type = float(norm_type)
-        norms = torch._foreach_norm(grads, norm_type) if grads else []
+        norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
         local = torch.stack(norms) if norms else torch.zeros(1, device=device)
         comm = self._schedule.comm  # over the shard group: replicas hold the same slices
         if math.isinf(norm_type):
@@ -547,8 +556,8 @@ class ShardedModule(nn.Module):
             box = [present]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             present = box[0]
-        keys = set(present)
-        by_slot = {}
+        keys = set(present or [])
+        by_slot: dict[int, str] = {}
         for key, kind, ref in self._entries:
             if kind == "param" and key in keys and id(ref[1]) not in by_slot:
                 by_slot[id(ref[1])] = key
@@ -557,18 +566,19 @@ class ShardedModule(nn.Module):
             if not loaded:
                 continue
             if everyone:
+                assert state_dict is not None
                 for slot in loaded:
                     value = state_dict[by_slot[id(slot)]]
                     f.copy_from_full(slot, value.to(f.shard.device, torch.float32))
                 continue
             buf = torch.zeros(f.padded_numel, dtype=torch.float32, device=f.shard.device)
-            if rank == 0:
+            if state_dict is not None:  # rank 0
                 for slot, view in zip(f.slots, f.views(buf)):
-                    if slot in loaded:
+                    if id(slot) in by_slot:
                         view.copy_(state_dict[by_slot[id(slot)]])
             comm.broadcast(buf, "state_dict")
             for slot, view in zip(f.slots, f.views(buf)):
-                if slot in loaded:
+                if id(slot) in by_slot:
                     f.copy_from_full(slot, view)
         for key, b in self.persistent_buffers():
             if key not in keys:
@@ -653,7 +663,7 @@ class ShardedModule(nn.Module):
     def describe(self) -> str:
         """A table of the units: what is gathered together, how big, which buffer slot."""
         s = self._schedule
-        slot_ids = {}
+        slot_ids: dict[int, int] = {}
         rows = [f"{'unit':<32} {'params':>7} {'numel':>12} {'padded':>12} {'slot':>5}  trainable"]
         for u in self.units:
             sid = slot_ids.setdefault(id(u.slot), len(slot_ids))
