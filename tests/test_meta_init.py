@@ -1,6 +1,7 @@
 """Meta-device init: a model built on ``meta`` and materialized by ``shard()`` gets the weights that
 eager construction would give it.
 
+- layershard's own Llama: bitwise equal to eager construction from the same seed.
 - Hugging Face models: HF eager construction draws random numbers twice (each module's own
   ``reset_parameters()``, then ``_init_weights``), so only the distributions can match: for every
   tensor the std and mean must agree with an eager build within sampling noise, constant tensors
@@ -11,6 +12,7 @@ Run ``python tests/test_meta_init.py`` to re-measure the noise floor behind ``Z_
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from dataclasses import dataclass, field
@@ -18,8 +20,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from _dist import run_ranks
+from _parity import TINY, batches, local, tiny_llama
+from torch import nn
 
 import layershard as ls
+from layershard.models import LlamaConfig, LlamaForCausalLM
 
 # Hidden size of the HF test models: big enough that most random tensors have >= 16k elements
 # (std known to < 1%); the smallest (MoE routers, T5's relative position buckets) have 256-2048.
@@ -171,6 +176,90 @@ def _hf(rank, world) -> None:
 def test_hf_meta_init_matches_eager_distributions():
     pytest.importorskip("transformers")
     run_ranks(_hf, 2)
+
+
+# ---- layershard's Llama: bitwise; errors; memory --------------------------------------------------
+class _Peak(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "peak_bytes"):
+            self.records.append(record)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+
+class _Rescaling(nn.Module):
+    """A parent whose init rescales its blocks' weights (GPT-2 style, but above the blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+
+def _rescale_from_root(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight)
+        nn.init.zeros_(module.bias)
+    if isinstance(module, _Rescaling):
+        for b in module.blocks:
+            b.lin.weight.data.mul_(0.5)
+
+
+def _llama(rank, world) -> None:
+    # bitwise: our Llama draws its random numbers only in reset_parameters()
+    for tied in (False, True):
+        eager = ls.shard(tiny_llama(seed=3, tie_embeddings=tied))
+        torch.manual_seed(3)
+        with torch.device("meta"):
+            meta_model = LlamaForCausalLM(LlamaConfig(**{**TINY, "tie_embeddings": tied}))
+        peak = _Peak()
+        logging.getLogger("layershard.init").addHandler(peak)
+        logging.getLogger("layershard.init").setLevel(logging.DEBUG)
+        lazy = ls.shard(meta_model, device="cpu")  # materialized on the CPU whatever the device
+        logging.getLogger("layershard.init").removeHandler(peak)
+        a, b = eager.full_state_dict(), lazy.full_state_dict()
+        if rank == 0:
+            assert list(a) == list(b)
+            for k in a:
+                assert torch.equal(a[k], b[k]), (tied, k)
+        x = local(batches(1)[0], rank, world)
+        with torch.no_grad():
+            torch.testing.assert_close(eager(x).logits, lazy(x).logits, rtol=0, atol=0)
+
+        # memory: one block at a time, besides the units outside the blocks (kept to the end)
+        (record,) = peak.records
+        sizes = {}
+        for name, p in tiny_llama(tie_embeddings=tied).named_parameters():
+            unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "outside"
+            sizes[unit] = sizes.get(unit, 0) + p.numel() * p.element_size()
+        outside = sizes.pop("outside")
+        assert max(sizes.values()) <= record.peak_bytes <= outside + max(sizes.values())
+
+    # a parent above the blocks that rescales a block's weights: a clear error, never a silent
+    # no-op on the block's already sharded (meta) weight
+    with torch.device("meta"):
+        model = _Rescaling()
+    with pytest.raises(ValueError, match=r"blocks\.0\.lin\.weight|touched"):
+        ls.shard(model, param_init_fn=_rescale_from_root)
+
+    # an init that leaves a tensor unwritten: named, not left as uninitialized memory
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"0\.bias.*not written"):
+        ls.shard(
+            model, param_init_fn=lambda m: isinstance(m, nn.Linear) and nn.init.ones_(m.weight)
+        )
+
+
+def test_meta_init_llama_bitwise_errors_and_memory():
+    run_ranks(_llama, 2)
 
 
 # ---- calibration of Z_TOL ------------------------------------------------------------------------

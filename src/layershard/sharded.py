@@ -23,6 +23,7 @@ from layershard.buffers import GatherSlot, GradSlot, ReduceScratch, nbytes
 from layershard.collectives import Comm
 from layershard.distributed import default_device
 from layershard.flat import FlatParam, ParamSlot
+from layershard.init import fill_shards
 from layershard.precision import FULL_PRECISION, MixedPrecision
 from layershard.schedule import Schedule, Unit
 from layershard.units import UnitSpec, backward_needs_weights, find_units
@@ -51,9 +52,9 @@ def shard(
         strategy: ``"full"`` (ZeRO-3). Other strategies are not available yet.
         activation_checkpointing: recompute the first K blocks in backward.
         device: where shards and compute live; default: this rank's GPU under NCCL, else CPU.
-        param_init_fn: for a model on the meta device, called as ``param_init_fn(module)`` for
-            each module with parameters (default: a HF transformers model's ``_init_weights``,
-            else the module's own ``reset_parameters()``).
+        param_init_fn: for a model on the meta device, called as ``param_init_fn(module)``
+            children first, as ``model.apply`` does (default: a HF transformers model's own init
+            contract, else each module's ``reset_parameters()``); see ``layershard/init.py``.
 
     Build the optimizer *after* this call, from the returned module's ``parameters()``.
     """
@@ -94,7 +95,7 @@ def shard(
         for f in fl
         for sl, p in zip(f.slots, f._originals)
     }
-    _fill(model, specs, flats_of, slot_of, device, param_init_fn)
+    fill_shards(model, specs, flats_of, slot_of, device, param_init_fn)
 
     # 2. The original parameters leave the modules; weights become attributes set per forward.
     for fl in flats_of:
@@ -185,39 +186,6 @@ def _make_flats(spec: UnitSpec, world: int, rank: int, device: torch.device) -> 
         f._originals = [p for p, _ in group]
         flats.append(f)
     return flats
-
-
-@torch.no_grad()
-def _fill(model, specs, flats_of, slot_of, device, param_init_fn) -> None:
-    """Copy this rank's slice of every parameter into its flat shard. A model on the meta device is
-    materialized one module at a time (in ``model.modules()`` order, so that the random stream
-    matches eager construction), and never whole on any rank."""
-    for mod_name, mod in model.named_modules():
-        metas = {n: p for n, p in mod._parameters.items() if p is not None and p.is_meta}
-        meta_buffers = [n for n, b in mod._buffers.items() if b is not None and b.is_meta]
-        if not metas and not meta_buffers:
-            continue
-        init = (
-            partial(param_init_fn, mod) if param_init_fn else getattr(mod, "reset_parameters", None)
-        )
-        if init is None:
-            raise ValueError(
-                f"shard(): module {mod_name or '<root>'} ({type(mod).__name__}) is on the meta "
-                "device and has no reset_parameters(); pass param_init_fn= to shard()"
-            )
-        mod.to_empty(device=device, recurse=False)
-        init()
-        for n, orig in metas.items():
-            f, slot = slot_of[id(orig)]
-            full_name = f"{mod_name}.{n}" if mod_name else n
-            if slot.name == full_name:  # a tied parameter is filled by its first use
-                f.copy_from_full(slot, mod._parameters[n])
-            mod._parameters[n] = orig  # drop the materialized copy
-    for fl in flats_of:
-        for f in fl:
-            for slot, p in zip(f.slots, f._originals):
-                if not p.is_meta:
-                    f.copy_from_full(slot, p)
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
