@@ -16,8 +16,7 @@ Which function initializes which module, and in what order:
   does, untied then tied: the tie's source (``all_tied_weights_keys``) keeps its init, and the other
   names of the tensor get a meta stand-in whose writes are dropped, as the copies they stand for
   are dropped by eager's ``tie_weights()`` (this is what keeps an embedding's padding row zero when
-  the LM head shares it). Tensors that are not on meta are marked ``_is_hf_initialized`` for the
-  duration, so HF's init functions leave them alone.
+  the LM head shares it).
 - Any other ``param_init_fn``: called as ``model.apply(param_init_fn)`` would, children first, on
   every module whose subtree holds a meta tensor.
 - Otherwise each module that owns meta tensors runs its own ``reset_parameters()``, in
@@ -30,10 +29,14 @@ LM head, final norms, positional tables, parameters owned above the blocks, tied
 materialized from its module's init to the end, because any ancestor, down to the root, may still
 write to it (T5's root re-initializes ``shared``). At any moment a rank holds, besides its shards:
 the full tensors of the units outside the blocks initialized so far, plus those of one block;
-meta stand-ins for tied names cost nothing. Module buffers are materialized whole and stay (they
-are not sharded). An init that writes to a block already stored (a parent above the blocks touching
-a block's weight) raises instead of writing into a meta tensor, and so does any tensor that no
-init wrote (the model would otherwise start from uninitialized memory).
+meta stand-ins for tied names cost nothing. (A unit outside the blocks is whatever find_units makes
+it: T5's whole decoder when the encoder's blocks are the ``layers``.) Module buffers are
+materialized whole and stay (they are not sharded).
+
+An init that touches a block already stored (a parent above the blocks rescaling a block's weight)
+raises instead of writing into a meta tensor, and so does a tensor that no init wrote to at all
+(it would hold uninitialized memory; a partial write is not detected). The model gets its meta
+tensors back on any error.
 """
 
 from __future__ import annotations
@@ -54,12 +57,6 @@ from layershard.flat import FlatParam, ParamSlot
 from layershard.units import UnitSpec
 
 log = logging.getLogger(__name__)
-
-# Materialized tensors start filled with this; what still holds it after init was never written.
-_CHUNK = 1 << 22
-_INT_SENTINEL = {
-    dt: torch.iinfo(dt).max for dt in (torch.int8, torch.int16, torch.int32, torch.int64)
-}
 
 
 @torch.no_grad()
@@ -93,55 +90,44 @@ def _hf_pretrained_class():
     return getattr(tf, "PreTrainedModel", None) if tf is not None else None
 
 
-def _blank(t: torch.Tensor) -> torch.Tensor:
-    """An unwritten CPU tensor like meta tensor ``t``, filled so that `_unwritten` can tell."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-    if out.is_floating_point() or out.is_complex():
-        out.fill_(float("nan"))
-    elif out.dtype in _INT_SENTINEL:
-        out.fill_(_INT_SENTINEL[out.dtype])
-    return out
+class _InitWatch(TorchDispatchMode):
+    """Sees every op an init function runs, for two checks.
 
+    - Any op on a meta tensor other than a tied name's stand-in (or a view or ``.data`` of one):
+      the tensors of the modules being initialized are all materialized, so such an op reads or
+      writes a tensor that is not (a block already stored), and would be lost silently.
+    - Which materialized tensors are written (an argument the op's schema marks mutable, whose
+      storage is one of ours): a tensor that nothing wrote holds uninitialized memory.
+    """
 
-def _unwritten(t: torch.Tensor) -> bool:
-    flat = t.detach().reshape(-1)
-    if t.is_floating_point() or t.is_complex():
-        # in chunks: a mask of a whole embedding would cost a quarter of its size again
-        return any(
-            bool(torch.isnan(flat[i : i + _CHUNK]).any()) for i in range(0, len(flat), _CHUNK)
-        )
-    if t.dtype in _INT_SENTINEL and t.numel() > 0:
-        return bool((flat == _INT_SENTINEL[t.dtype]).all())
-    return False  # bool tensors cannot be told apart
-
-
-class _MetaGuard(TorchDispatchMode):
-    """Records any op that touches a meta tensor other than a tied name's stand-in (or a view or
-    ``.data`` of one): during init every tensor of the modules being initialized is materialized, so
-    such an op writes into, or reads, a tensor that is not (a block already stored)."""
-
-    def __init__(self, allowed: dict[int, weakref.ref], names: dict[int, str]):
+    def __init__(self, m: _Materializer):
         super().__init__()
-        self.allowed, self.names = allowed, names
+        self.m = m
         self.touched: set[str] = set()
-
-    def _ok(self, t: torch.Tensor) -> bool:
-        ref = self.allowed.get(id(t))
-        return ref is not None and ref() is t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        m = self.m
         metas = [
             t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta
         ]
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in tree_leaves(value):
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr in m.watched:
+                        m.written.add(ptr)
         out = func(*args, **kwargs)
         if metas:
-            if all(self._ok(t) for t in metas):  # derived from stand-ins: writes dropped too
+            if all(m.is_standin(t) for t in metas):  # derived from stand-ins: dropped too
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.is_meta:
-                        self.allowed[id(t)] = weakref.ref(t)
+                        m.standins[id(t)] = weakref.ref(t)
             else:
-                known = {self.names[id(t)] for t in metas if id(t) in self.names}
+                known = {m.meta_names[id(t)] for t in metas if id(t) in m.meta_names}
                 self.touched |= known or {f"a meta tensor, in {func}"}
         return out
 
@@ -160,6 +146,8 @@ class _Materializer:
         own_init = getattr(model, "_init_weights", None)
         self.hf = self.hf_model and (param_init_fn is None or param_init_fn == own_init)
         self.pretrained = pretrained
+        is_custom = getattr(model, "is_custom_code", None)  # transformers >= 5
+        self.custom_code = bool(is_custom()) if callable(is_custom) else False
         self.param_init_fn = param_init_fn
         self.post_order = self.hf or param_init_fn is not None
         self.names = {id(m): n for n, m in model.named_modules()}
@@ -168,6 +156,9 @@ class _Materializer:
         self.blocks = {id(s.module): s for s in specs if s.is_block}
         self.values: dict[int, torch.Tensor] = {}  # id(meta original) -> materialized tensor
         self.buffers: list[tuple[str, torch.Tensor]] = []
+        # Storages (data_ptr) of the materialized tensors, and those an init wrote to.
+        self.watched: set[int] = set()
+        self.written: set[int] = set()
         self.standins: dict[int, weakref.ref] = {}
         self.visited: set[int] = set()
         self.live = self.peak = 0
@@ -203,7 +194,7 @@ class _Materializer:
                     if not spec.is_block:
                         self._store(spec)
             for name, b in self.buffers:
-                if _unwritten(b):
+                if not self._written(b):
                     raise ValueError(self._unwritten_message(name))
         except BaseException:
             for tensors, n, t in before:
@@ -229,7 +220,7 @@ class _Materializer:
             self._init(mod, owner)
         spec = self.blocks.get(id(mod))
         if spec is not None:
-            self._store(spec)  # the block is done: nothing below the root unit touches it
+            self._store(spec)  # only an ancestor could touch it now, and _InitWatch raises
 
     def _init(self, mod: nn.Module, owner: nn.Module) -> None:
         owns_meta = self._materialize(mod)
@@ -247,7 +238,7 @@ class _Materializer:
                 f"shard(): module {name} ({type(mod).__name__}) is on the meta device and has no "
                 "reset_parameters(); pass param_init_fn= to shard()"
             )
-        with _MetaGuard(self.standins, self.meta_names) as guard:
+        with _InitWatch(self) as guard:
             fn()
         if guard.touched:
             raise ValueError(
@@ -261,12 +252,12 @@ class _Materializer:
         """Give ``mod``'s own meta tensors CPU storage; True if it had any."""
         found = False
         for n, p in mod._parameters.items():
-            if p is None or not p.is_meta or self._is_standin(p):
+            if p is None or not p.is_meta or self.is_standin(p):
                 continue
             found = True
             t = self.values.get(id(p))
             if t is None:
-                t = nn.Parameter(_blank(p), requires_grad=p.requires_grad)
+                t = nn.Parameter(self._empty(p), requires_grad=p.requires_grad)
                 self.values[id(p)] = t
                 self.live += t.numel() * t.element_size()
                 self.peak = max(self.peak, self.live)
@@ -274,9 +265,23 @@ class _Materializer:
         for n, b in mod._buffers.items():
             if b is not None and b.is_meta:
                 found = True
-                mod._buffers[n] = _blank(b)
+                mod._buffers[n] = self._empty(b)
                 self.buffers.append((_join(self.names.get(id(mod), ""), n), mod._buffers[n]))
         return found
+
+    def _empty(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor like meta tensor ``t``, watched for writes."""
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        if out.numel() > 0:
+            ptr = out.untyped_storage().data_ptr()
+            self.watched.add(ptr)
+            self.written.discard(ptr)  # the address of a freed tensor may come back
+        return out
+
+    def _written(self, t: torch.Tensor) -> bool:
+        ptr = t.untyped_storage().data_ptr()
+        # not watched: an init replaced the storage (`p.data = tensor`), which is a write too
+        return t.numel() == 0 or ptr in self.written or ptr not in self.watched
 
     def _store(self, spec: UnitSpec) -> None:
         """Copy this rank's slices of a finished unit and give its modules the meta originals."""
@@ -290,25 +295,22 @@ class _Materializer:
                         f"shard(): {uses[0].name} is on the meta device and no init reached it"
                     )
                 continue  # a real tensor: copied with the others by fill_shards
-            if _unwritten(t):
+            if not self._written(t):
                 raise ValueError(self._unwritten_message(uses[0].name))
+            self.watched.discard(t.untyped_storage().data_ptr())
             f, slot = self.slot_of[id(p)]
             f.copy_from_full(slot, t)
             self.live -= t.numel() * t.element_size()
 
     def _unwritten_message(self, name: str) -> str:
-        how = "HF's _init_weights" if self.hf else "param_init_fn" if self.param_init_fn else "init"
+        how = "HF's _init_weights" if self.hf else "param_init_fn" if self.param_init_fn else ""
+        how = how or "its module's reset_parameters()"
         return (
-            f"shard(): {name} was on the meta device and is not written (or not wholly) by {how}: "
+            f"shard(): {name} was on the meta device and {how} did not write to it: "
             "it would start as uninitialized memory. Pass a param_init_fn= that initializes it"
         )
 
     # -- Hugging Face specifics --
-
-    @property
-    def custom_code(self) -> bool:
-        is_custom = getattr(self.model, "is_custom_code", None)
-        return bool(is_custom()) if callable(is_custom) else False
 
     def _untie(self) -> None:
         """Give every name of a tied meta tensor but its source a meta stand-in (see the module
@@ -328,30 +330,20 @@ class _Materializer:
                         self.standins[id(standin)] = weakref.ref(standin)
                         use.module._parameters[use.attr] = standin
 
-    def _is_standin(self, t: torch.Tensor) -> bool:
+    def is_standin(self, t: torch.Tensor) -> bool:
         ref = self.standins.get(id(t))
         return ref is not None and ref() is t
 
-    @contextlib.contextmanager
-    def _hf_context(self):
-        """HF's init functions skip tensors flagged ``_is_hf_initialized``: flag the real ones
-        (they hold values already), unflag the modules whose tensors are on meta."""
-        flagged = []
+    def _hf_context(self) -> contextlib.AbstractContextManager:
+        # A module flagged _is_hf_initialized is skipped by _initialize_weights; on a module whose
+        # tensors are on meta the flag is stale (HF's init run on a meta model, as under
+        # accelerate's init_empty_weights(), flags every module and writes nothing).
         for m in self.model.modules():
             if id(m) in self.needs:
-                m.__dict__.pop("_is_hf_initialized", None)  # stale: its tensors have no values
-            for t in _own_tensors(m):  # a parent may reach into any child, real or not
-                if not t.is_meta and not getattr(t, "_is_hf_initialized", False):
-                    t._is_hf_initialized = True
-                    flagged.append(t)
-        try:
-            guard = sys.modules.get("transformers.initialization")
-            guard = getattr(guard, "guard_torch_init_functions", None)
-            with guard() if guard is not None else contextlib.nullcontext():
-                yield
-        finally:
-            for t in flagged:
-                del t._is_hf_initialized
+                m.__dict__.pop("_is_hf_initialized", None)
+        guard = sys.modules.get("transformers.initialization")  # transformers >= 5
+        guard = getattr(guard, "guard_torch_init_functions", None)
+        return guard() if guard is not None else contextlib.nullcontext()
 
 
 def _hf_init(owner: nn.Module, mod: nn.Module, custom_code: bool) -> Callable[[], None]:
