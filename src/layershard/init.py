@@ -103,7 +103,10 @@ class _InitWatch(TorchDispatchMode):
     def __init__(self, m: _Materializer):
         super().__init__()
         self.m = m
+        # what an op touched on meta: the model's tensors by name (a `.data` alias has none of its
+        # own, only the op that made it does), and the ops
         self.touched: set[str] = set()
+        self.touched_ops: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -127,8 +130,8 @@ class _InitWatch(TorchDispatchMode):
                     if isinstance(t, torch.Tensor) and t.is_meta:
                         m.standins[id(t)] = weakref.ref(t)
             else:
-                known = {m.meta_names[id(t)] for t in metas if id(t) in m.meta_names}
-                self.touched |= known or {f"a meta tensor, in {func}"}
+                self.touched |= {m.meta_names[id(t)] for t in metas if id(t) in m.meta_names}
+                self.touched_ops.add(str(func))
         return out
 
 
@@ -240,10 +243,11 @@ class _Materializer:
             )
         with _InitWatch(self) as guard:
             fn()
-        if guard.touched:
+        if guard.touched_ops:
+            what = ", ".join(sorted(guard.touched)[:3]) or f"a tensor ({min(guard.touched_ops)})"
             raise ValueError(
                 f"shard(): initializing {name} ({type(mod).__name__}) touched "
-                f"{', '.join(sorted(guard.touched)[:3])} on the meta device: meta init stores each "
+                f"{what} on the meta device: meta init stores each "
                 "block as soon as its own subtree is initialized, so an init above the blocks must "
                 "not write into a block; initialize it from the block's own modules"
             )
