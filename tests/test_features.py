@@ -1,6 +1,6 @@
 """Features against the single-process reference: odd sizes with tied and frozen parameters,
 activation checkpointing, gradient accumulation (both ways), clip_grad_norm_, bf16 mixed precision,
-meta-device init, and HF transformers' Llama with units found automatically."""
+and HF transformers' Llama with units found automatically (meta-device init: test_meta_init.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from _parity import (
     LR,
     PARAM_TOL,
     SEQ,
-    TINY,
     batches,
     clone,
     global_mean,
@@ -27,7 +26,7 @@ from _parity import (
 from torch import nn
 
 import layershard as ls
-from layershard.models import CausalLMOutput, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from layershard.models import CausalLMOutput, LlamaForCausalLM, causal_lm_loss
 
 
 # ---- odd sizes, tied and frozen parameters ---------------------------------------------------------
@@ -287,28 +286,6 @@ def _low_precision(rank, world) -> None:
 
 def test_bf16_and_fp16_mixed_precision():
     run_ranks(_low_precision, 2)
-
-
-# ---- meta-device init --------------------------------------------------------------------------------
-def _meta(rank, world) -> None:
-    for tied in (False, True):
-        eager = ls.shard(tiny_llama(seed=3, tie_embeddings=tied))
-        torch.manual_seed(3)
-        with torch.device("meta"):
-            meta_model = LlamaForCausalLM(LlamaConfig(**{**TINY, "tie_embeddings": tied}))
-        lazy = ls.shard(meta_model)
-        a, b = eager.full_state_dict(), lazy.full_state_dict()
-        if rank == 0:
-            assert list(a) == list(b)
-            for k in a:
-                assert torch.equal(a[k], b[k]), (tied, k)
-        x = local(batches(1)[0], rank, world)
-        with torch.no_grad():
-            torch.testing.assert_close(eager(x).logits, lazy(x).logits, rtol=0, atol=0)
-
-
-def test_meta_init_equals_eager_init():
-    run_ranks(_meta, 2)
 
 
 # ---- HF transformers Llama -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from layershard.buffers import GatherSlot, GradSlot, nbytes
 from layershard.collectives import Comm
 from layershard.distributed import default_device
 from layershard.flat import FlatParam, ParamSlot, layout
+from layershard.init import fill_shards
 from layershard.precision import FULL_PRECISION, MixedPrecision
 from layershard.schedule import Phase, Schedule, Unit
 from layershard.strategy import CPUOffload, Sharding
@@ -30,6 +31,8 @@ from layershard.strategy import resolve as resolve_strategy
 from layershard.units import UnitSpec, backward_needs_weights, find_units
 
 _sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # their hooks are installed
+# original parameters that shard() emptied, by id (tensors compare elementwise: no WeakSet)
+_sharded_away: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def shard(
@@ -69,9 +72,9 @@ def shard(
             ``device``.
         compile: ``torch.compile`` each block's forward (not the hooks); a dict is passed to
             ``torch.compile`` as keyword arguments.
-        param_init_fn: for a model on the meta device, called as ``param_init_fn(module)`` for
-            each module with parameters (default: a HF transformers model's ``_init_weights``,
-            else the module's own ``reset_parameters()``).
+        param_init_fn: for a model on the meta device, called as ``param_init_fn(module)``
+            children first, as ``model.apply`` does (default: a HF transformers model's own init
+            contract, else each module's ``reset_parameters()``); see ``layershard/init.py``.
 
     Build the optimizer *after* this call, from the returned module's ``parameters()``.
     """
@@ -113,30 +116,25 @@ def shard(
     #    views of one buffer, which is also its gather slot (no copy, no second copy in memory).
     in_place = world == 1 and precision.param_dtype == torch.float32 and offload is None
     flats_of, unit_buffers = [], []
+    slot_of: dict[int, tuple[FlatParam, ParamSlot]] = {}  # id(original parameter) ->
     for spec in specs:
-        flats, buffer = _make_flats(spec, world, rank, host, in_place)
+        flats, buffer, placed = _make_flats(spec, world, rank, host, in_place)
         if offload is not None and device.type == "cuda" and offload.pin_memory:
             for f in flats:
                 f.pin()
+        slot_of.update((id(p), (f, sl)) for p, f, sl in placed)
         flats_of.append(flats)
         unit_buffers.append(buffer)
-    slot_of = {
-        id(p): (f, sl)
-        for s, fl in zip(specs, flats_of)
-        for f in fl
-        for sl, p in zip(f.slots, f._originals)
-    }
-    _fill(model, specs, flats_of, slot_of, host, param_init_fn)
+    fill_shards(model, specs, slot_of, host, param_init_fn)
 
     # 2. The original parameters leave the modules; weights become attributes set per forward.
-    for fl in flats_of:
-        for f in fl:
-            for sl, p in zip(f.slots, f._originals):
-                for use in sl.uses:
-                    use.module._parameters.pop(use.attr, None)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the full copy
-                p._layershard_sharded_away = True
-            del f._originals
+    originals = [p for spec in specs for p, _ in spec.params]
+    for p in originals:
+        f, sl = slot_of[id(p)]
+        for use in sl.uses:
+            use.module._parameters.pop(use.attr, None)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the full copy
+        _sharded_away[id(p)] = p
     model.to(device)  # module buffers only: parameters are no longer registered
     for fl in flats_of:
         for f in fl:
@@ -224,9 +222,9 @@ def _check_devices(model: nn.Module) -> None:
 
 def _make_flats(
     spec: UnitSpec, world: int, rank: int, device: torch.device, in_place: bool
-) -> tuple[list[FlatParam], torch.Tensor | None]:
-    """The unit's flat groups (trainable first, then frozen) and, with ``in_place``, the one
-    zeroed buffer whose consecutive views their shards are."""
+) -> tuple[list[FlatParam], torch.Tensor | None, list[tuple[nn.Parameter, FlatParam, ParamSlot]]]:
+    """The unit's flat groups (trainable first, then frozen); with ``in_place``, the one zeroed
+    buffer whose consecutive views their shards are; and where each original parameter went."""
     groups = []
     for requires_grad in (True, False):
         group = [(p, uses) for p, uses in spec.params if p.requires_grad == requires_grad]
@@ -236,7 +234,7 @@ def _make_flats(
     buffer = None
     if in_place:
         buffer = torch.zeros(sum(g[3] * world for g in groups), device=device)
-    flats, start = [], 0
+    flats, placed, start = [], [], 0
     for requires_grad, group, offsets, shard_numel in groups:
         slots = [
             ParamSlot(uses, p.shape, offset, requires_grad)
@@ -245,42 +243,9 @@ def _make_flats(
         storage = None if buffer is None else buffer[start : start + shard_numel]
         f = FlatParam(slots, requires_grad, world, rank, device, storage=storage)
         start += shard_numel * world
-        f._originals = [p for p, _ in group]
+        placed += [(p, f, sl) for (p, _), sl in zip(group, slots)]
         flats.append(f)
-    return flats, buffer
-
-
-@torch.no_grad()
-def _fill(model, specs, flats_of, slot_of, device, param_init_fn) -> None:
-    """Copy this rank's slice of every parameter into its flat shard. A model on the meta device is
-    materialized one module at a time (in ``model.modules()`` order, so that the random stream
-    matches eager construction), and never whole on any rank."""
-    for mod_name, mod in model.named_modules():
-        metas = {n: p for n, p in mod._parameters.items() if p is not None and p.is_meta}
-        meta_buffers = [n for n, b in mod._buffers.items() if b is not None and b.is_meta]
-        if not metas and not meta_buffers:
-            continue
-        init = (
-            partial(param_init_fn, mod) if param_init_fn else getattr(mod, "reset_parameters", None)
-        )
-        if init is None:
-            raise ValueError(
-                f"shard(): module {mod_name or '<root>'} ({type(mod).__name__}) is on the meta "
-                "device and has no reset_parameters(); pass param_init_fn= to shard()"
-            )
-        mod.to_empty(device=device, recurse=False)
-        init()
-        for n, orig in metas.items():
-            f, slot = slot_of[id(orig)]
-            full_name = f"{mod_name}.{n}" if mod_name else n
-            if slot.name == full_name:  # a tied parameter is filled by its first use
-                f.copy_from_full(slot, mod._parameters[n])
-            mod._parameters[n] = orig  # drop the materialized copy
-    for fl in flats_of:
-        for f in fl:
-            for slot, p in zip(f.slots, f._originals):
-                if not p.is_meta:
-                    f.copy_from_full(slot, p)
+    return flats, buffer, placed
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -302,7 +267,7 @@ def _optimizer_guard(optimizer, args, kwargs) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if getattr(p, "_layershard_sharded_away", False):
+            if _sharded_away.get(id(p)) is p:
                 raise RuntimeError(
                     "This optimizer holds parameters of a model that ls.shard() has since sharded: "
                     "it was built before shard() and would update nothing. Build it after: "
