@@ -1,0 +1,89 @@
+"""How long backward waits for its gathers, on 2 gloo ranks: the measurement behind issuing the
+gather into a freed buffer before the freed unit's reduce-scatter (issue 10, item 10).
+
+    python benchmarks/backward_order.py --model small --steps 6
+    PYTHONPATH=/path/to/old/src python benchmarks/backward_order.py ...   # another engine
+
+Each rank times every ``Schedule.ensure`` call in backward (the main thread blocked until the
+unit's weights are there) and the whole step. Prints one JSON line per rank: the engine's source
+path, per-step wall time and backward gather wait (medians over the timed steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def worker(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import layershard as ls
+    from layershard import schedule as sched
+    from layershard.models import LlamaForCausalLM, build_config
+
+    ls.init_distributed(backend="gloo")
+    waited = [0.0]
+    ensure = sched.Schedule.ensure
+
+    def timed(self, u, phase):
+        t0 = time.perf_counter()
+        ensure(self, u, phase)
+        if "backward" in str(phase).lower():
+            waited[0] += time.perf_counter() - t0
+
+    sched.Schedule.ensure = timed
+    torch.manual_seed(0)
+    model = ls.shard(LlamaForCausalLM(build_config(args.model, vocab_size=8192)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    walls, waits = [], []
+    for step in range(args.warmup + args.steps):
+        x = torch.randint(0, 8192, (args.batch, args.seq_len), generator=g)
+        dist.barrier()
+        waited[0] = 0.0
+        t0 = time.perf_counter()
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= args.warmup:
+            walls.append(time.perf_counter() - t0)
+            waits.append(waited[0])
+    print(json.dumps({
+        "rank": rank, "engine": os.path.dirname(ls.__file__), "model": args.model,
+        "step_s": round(statistics.median(walls), 4),
+        "backward_gather_wait_s": round(statistics.median(waits), 4),
+        "load": os.getloadavg()[0],
+    }), flush=True)  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="small")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    a = p.parse_args()
+    from _dist import free_port
+
+    mp.spawn(worker, args=(2, free_port(), a), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()
