@@ -6,4 +6,21 @@ The worker (``layershard.bench.worker``) runs one implementation and writes one 
 ``layershard.bench.report`` aggregates them into a table, ``results.json`` and ``bench.png``.
 """
 
-IMPLS = ("layershard", "fsdp2", "fsdp1", "ddp")
+# The implementations a bench compares, in the order of its tables: layershard's strategies
+# ("layershard" is "full"), torch's, and the unsharded model on each rank with no communication.
+IMPLS = (
+    "layershard",
+    "layershard-grad_op",
+    "layershard-no_shard",
+    "layershard-hybrid",
+    "fsdp2",
+    "fsdp1",
+    "ddp",
+    "plain",
+)
+STRATEGY_IMPL = {
+    "full": "layershard",
+    "grad_op": "layershard-grad_op",
+    "no_shard": "layershard-no_shard",
+    "hybrid": "layershard-hybrid",
+}

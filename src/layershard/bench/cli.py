@@ -18,8 +18,22 @@ import sys
 import time
 from pathlib import Path
 
-from layershard.bench import IMPLS
+from layershard.bench import IMPLS, STRATEGY_IMPL
 from layershard.models import hf as models_hf
+
+TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain")
+
+# The default bench: the `small` preset, and a communication-heavier shape beside it (narrower,
+# shorter sequences, fewer tokens per rank: less compute per byte communicated).
+SHAPES = {
+    "small": {"model": "small", "overrides": [], "seq_len": 512, "global_batch": 8},
+    "comm": {
+        "model": "small",
+        "overrides": ["dim=384", "n_heads=6", "n_kv_heads=6", "ffn_dim=1152"],
+        "seq_len": 256,
+        "micro_batch": 4,
+    },
+}
 
 
 def load_hf_config(path: str):
@@ -40,13 +54,26 @@ def _cores() -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and data")
     src = m.add_mutually_exclusive_group()
-    src.add_argument("--model", default="small", help="a layershard preset (tiny, small, ...)")
+    src.add_argument(
+        "--shape", nargs="+", choices=SHAPES, default=None,
+        help="named bench shapes (default, without --model/--hf-config: small comm): small is "
+        "the preset at seq 512, global batch 8; comm is d 384, seq 256, 4 sequences per rank",
+    )  # fmt: skip
+    src.add_argument("--model", default=None, help="a layershard preset (tiny, small, ...)")
     src.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json or its folder")
+    m.add_argument(
+        "--model-override", action="append", default=[], metavar="KEY=VALUE",
+        help="a field of the preset's LlamaConfig, e.g. dim=384 (repeatable)",
+    )  # fmt: skip
     m.add_argument(
         "--vocab-size", type=int, default=None, help="vocabulary (default: 8192 for presets)"
     )
     m.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     m.add_argument("--global-batch", type=int, default=8, help="sequences per step, all ranks")
+    m.add_argument(
+        "--micro-batch", type=int, default=None,
+        help="sequences per rank instead (the global batch then grows with the world size)",
+    )  # fmt: skip
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (fixed)")
     r = p.add_argument_group("runs")
@@ -56,9 +83,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--impl",
         nargs="+",
-        default=list(IMPLS),
+        default=["fsdp2", "fsdp1", "ddp"],
         choices=IMPLS,
-        help="implementations to run (layershard always included: ratios are against it)",
+        help="implementations to run besides layershard (ratios are against it); plain is the "
+        "unsharded model on each rank, with no communication",
+    )
+    r.add_argument(
+        "--strategy",
+        nargs="+",
+        default=["full"],
+        choices=list(STRATEGY_IMPL),
+        help="layershard strategies to run (hybrid from 4 ranks, as 2 groups)",
     )
     r.add_argument("--steps", type=int, default=5, help="timed steps per run")
     r.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
@@ -101,11 +136,45 @@ def _model_tag(args) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is None and args.hf_config is None:
+        shapes = args.shape or list(SHAPES)
+    elif args.shape:
+        print("layershard bench: --shape or --model/--hf-config, not both", file=sys.stderr)
+        return 2
+    else:
+        shapes = [None]
+    for name in shapes:
+        shape_args = argparse.Namespace(**vars(args))
+        if name is not None:
+            spec = SHAPES[name]
+            shape_args.model = spec["model"]
+            shape_args.model_override = list(spec["overrides"]) + list(args.model_override)
+            shape_args.seq_len = spec["seq_len"]
+            shape_args.global_batch = spec.get("global_batch", args.global_batch)
+            shape_args.micro_batch = spec.get("micro_batch")
+        shape_args.tag = name or _model_tag(shape_args)
+        shape_args.shape_name = name
+        rc = run_shape(shape_args)
+        if rc:
+            return rc
+    return 0
+
+
+def _global_batch(args, n: int) -> int:
+    return args.micro_batch * n if args.micro_batch else args.global_batch
+
+
+def run_shape(args: argparse.Namespace) -> int:
     from layershard.bench import report
 
     device = _device_kind()
-    impls = ["layershard"] + [i for i in args.impl if i != "layershard"]
-    out = Path(args.out or f"benchmarks/{_model_tag(args)}-{device}")
+    strategies = [STRATEGY_IMPL[s] for s in args.strategy if s != "full"]
+    impls = (
+        ["layershard"] + strategies + [i for i in args.impl if i not in ("layershard", *strategies)]
+    )
+    out = Path(args.out or f"benchmarks/{args.tag}-{device}")
+    if args.out and args.shape_name:  # one folder per named shape
+        out = out / args.tag
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     if args.hf_config:
@@ -120,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
     for n in args.nproc:
-        if args.global_batch % n:
+        if _global_batch(args, n) % n:
             print(
                 f"layershard bench: --global-batch {args.global_batch} is not divisible by "
                 f"--nproc {n}",
@@ -146,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         for n in args.nproc:
             for r in range(args.repeats):
                 order = impls if r % 2 == 0 else impls[::-1]
-                plan += [(n, r, impl) for impl in order]
+                # hybrid needs two groups of two or more ranks
+                plan += [(n, r, i) for i in order if i != "layershard-hybrid" or n >= 4]
         t_start = time.time()
         for k, (n, r, impl) in enumerate(plan):
             path = runs_dir / f"{impl}-n{n}-r{r}.json"
@@ -184,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
 def _settings(args, device: str) -> dict:
     return {
         "model": args.hf_config or args.model,
+        "shape": getattr(args, "tag", None),
+        "model_overrides": list(args.model_override),
+        "micro_batch": args.micro_batch,
         "device": device,
         "nproc": args.nproc,
         "seq_len": args.seq_len,
@@ -202,7 +275,7 @@ def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
         "-m", "layershard.bench.worker", "--impl", impl, "--seq-len", str(args.seq_len),
-        "--global-batch", str(args.global_batch), "--steps", str(args.steps),
+        "--global-batch", str(_global_batch(args, n)), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--seed", str(args.seed), "--lr", str(args.lr),
         "--out", str(path),
     ]  # fmt: skip
@@ -210,6 +283,8 @@ def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]
         cmd += ["--hf-config", args.hf_config]
     else:
         cmd += ["--model", args.model, "--vocab-size", str(args.vocab_size or 8192)]
+        for item in args.model_override:
+            cmd += ["--model-override", item]
     if args.hf_config and args.vocab_size:
         cmd += ["--vocab-size", str(args.vocab_size)]
     if args.precision:

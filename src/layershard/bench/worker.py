@@ -29,13 +29,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-IMPLS = ("layershard", "fsdp2", "fsdp1", "ddp")
+from layershard.bench import IMPLS, STRATEGY_IMPL
+
+STRATEGY_IMPLS = {impl: strategy for strategy, impl in STRATEGY_IMPL.items() if strategy != "full"}
+
+
+def is_layershard(impl: str) -> bool:
+    return impl == "layershard" or impl in STRATEGY_IMPLS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="layershard.bench.worker")
     p.add_argument("--impl", required=True, choices=IMPLS)
     p.add_argument("--model", default="small")
+    p.add_argument(
+        "--model-override", action="append", default=[], metavar="KEY=VALUE",
+        help="a LlamaConfig field of the preset (e.g. dim=384)",
+    )  # fmt: skip
     p.add_argument("--hf-config", default=None)
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=512)
@@ -73,6 +83,9 @@ def build_model(args) -> tuple[nn.Module, dict]:
         from layershard.models import LlamaForCausalLM, build_config
 
         over = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+        for item in args.model_override:
+            key, _, value = item.partition("=")
+            over[key] = int(value) if value.lstrip("-").isdigit() else float(value)
         if args.seq_len > build_config(args.model).max_seq_len:
             over["max_seq_len"] = args.seq_len
         cfg = build_config(args.model, **over)
@@ -119,11 +132,23 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
     """(wrapped model, autocast context factory, notes)"""
     notes = {}
     no_autocast = contextlib.nullcontext
-    if impl == "layershard":
+    if is_layershard(impl):
         import layershard as ls
 
         mp = ls.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
-        return ls.shard(model, mixed_precision=mp, device=device), no_autocast, notes
+        strategy = STRATEGY_IMPLS.get(impl, "full")
+        kwargs: dict = {"strategy": strategy}
+        if strategy == "hybrid":  # two groups: 2 x 2 at world size 4
+            kwargs["shard_size"] = max(1, world // 2)
+            notes["groups"] = f"{world // kwargs['shard_size']} x {kwargs['shard_size']}"
+        model = ls.shard(model, mixed_precision=mp, device=device, **kwargs)
+        return model, no_autocast, notes
+    if impl == "plain":  # the unsharded model on each rank's own batch: no communication at all
+        model.to(device)
+        notes["precision"] = "torch.autocast(bfloat16)" if bf16 else "fp32"
+        if bf16:
+            return model, partial(torch.autocast, device.type, dtype=torch.bfloat16), notes
+        return model, no_autocast, notes
     if impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -235,7 +260,7 @@ def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, impl: str) -
     for t in live_tensors():
         c.add("other", t)
     out["other_resident"] = c.by_cat.get("other", 0)
-    if impl == "layershard":
+    if is_layershard(impl):
         out["layershard_memory_report"] = model.memory_report(opt)
     return out
 
@@ -408,7 +433,7 @@ def main(argv=None) -> int:
         memory["max_memory_reserved"] = torch.cuda.max_memory_reserved(device)
 
     # Untimed: collectives of one step.
-    if args.impl == "layershard":
+    if is_layershard(args.impl):
         model.comm_stats(reset=True)
     counter = CountCollectives()
     i = args.warmup + args.steps
@@ -424,7 +449,7 @@ def main(argv=None) -> int:
         comm, comm_error = {}, f"{type(e).__name__}: {e}"
     for op, d in comm.items():
         d["sent_bytes_ring"] = ring_bytes_sent(op, d["bytes"], world)
-    own_comm = model.comm_stats(reset=True) if args.impl == "layershard" else None
+    own_comm = model.comm_stats(reset=True) if is_layershard(args.impl) else None
 
     # Untimed: peak memory of one step under MemTracker (CPU; also run on CUDA as a cross-check).
     # Model state while everything exists: after the optimizer step, before zero_grad.
