@@ -16,17 +16,30 @@ from layershard.plan.memory import (
 )
 from layershard.plan.model import ModelShape, Unit, units
 from layershard.plan.planner import Plan, Settings, make_plan, suggest
-from layershard.plan.timing import collectives_per_step, model_flops, predict_time, ring_bytes
+from layershard.plan.sources import DEFAULT_EFFICIENCY, PROVENANCE, Efficiency
+from layershard.plan.timing import (
+    collectives_by_group,
+    collectives_per_step,
+    model_flops,
+    predict_time,
+    resolve_layout,
+    ring_bytes,
+    transfers_by_link,
+)
 
 __all__ = [
+    "DEFAULT_EFFICIENCY",
     "GPUS",
+    "PROVENANCE",
     "STATE_KEYS",
     "Cluster",
+    "Efficiency",
     "ModelShape",
     "Plan",
     "Settings",
     "Unit",
     "bytes_per_param",
+    "collectives_by_group",
     "collectives_per_step",
     "get_gpu",
     "layer_activation_bytes_per_token",
@@ -35,8 +48,10 @@ __all__ = [
     "predict_activations",
     "predict_memory",
     "predict_time",
+    "resolve_layout",
     "ring_bytes",
     "suggest",
+    "transfers_by_link",
     "units",
     "zero_paper_model_states",
 ]
