@@ -15,6 +15,7 @@ from layershard.cli import main
 from layershard.models import LlamaConfig, LlamaForCausalLM, build_config
 from layershard.models.llama import Block, Rotary
 from layershard.plan import (
+    GPUS,
     Cluster,
     Efficiency,
     ModelShape,
@@ -22,6 +23,7 @@ from layershard.plan import (
     bytes_per_param,
     collectives_by_group,
     collectives_per_step,
+    fit,
     get_gpu,
     layer_activation_bytes_per_token,
     make_plan,
@@ -29,10 +31,12 @@ from layershard.plan import (
     predict_activations,
     predict_memory,
     predict_time,
+    read_runs,
     ring_bytes,
     suggest,
     transfers_by_link,
     units,
+    yafsdp_fit,
     zero_paper_model_states,
 )
 from layershard.plan.hardware import GPU
@@ -648,6 +652,144 @@ def test_suggest_offload_when_nothing_else_fits():
     # and not when the host is too small for the offloaded states
     small_host = get_gpu("h100", host_memory_gb=512)
     assert suggest(shape, small_host, cl, s).plan is None
+
+
+# --- calibration -------------------------------------------------------------------------------
+
+
+def _train_run(path, step_times, world=1, grad_accum=1, vocab=4096, precision="bf16"):
+    """A `layershard train` run folder as the loop leaves it (the files calibration reads)."""
+    import yaml
+
+    path.mkdir()
+    cfg = {"model": "tiny", "model_overrides": {}, "seq_len": 256, "micro_batch": 4,
+           "precision": precision, "activation_checkpointing": 1,
+           "_resolved": {"world_size": world, "grad_accum": grad_accum, "vocab_size": vocab}}  # fmt: skip
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (path / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": i + 1, "step_time_s": t}) + "\n" for i, t in enumerate(step_times)
+        )
+    )
+    shape = ModelShape.from_config(build_config("tiny", vocab_size=vocab))
+    (path / "summary.json").write_text(json.dumps({"params": shape.total_params}))
+    return shape
+
+
+def test_calibrate_train_run_recovers_compute_efficiency(tmp_path):
+    # One rank: no communication, so the step is compute (with one checkpointed block), the
+    # optimizer and the bf16 casts; the measured steps were made with compute efficiency 0.31.
+    gpu = get_gpu("h100")
+    shape = ModelShape.from_config(build_config("tiny", vocab_size=4096))
+    true = replace(gpu.eff, compute=0.31)
+    t = predict_time(shape, gpu, Cluster(1, 1), 4, 256, 1, eff=true).step_s
+    # the first steps pay for warm-up (20% of the logged steps are skipped, then the median)
+    _train_run(tmp_path / "run", [50 * t, 20 * t] + [t] * 8)
+    (m,) = read_runs([tmp_path / "run"], gpus_per_node=8)
+    assert m.step_s == t and m.settings.checkpoint_layers == 1 and m.cluster.gpus == 1
+    f = fit([m], gpu)
+    assert f.fitted == ["compute"] and f.after.compute == pytest.approx(0.31, rel=1e-4)
+    assert f.after.nvlink == gpu.eff.nvlink  # kept: nothing to fit it on
+    assert any("one rank" in n for n in f.notes)
+    ((_, before, after),) = f.rows
+    assert before < t and after == pytest.approx(t, rel=1e-4)
+    # a wrong model is refused, not fitted
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"params": 123}))
+    with pytest.raises(ValueError, match="123"):
+        read_runs([tmp_path / "run"], gpus_per_node=8)
+
+
+def _bench(path, gpu, eff, vocab=4000, worlds=(2, 4)):
+    """`layershard bench` results.json: layershard's median step at each world size, made by
+    the model itself at efficiencies ``eff``; a --vocab-size the file does not record."""
+    shape = replace(ModelShape.from_preset("tiny"), vocab_size=vocab)
+    impls = {}
+    for n in worlds:
+        t = predict_time(shape, gpu, Cluster(n, 8), 8 // n, 256, eff=eff).step_s
+        impls[str(n)] = {"impls": {
+            "layershard": {"step_time_median": t, "params": shape.total_params, "timed_steps": 9},
+            "fsdp2": {"step_time_median": 2 * t, "params": shape.total_params},
+        }}  # fmt: skip
+    settings = {"model": "tiny", "device": "cuda", "seq_len": 256, "global_batch": 8,
+                "precision": "bf16"}  # fmt: skip
+    path.write_text(json.dumps({"settings": settings, "world_sizes": impls}))
+    return shape
+
+
+def test_calibrate_bench_recovers_compute_and_comm(tmp_path):
+    # A slow link (1 TFLOP/s, 1 GB/s NVLink) so that communication is partly exposed. The global
+    # batch is fixed: at 4 ranks each computes half as much as at 2 but sends about as much,
+    # which separates the two efficiencies.
+    gpu = get_gpu("h100", tflops=1.0, intra_bw=1.0)
+    true = replace(gpu.eff, compute=0.2, nvlink=0.3, network=0.3)
+    shape = _bench(tmp_path / "results.json", gpu, true)
+    ms = read_runs([tmp_path / "results.json"], gpus_per_node=8)
+    assert [m.cluster.gpus for m in ms] == [2, 4]  # fsdp2 rows are not layershard's
+    assert ms[0].shape == shape and ms[0].settings.micro_batch == 4  # vocabulary solved
+    f = fit(ms, gpu)
+    assert f.fitted == ["compute", "comm"]
+    assert f.after.compute == pytest.approx(0.2, rel=1e-3)
+    assert f.after.nvlink == pytest.approx(0.3, rel=1e-3)
+    for m, before, after in f.rows:
+        assert abs(before / m.step_s - 1) > 0.1 and after == pytest.approx(m.step_s, rel=1e-3)
+    # one world size: one equation, two unknowns -> communication kept, and said so
+    one = fit(ms[:1], gpu)
+    assert one.fitted == ["compute"] and one.after.nvlink == gpu.eff.nvlink
+    assert any("cannot separate" in n for n in one.notes)
+    assert not any("still off" in n for n in f.notes + one.notes)
+    # runs the model cannot describe are flagged (here: compute alone cannot explain 4 ranks
+    # twice as slow as the model says; two free factors would fit any two runs exactly)
+    slow = [ms[0], replace(ms[1], step_s=2 * ms[1].step_s)]
+    assert any("still off" in n for n in fit(slow, gpu, what="compute").notes)
+
+
+def test_calibrate_cli(capsys, tmp_path):
+    gpu = get_gpu("h100")
+    _bench(tmp_path / "results.json", gpu, replace(gpu.eff, compute=0.25, nvlink=0.4))
+    argv = ["plan", "--calibrate", str(tmp_path / "results.json"), "--model", "llama-7b",
+            "--gpus", "16", "--no-suggest", "--json", str(tmp_path / "plan.json")]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Calibration" in out and "Calibrated: this plan's step" in out
+    d = json.loads((tmp_path / "plan.json").read_text())
+    cal = d["calibration"]
+    assert cal["before"]["compute"] == gpu.eff.compute and len(cal["measurements"]) == 2
+    assert d["time"]["assumptions"]["compute_eff"] == cal["after"]["compute"]
+    assert main(["plan", "--calibrate", str(tmp_path / "nothing")]) == 2
+
+
+# --- where the default efficiencies come from ----------------------------------------------------
+
+
+def test_default_efficiencies_have_sources():
+    from layershard.plan.sources import DEFAULT_EFFICIENCY, PROVENANCE
+
+    statuses = {"published", "derived", "assumed"}
+    assert all(src.status in statuses and src.source for src in PROVENANCE)
+    listed = {(src.gpu, src.parameter) for src in PROVENANCE}
+    for gpu_type, eff in DEFAULT_EFFICIENCY.items():
+        for param in ("compute", "nvlink", "network", "pcie", "host"):
+            covered = {(gpu_type, param), (gpu_type, "all"), ("all", param)} & listed
+            assert covered, (gpu_type, param)
+            for src in PROVENANCE:
+                if (src.gpu, src.parameter) == (gpu_type, param):
+                    assert getattr(eff, param) == src.value, (gpu_type, param)
+    for name, gpu in GPUS.items():
+        assert gpu.eff == DEFAULT_EFFICIENCY[name.split("-")[0]]
+
+
+def test_derived_efficiencies_reproduce():
+    from layershard.plan.sources import A100_NETWORK_FROM_YAFSDP
+
+    # torchtitan's eager FSDP2 figure for Llama 3.1 8B (5,762 tokens/s/GPU at 8192 tokens) in
+    # this planner's FLOP count: 57.9 GFLOP per token, 34% of 989 TFLOP/s
+    llama31_8b = ModelShape(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                            ffn_dim=14336, max_seq_len=8192)  # fmt: skip
+    per_token = model_flops(llama31_8b, 8192, 8192) / 8192
+    assert per_token == pytest.approx(57.9e9, rel=1e-3)
+    assert round(5762 * per_token / 989e12, 2) == 0.34
+    # the A100 network efficiency: YaFSDP's 10 step times, compute and NVLink at the defaults
+    assert round(yafsdp_fit().after.network, 2) == A100_NETWORK_FROM_YAFSDP
 
 
 # --- CLI -------------------------------------------------------------------------------------

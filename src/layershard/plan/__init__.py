@@ -5,6 +5,7 @@ predict_memory(cfg, world_size=8, param_dtype=torch.bfloat16, reduce_dtype=torch
 # -> {"params": ..., "grads": ..., ..., "total": ...}, the keys of memory_report()
 """
 
+from layershard.plan.calibrate import Measurement, fit, read_runs, yafsdp_fit
 from layershard.plan.hardware import GPUS, Cluster, get_gpu
 from layershard.plan.memory import (
     STATE_KEYS,
@@ -34,6 +35,7 @@ __all__ = [
     "STATE_KEYS",
     "Cluster",
     "Efficiency",
+    "Measurement",
     "ModelShape",
     "Plan",
     "Settings",
@@ -41,6 +43,7 @@ __all__ = [
     "bytes_per_param",
     "collectives_by_group",
     "collectives_per_step",
+    "fit",
     "get_gpu",
     "layer_activation_bytes_per_token",
     "make_plan",
@@ -48,10 +51,12 @@ __all__ = [
     "predict_activations",
     "predict_memory",
     "predict_time",
+    "read_runs",
     "resolve_layout",
     "ring_bytes",
     "suggest",
     "transfers_by_link",
     "units",
+    "yafsdp_fit",
     "zero_paper_model_states",
 ]

@@ -1,5 +1,5 @@
-"""``layershard plan``: predict per-GPU memory, communication and step time for a run, and choose
-the strategy, checkpointing and micro-batch."""
+"""``layershard plan``: predict per-GPU memory, communication and step time for a run, choose the
+strategy, checkpointing and micro-batch, and calibrate the model on measured runs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from layershard.plan.calibrate import CalibrationError, read_runs
+from layershard.plan.calibrate import fit as fit_runs
+from layershard.plan.calibrate import render as render_fit
 from layershard.plan.hardware import GPUS, Cluster, get_gpu
 from layershard.plan.memory import OPTIMIZER_BYTES, STRATEGIES
 from layershard.plan.model import load_model
@@ -88,6 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--pcie-eff", type=float, help="achieved / peak PCIe bandwidth")
     a.add_argument("--latency-us", type=float, default=DEFAULT_LATENCY_S * 1e6,
                    help="per collective")  # fmt: skip
+    k = p.add_argument_group("calibration")
+    k.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
+                   help="fit the efficiencies to measured runs (layershard train run folders, "
+                   "layershard bench output) on this --gpu, then plan with them")  # fmt: skip
+    k.add_argument("--fit", default="auto", choices=["auto", "compute"],
+                   help="auto: compute, plus communication when the runs separate them")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     p.add_argument("--no-suggest", action="store_true", help="skip the search for settings")
     p.add_argument("--keep-strategy", action="store_true",
@@ -273,12 +282,26 @@ def run(args: argparse.Namespace) -> int:
     kw = {"latency_s": args.latency_us * 1e-6}
     out: dict = {}
     try:
+        if args.calibrate:
+            ms = read_runs(args.calibrate, args.gpus_per_node, args.param_dtype or "bf16")
+            f = fit_runs(ms, gpu, eff, kw["latency_s"], args.fit)
+            print(render_fit(f))
+            print()
+            before = make_plan(shape, gpu, cluster, settings, args.headroom, eff=eff, **kw)
+            eff = f.after
+            out["calibration"] = f.as_dict()
         plan = make_plan(shape, gpu, cluster, settings, args.headroom, eff=eff, **kw)
-    except ValueError as e:
+    except (ValueError, OSError, CalibrationError) as e:
         print(f"layershard plan: {e}", file=sys.stderr)
         return 2
     print(render(plan))
     out.update(plan.to_dict())
+    if args.calibrate:
+        moved = plan.time.step_s / before.time.step_s - 1
+        print(
+            f"\nCalibrated: this plan's step {before.time.step_s:.3f} s with the default "
+            f"efficiencies -> {plan.time.step_s:.3f} s calibrated ({moved * 100:+.1f}%)"
+        )
     if not args.no_suggest:
         sug = suggest(
             shape, gpu, cluster, settings, args.headroom, keep_strategy=args.keep_strategy,
