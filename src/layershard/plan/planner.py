@@ -431,10 +431,21 @@ def _gpus_needed(
 def _why(best: Plan, ranking: list[Ranked]) -> str:
     """One sentence on why the winner wins."""
     t = best.time
-    bound = "compute-bound" if t.exposed_comm_s <= 0.05 * t.step_s else "communication-bound"
+    where = "on the CPU" if best.settings.offload else "on the GPU"
+    shares = {
+        "compute-bound": t.compute_s,
+        "communication-bound": t.exposed_comm_s,
+        f"bound by the optimizer step {where}": t.optimizer_s,
+        "bound by compute-stream copies": t.copy_s,
+    }
+    bound = max(shares, key=lambda k: shares[k])
     others = [r for r in ranking if r.plan is not None and r.plan is not best]
     misfits = [r.label for r in ranking if r.plan is None]
-    parts = [f"fastest of {len(others) + 1} strategies that fit ({bound} at this setting"]
+    if others:
+        head = f"fastest of the {len(others) + 1} strategies that fit"
+    else:
+        head = "the only strategy that fits"
+    parts = [f"{head} ({bound} at this setting"]
     if t.exposed_comm_s > 0:
         parts[-1] += f", {t.exposed_comm_s:.3f} s of communication not hidden"
     parts[-1] += ")"

@@ -105,11 +105,11 @@ class Layout:
             "full": "full",
             "grad_op": "grad_op",
             "no_shard": "no_shard",
-            "hybrid": f"hybrid (shard {self.shard} x replicate {self.replicas})",
+            "hybrid": f"hybrid, shard {self.shard} x replicate {self.replicas}",
         }[self.strategy]
         if self.hpz > 1:
-            s += f", reshard_after_forward={self.hpz} (hpZ)"
-        return s + (", CPU offload" if self.offload else "")
+            s += f", hpZ over {self.hpz}"
+        return s + (", offload" if self.offload else "")
 
 
 def resolve_layout(
