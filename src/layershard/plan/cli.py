@@ -297,10 +297,11 @@ def run(args: argparse.Namespace) -> int:
     print(render(plan))
     out.update(plan.to_dict())
     if args.calibrate:
-        moved = plan.time.step_s / before.time.step_s - 1
+        ratio = plan.time.step_s / before.time.step_s
+        moved = f"{(ratio - 1) * 100:+.1f}%" if 0.5 < ratio < 2 else f"{ratio:.3g}x"
         print(
-            f"\nCalibrated: this plan's step {before.time.step_s:.3f} s with the default "
-            f"efficiencies -> {plan.time.step_s:.3f} s calibrated ({moved * 100:+.1f}%)"
+            f"\nCalibrated: this plan's step {before.time.step_s:.4g} s with the default "
+            f"efficiencies -> {plan.time.step_s:.4g} s calibrated ({moved})"
         )
     if not args.no_suggest:
         sug = suggest(
