@@ -227,6 +227,10 @@ def test_other_strategies():
     assert hpz["gather_buffers"] == z3["gather_buffers"] + extra
     with pytest.raises(ValueError, match="must divide"):
         predict_memory(cfg, n, strategy="hybrid", shard_size=3)
+    # combinations ls.shard refuses are refused by the time model too
+    for bad in ({"strategy": "hybrid", "reshard_after_forward": 2}, {"shard_size": 2}):
+        with pytest.raises(ValueError, match="applies to"):
+            collectives_per_step(cfg, n, **bad)
 
 
 # --- activations -----------------------------------------------------------------------------

@@ -125,6 +125,11 @@ def resolve_layout(
     does (``LOCAL_WORLD_SIZE``)."""
     name = strategy_name(strategy)
     n = int(world)
+    # the engine refuses these combinations (strategy.resolve): so does the plan
+    if shard_size is not None and name != "hybrid":
+        raise ValueError(f"shard_size applies to strategy='hybrid', not {name!r}")
+    if reshard_after_forward is not True and name != "full":
+        raise ValueError(f"reshard_after_forward applies to strategy='full', not {name!r}")
     if name == "full" and reshard_after_forward is False:
         name = "grad_op"
     if name == "hybrid":
