@@ -1,17 +1,22 @@
-"""``layershard plan``: predict per-GPU memory, communication and step time for a run."""
+"""``layershard plan``: predict per-GPU memory, communication and step time for a run, choose the
+strategy, checkpointing and micro-batch, and calibrate the model on measured runs."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+from layershard.plan.calibrate import CalibrationError, read_runs
+from layershard.plan.calibrate import fit as fit_runs
+from layershard.plan.calibrate import render as render_fit
 from layershard.plan.hardware import GPUS, Cluster, get_gpu
 from layershard.plan.memory import OPTIMIZER_BYTES, STRATEGIES
 from layershard.plan.model import load_model
-from layershard.plan.planner import DEFAULT_HEADROOM, Plan, Settings, make_plan, suggest
-from layershard.plan.timing import DEFAULT_COMM_EFF, DEFAULT_COMPUTE_EFF, DEFAULT_LATENCY_S
+from layershard.plan.planner import DEFAULT_HEADROOM, Plan, Settings, Suggestion, make_plan, suggest
+from layershard.plan.timing import DEFAULT_LATENCY_S
 
 GIB = 2**30
 
@@ -25,6 +30,16 @@ _LABELS = {
     "module_buffers": "module_buffers (RoPE tables)",
     "no_sync": "no_sync accumulators",
 }
+_HOST = ("params", "grads", "optimizer", "no_sync")
+
+
+def _ras(value: str) -> bool | int:
+    low = value.lower()
+    if low in ("true", "1"):
+        return True
+    if low == "false":
+        return False
+    return int(value)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,20 +55,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tflops", type=float, help="override dense bf16 TFLOP/s")
     c.add_argument("--intra-bw", type=float, metavar="GB/S", help="override NVLink GB/s per GPU")
     c.add_argument("--inter-bw", type=float, metavar="GB/S", help="override network GB/s per GPU")
+    c.add_argument("--pcie-bw", type=float, metavar="GB/S", help="override PCIe GB/s per GPU")
+    c.add_argument("--host-memory", type=float, metavar="GIB", help="host memory per node (GiB)")
     r = p.add_argument_group("run")
     r.add_argument("--seq-len", type=int, help="tokens per sequence (default: min(4096, model's))")
     r.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch")
     r.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    r.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    r.add_argument("--param-dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                   help="compute dtype (default bf16)")  # fmt: skip
     r.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     r.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
-    r.add_argument(
-        "--strategy",
-        default="full",
-        choices=STRATEGIES,
-        help="shard(strategy=...): full = ZeRO-3 (layershard); grad_op (ZeRO-2) and no_shard "
-        "(DDP) for comparison",
-    )
+    r.add_argument("--strategy", default="full", choices=STRATEGIES,
+                   help="shard(strategy=...): full (ZeRO-3), grad_op (ZeRO-2), no_shard (DDP-like), "
+                   "hybrid (HSDP)")  # fmt: skip
+    r.add_argument("--shard-size", type=int, help="hybrid: ranks per shard group (default: a node)")
+    r.add_argument("--reshard-after-forward", type=_ras, default=True, metavar="true|false|K",
+                   help="full: K keeps each unit sharded over K ranks for backward (hpZ)")  # fmt: skip
+    r.add_argument("--offload", action="store_true", help="ls.CPUOffload(): states in CPU memory")
     r.add_argument(
         "--no-sync",
         action="store_true",
@@ -65,17 +83,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K|all",
         help="number of blocks with activation checkpointing (default 0)",
     )
-    a = p.add_argument_group("model assumptions")
+    a = p.add_argument_group("model assumptions (defaults: per GPU type, see docs/plan.md)")
     a.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="memory kept free")
-    a.add_argument(
-        "--compute-eff", type=float, default=DEFAULT_COMPUTE_EFF, help="achieved/peak FLOP/s"
-    )
-    a.add_argument("--comm-eff", type=float, default=DEFAULT_COMM_EFF, help="achieved/peak GB/s")
-    a.add_argument(
-        "--latency-us", type=float, default=DEFAULT_LATENCY_S * 1e6, help="per collective"
-    )
+    a.add_argument("--compute-eff", type=float, help="achieved / peak FLOP/s")
+    a.add_argument("--comm-eff", type=float, help="achieved / peak bus bandwidth, both links")
+    a.add_argument("--network-eff", type=float, help="achieved / peak network bandwidth")
+    a.add_argument("--pcie-eff", type=float, help="achieved / peak PCIe bandwidth")
+    a.add_argument("--latency-us", type=float, default=DEFAULT_LATENCY_S * 1e6,
+                   help="per collective")  # fmt: skip
+    k = p.add_argument_group("calibration")
+    k.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
+                   help="fit the efficiencies to measured runs (layershard train run folders, "
+                   "layershard bench output) on this --gpu, then plan with them")  # fmt: skip
+    k.add_argument("--fit", default="auto", choices=["auto", "compute"],
+                   help="auto: compute, plus communication when the runs separate them")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     p.add_argument("--no-suggest", action="store_true", help="skip the search for settings")
+    p.add_argument("--keep-strategy", action="store_true",
+                   help="suggest checkpointing and micro-batch only, for the given strategy")  # fmt: skip
 
 
 def _gib(x: float) -> str:
@@ -88,71 +113,146 @@ def _gb(x: float) -> str:
 
 def render(plan: Plan) -> str:
     sh, g, cl, s, mem, t = plan.shape, plan.gpu, plan.cluster, plan.settings, plan.memory, plan.time
+    a = t.assumptions
     lines = [
         f"layershard plan: {sh.name} ({sh.total_params / 1e9:.2f}B params, {sh.n_layers} layers, "
         f"d={sh.dim}, ffn={sh.ffn_dim}, heads={sh.n_heads}/{sh.n_kv_heads} kv, "
         f"vocab={sh.vocab_size}, tied={'yes' if sh.tie_embeddings else 'no'})",
         f"  on {cl.gpus} x {g.name} ({cl.nodes} node(s) x {cl.local}; {g.memory_bytes / GIB:.1f} "
         f"GiB, {g.bf16_tflops:g} TFLOP/s bf16, NVLink {g.intra_bw_gbs:g} GB/s, "
-        f"network {g.inter_bw_gbs:g} GB/s per GPU)",
+        f"network {g.inter_bw_gbs:g} GB/s, PCIe {g.pcie_gbs:g} GB/s per GPU)",
         f"  seq {s.seq_len}, micro-batch {s.micro_batch}, grad-accum {s.grad_accum}, "
-        f"{s.param_dtype} params, {s.reduce_dtype} reduce, {s.optimizer}, {s.strategy}, "
+        f"{s.param_dtype} params, {s.reduce_dtype} reduce, {s.optimizer}, "
         f"{s.checkpoint_layers}/{sh.n_layers} layers checkpointed",
+        f"  strategy: {plan.strategy_label}",
         "",
         f"{'Memory per GPU':40s}{'GiB':>10s}",
     ]
     for key, label in _LABELS.items():
-        lines.append(f"  {label:38s}{_gib(mem[key])}")
+        where = "   (host)" if s.offload and key in _HOST else ""
+        lines.append(f"  {label:38s}{_gib(mem[key])}{where}")
     lines += [
         f"  {'= model states (memory_report total)':38s}{_gib(mem['model_states'])}",
         f"  {'activations (saved for backward)':38s}{_gib(mem['activations'])}",
         f"  {'logits + loss':38s}{_gib(mem['logits'])}",
         f"  {'one unit unsharded grads (backward)':38s}{_gib(mem['unit_grads'])}",
-        f"  {'= peak (max of forward, backward)':38s}{_gib(mem['peak'])}",
+        f"  {'= peak on the GPU (max of fwd, bwd)':38s}{_gib(mem['peak'])}",
         f"  {f'usable ({1 - plan.headroom:.0%} of GPU memory)':38s}{_gib(plan.budget)}"
-        f"   {'fits' if plan.fits else 'DOES NOT FIT'}",
-        "",
-        f"{'Communication per GPU per step':40s}{'NVLink GB':>10s}{'network GB':>12s}",
+        f"   {'fits' if plan.fits_device else 'DOES NOT FIT'}",
     ]
-    tot = {"nvlink": 0.0, "network": 0.0}
+    if s.offload:
+        lines.append(
+            f"  {'host memory per node (offloaded)':38s}{_gib(mem['host_per_node'])}   of "
+            f"{plan.host_budget / GIB:.0f} usable, {'fits' if plan.fits_host else 'DOES NOT FIT'}"
+        )
+    lines += [
+        "",
+        f"{'Communication per GPU per step':28s}{'group':>22s}{'NVLink GB':>10s}"
+        f"{'network GB':>12s}{'PCIe GB':>10s}",
+    ]
+    tot = {"nvlink": 0.0, "network": 0.0, "pcie": 0.0}
     for kind, links in t.comm_bytes.items():
-        lines.append(f"  {kind:38s}{_gb(links['nvlink'])}  {_gb(links['network'])}")
+        lines.append(
+            f"  {kind:26s}{t.comm_groups.get(kind, '')[:22]:>22s}{_gb(links['nvlink'])}  "
+            f"{_gb(links['network'])}{_gb(links['pcie'])}"
+        )
         for k in tot:
             tot[k] += links[k]
-    lines.append(f"  {'total':38s}{_gb(tot['nvlink'])}  {_gb(tot['network'])}")
-    a = t.assumptions
+    lines.append(
+        f"  {'total':26s}{'':22s}{_gb(tot['nvlink'])}  {_gb(tot['network'])}{_gb(tot['pcie'])}"
+    )
     lines += [
         "",
         f"{'Time per step':40s}{'s':>10s}",
         f"  {'compute (incl. recompute)':38s}{t.compute_s:10.3f}",
+    ]
+    if t.copy_s:
+        lines.append(f"  {'copies on the compute stream':38s}{t.copy_s:10.3f}")
+    lines += [
         f"  {'communication (if not overlapped)':38s}{t.comm_s:10.3f}",
         f"  {'forward / backward / optimizer':38s}{t.forward_s:10.3f} / {t.backward_s:.3f} / "
-        f"{t.optimizer_s:.3f}",
+        f"{t.optimizer_s:.3f}{' (CPU)' if s.offload else ''}",
         f"  {'= step (overlapped)':38s}{t.step_s:10.3f}",
         f"  {'exposed communication':38s}{t.exposed_comm_s:10.3f}",
         f"  {'MFU':38s}{t.mfu * 100:9.1f}%",
         f"  {'tokens/s per GPU':38s}{t.tokens_per_s_per_gpu:10.0f}",
         "",
-        "Model: compute = FLOPs / (peak x {ce}); FLOPs = 6 (L P_block + V d) T + 12 L s d T "
-        "(+ a forward per checkpointed block);".format(ce=a["compute_eff"]),
-        "  collectives = ring, (N-1)/N of the buffer per GPU, over the slower of NVLink and "
-        f"network (x{a['comm_eff']} of peak, +{a['latency_s'] * 1e6:g} us each);",
-        "  step = sum over units of max(compute, the neighbouring units' gather/reduce) + first "
-        "gather + last reduce + optimizer; MFU = model FLOPs / (step x peak).",
-        "  activations per block and token = c (4d + 4 h hd + 4f) + 8d + 8 + 4h bytes (fused "
-        "attention); a checkpointed block keeps c d + one block during recompute.",
+        f"Efficiencies ({g.name}): compute {a['compute_eff']:.3g}, NVLink {a['nvlink_eff']:.3g}, "
+        f"network {a['network_eff']:.3g}, PCIe {a['pcie_eff']:.3g}, host {a['host_eff']:.3g}; "
+        f"+{a['latency_s'] * 1e6:g} us per collective (sources: docs/plan.md)",
+        "Model: compute = FLOPs / (peak x eff); FLOPs = 6 (L P_block + V d) T + 12 L s d T "
+        "(+ a forward per checkpointed block);",
+        "  collectives = ring over their group, (m-1)/m of the buffer per GPU (2x for all-reduce), "
+        "over NVLink in a node, 1/p of it over the NIC across nodes;",
+        "  step = sum over units of max(compute, the neighbouring units' gathers/reductions) + "
+        "first gather + last reduction + optimizer; MFU = model FLOPs / (step x peak).",
     ]
+    return "\n".join(lines)
+
+
+def render_suggestion(sug: Suggestion, requested: Settings) -> str:
+    lines = [f"Suggestion: {sug.message}"]
+    if sug.plan is not None:
+        sp = sug.plan
+        s = sp.settings
+        flags = [f"--strategy {s.strategy}"]
+        if s.shard_size:
+            flags.append(f"--shard-size {s.shard_size}")
+        if s.reshard_after_forward is not True:
+            flags.append(f"--reshard-after-forward {s.reshard_after_forward}")
+        if s.offload:
+            flags.append("--offload")
+        flags += [
+            f"--micro-batch {s.micro_batch}",
+            f"--grad-accum {s.grad_accum}",
+            f"--checkpoint-layers {s.checkpoint_layers}",
+        ]
+        lines.append(
+            f"  predicted step {sp.time.step_s:.3f} s, MFU {sp.time.mfu * 100:.1f}%"
+            + ("" if s == requested else f" (flags: {' '.join(flags)})")
+        )
+        lines.append(f"  why: {sug.why}")
+    if len(sug.ranking) > 1:
+        lines += [
+            "",
+            f"  {'strategy (its fastest setting that fits)':46s}{'step s':>8s}{'x best':>8s}"
+            f"{'peak GiB':>9s}{'mb x ga':>8s}{'ckpt':>6s}  against the best",
+        ]
+        best = sug.plan.time.step_s if sug.plan else None
+        for r in sug.ranking:
+            if r.plan is None:
+                lines.append(f"  {r.label[:46]:46s}  {r.reason}")
+                continue
+            p = r.plan
+            ratio = f"{p.time.step_s / best:7.2f}x" if best else ""
+            lines.append(
+                f"  {r.label[:46]:46s}{p.time.step_s:8.3f}{ratio:>8s}{p.memory['peak'] / GIB:9.1f}"
+                f"{f'{p.settings.micro_batch}x{p.settings.grad_accum}':>8s}"
+                f"{p.settings.checkpoint_layers:6d}  {r.reason}"
+            )
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         shape = load_model(args.model, args.hf_config)
-        gpu = get_gpu(args.gpu, args.gpu_memory, args.tflops, args.intra_bw, args.inter_bw)
+        gpu = get_gpu(
+            args.gpu, args.gpu_memory, args.tflops, args.intra_bw, args.inter_bw, args.pcie_bw,
+            args.host_memory,
+        )  # fmt: skip
         cluster = Cluster(args.gpus, args.gpus_per_node)
     except (ValueError, OSError) as e:
         print(f"layershard plan: {e}", file=sys.stderr)
         return 2
+    eff = gpu.eff
+    if args.compute_eff is not None:
+        eff = replace(eff, compute=args.compute_eff)
+    if args.comm_eff is not None:
+        eff = replace(eff, nvlink=args.comm_eff, network=args.comm_eff)
+    if args.network_eff is not None:
+        eff = replace(eff, network=args.network_eff)
+    if args.pcie_eff is not None:
+        eff = replace(eff, pcie=args.pcie_eff)
     ck = args.checkpoint_layers
     k = shape.n_layers if str(ck).lower() == "all" else int(ck)
     if not 0 <= k <= shape.n_layers:
@@ -170,35 +270,60 @@ def run(args: argparse.Namespace) -> int:
         seq_len=seq,
         checkpoint_layers=k,
         grad_accum=args.grad_accum,
-        param_dtype=args.param_dtype,
+        param_dtype=args.param_dtype or "bf16",
         reduce_dtype=args.reduce_dtype,
         optimizer=args.optimizer,
         strategy=args.strategy,
         no_sync=args.no_sync,
+        shard_size=args.shard_size,
+        reshard_after_forward=args.reshard_after_forward,
+        offload=args.offload,
     )
-    kw = {
-        "compute_eff": args.compute_eff,
-        "comm_eff": args.comm_eff,
-        "latency_s": args.latency_us * 1e-6,
-    }
-    plan = make_plan(shape, gpu, cluster, settings, args.headroom, **kw)
+    kw = {"latency_s": args.latency_us * 1e-6}
+    out: dict = {}
+    try:
+        if args.calibrate:
+            ms = read_runs(args.calibrate, args.gpus_per_node, args.param_dtype or "bf16")
+            f = fit_runs(ms, gpu, eff, kw["latency_s"], args.fit)
+            print(render_fit(f))
+            print()
+            before = make_plan(shape, gpu, cluster, settings, args.headroom, eff=eff, **kw)
+            eff = f.after
+            out["calibration"] = f.as_dict()
+        plan = make_plan(shape, gpu, cluster, settings, args.headroom, eff=eff, **kw)
+    except (ValueError, OSError, CalibrationError) as e:
+        print(f"layershard plan: {e}", file=sys.stderr)
+        return 2
     print(render(plan))
-    out = plan.to_dict()
+    out.update(plan.to_dict())
+    if args.calibrate:
+        ratio = plan.time.step_s / before.time.step_s
+        moved = f"{(ratio - 1) * 100:+.1f}%" if 0.5 < ratio < 2 else f"{ratio:.3g}x"
+        print(
+            f"\nCalibrated: this plan's step {before.time.step_s:.4g} s with the default "
+            f"efficiencies -> {plan.time.step_s:.4g} s calibrated ({moved})"
+        )
     if not args.no_suggest:
-        sug = suggest(shape, gpu, cluster, settings, args.headroom, **kw)
+        sug = suggest(
+            shape, gpu, cluster, settings, args.headroom, keep_strategy=args.keep_strategy,
+            eff=eff, **kw,
+        )  # fmt: skip
         print()
-        print(f"Suggestion: {sug.message}")
-        if sug.plan is not None and sug.plan.settings != settings:
-            sp = sug.plan
-            print(
-                f"  predicted step {sp.time.step_s:.3f} s, MFU {sp.time.mfu * 100:.1f}% "
-                f"(flags: --micro-batch {sp.settings.micro_batch} --grad-accum "
-                f"{sp.settings.grad_accum} --checkpoint-layers {sp.settings.checkpoint_layers})"
-            )
+        print(render_suggestion(sug, settings))
         out["suggestion"] = {
             "message": sug.message,
+            "why": sug.why,
             "settings": None if sug.plan is None else out_settings(sug.plan),
             "gpus_needed": sug.gpus_needed,
+            "ranking": [
+                {
+                    "strategy": r.label,
+                    "fits": r.plan is not None,
+                    "step_s": r.plan.time.step_s if r.plan else None,
+                    "reason": r.reason,
+                }
+                for r in sug.ranking
+            ],
         }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ class Unit:
         return sum(self.param_numels)
 
     def shard_numel(self, world_size: int) -> int:
-        return layout(list(self.param_numels), world_size)[2]
+        return _layout(self.param_numels, world_size)[2]
 
     def padded_numel(self, world_size: int) -> int:
         return self.shard_numel(world_size) * world_size
@@ -171,13 +172,24 @@ class Unit:
     def local_numel(self, world_size: int, rank: int) -> int:
         """Real (non-gap, non-padding) elements in ``rank``'s slice: what per-element optimizer
         state is kept for."""
-        offsets, _, s = layout(list(self.param_numels), world_size)
+        offsets, _, s = _layout(self.param_numels, world_size)
         lo, hi = rank * s, (rank + 1) * s
         return sum(max(0, min(o + n, hi) - max(o, lo)) for o, n in zip(offsets, self.param_numels))
 
 
+@cache
+def _layout(param_numels: tuple[int, ...], world_size: int) -> tuple:
+    """``flat.layout`` (the planner asks for the same units' layouts many times)."""
+    return layout(list(param_numels), world_size)
+
+
 def units(shape: ModelShape) -> list[Unit]:
     """layershard's units in forward order (root unit first, as ``find_units`` lists it)."""
+    return list(_units(shape))
+
+
+@cache
+def _units(shape: ModelShape) -> tuple[Unit, ...]:
     out: list[Unit] = []
     embed = (shape.embedding_params,)
     if shape.tie_embeddings:
@@ -189,7 +201,7 @@ def units(shape: ModelShape) -> list[Unit]:
     out.append(Unit("norm", (shape.dim,), "extra"))
     if not shape.tie_embeddings:
         out.append(Unit("lm_head", (shape.head_params,), "extra"))
-    return out
+    return tuple(out)
 
 
 def load_model(preset: str | None = None, hf_config: str | None = None) -> ModelShape:

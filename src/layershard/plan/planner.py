@@ -1,38 +1,43 @@
-"""A whole plan (memory + time for one setting) and the search for the cheapest setting that fits.
+"""A whole plan (memory + time for one setting) and the search for the fastest setting that fits.
 
-Fitting means ``model states + activations + logits <= (1 - headroom) * GPU memory``; the headroom
-(default 10%) covers the CUDA context, NCCL buffers, allocator fragmentation and transient
-tensors the model does not count (activation gradients, optimizer-step temporaries).
+Fitting means the per-GPU peak (model states on the device + activations + logits, see
+``memory.peak_bytes``) ``<= (1 - headroom) * GPU memory`` and, under CPU offload, the node's
+offloaded states (params, grads, optimizer state and ``no_sync`` accumulators of its ranks, plus
+their gradient staging buffers) ``<= (1 - headroom) * host memory``. The headroom (default 10%)
+covers the CUDA context, NCCL buffers, allocator fragmentation and transient tensors the model
+does not count (activation gradients, optimizer-step temporaries).
 
-The suggestion keeps the global batch (``micro_batch * grad_accum * gpus`` sequences) fixed:
-for the requested micro-batch and each of its divisors (grad_accum scaled up to match) it takes
-the fewest checkpointed layers that fit, then picks among those the one with the lowest predicted
-step time (ties: the larger micro-batch). If nothing fits, it reports the smallest GPU count that fits with
-micro-batch 1 and every layer checkpointed, or that none does.
+The suggestion keeps the global batch (``micro_batch * grad_accum * gpus`` sequences) fixed and
+searches, for every strategy (``full``, ``grad_op``, ``no_shard``; on several nodes also
+``hybrid`` with shard groups of 1, 2, 4, ... nodes and ``full`` with ``reshard_after_forward`` =
+a node), each with and without CPU offload: for the requested micro-batch and each of its
+divisors (grad_accum scaled up to match) the fewest checkpointed layers that fit (fewer is
+always faster). The fastest of all those wins; within 0.5% of it (below what the model can
+resolve) the one with the lowest peak. If nothing fits, it reports the smallest GPU count that
+fits with micro-batch 1 and every layer checkpointed (``full``, with or without offload), or that
+none does.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.memory import (
+    dtype_bytes,
     peak_bytes,
     predict_activations,
     predict_memory,
     unit_grad_bytes,
 )
-from layershard.plan.model import ModelShape
-from layershard.plan.timing import (
-    DEFAULT_COMM_EFF,
-    DEFAULT_COMPUTE_EFF,
-    DEFAULT_LATENCY_S,
-    TimePlan,
-    predict_time,
-)
+from layershard.plan.model import ModelShape, units
+from layershard.plan.timing import DEFAULT_LATENCY_S, TimePlan, predict_time, resolve_layout
 
 DEFAULT_HEADROOM = 0.10
+# Keys of memory_report() that CPU offload keeps in host memory (the engine's ``host`` device).
+HOST_KEYS = ("params", "grads", "optimizer", "no_sync")
+TIE = 0.005  # relative step-time difference below which the lower peak wins
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,17 @@ class Settings:
     optimizer: str = "adamw"
     strategy: str = "full"
     no_sync: bool = False  # accumulate micro-batches unsharded, reduce once per step
+    shard_size: int | None = None  # hybrid: ranks per shard group (default: a node)
+    reshard_after_forward: bool | int = True  # full: an int K is hpZ over K ranks
+    offload: bool = False  # ls.CPUOffload()
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "shard_size": self.shard_size,
+            "reshard_after_forward": self.reshard_after_forward,
+            "offload": self.offload,
+        }
 
 
 @dataclass
@@ -54,7 +70,7 @@ class Plan:
     gpu: GPU
     cluster: Cluster
     settings: Settings
-    memory: dict[str, int]  # engine keys + activations + logits + unit_grads + peak
+    memory: dict[str, int]  # engine keys + activations + logits + unit_grads + peak (+ host)
     time: TimePlan
     headroom: float
 
@@ -63,8 +79,24 @@ class Plan:
         return int(self.gpu.memory_bytes * (1 - self.headroom))
 
     @property
-    def fits(self) -> bool:
+    def host_budget(self) -> int:
+        return int(self.gpu.host_memory_bytes * (1 - self.headroom))
+
+    @property
+    def fits_device(self) -> bool:
         return self.memory["peak"] <= self.budget
+
+    @property
+    def fits_host(self) -> bool:
+        return self.memory["host_per_node"] <= self.host_budget
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    @property
+    def strategy_label(self) -> str:
+        return self.time.layout.describe() if self.time.layout else self.settings.strategy
 
     def to_dict(self) -> dict[str, Any]:
         t = self.time
@@ -73,17 +105,21 @@ class Plan:
             "gpu": asdict(self.gpu),
             "cluster": {**asdict(self.cluster), "nodes": self.cluster.nodes},
             "settings": asdict(self.settings),
+            "strategy": self.strategy_label,
             "memory_bytes": self.memory,
             "budget_bytes": self.budget,
+            "host_budget_bytes_per_node": self.host_budget,
             "headroom": self.headroom,
             "fits": self.fits,
             "comm_bytes_per_step": t.comm_bytes,
+            "comm_groups": t.comm_groups,
             "time": {
                 "step_s": t.step_s,
                 "forward_s": t.forward_s,
                 "backward_s": t.backward_s,
                 "optimizer_s": t.optimizer_s,
                 "compute_s": t.compute_s,
+                "copy_s": t.copy_s,
                 "comm_s": t.comm_s,
                 "exposed_comm_s": t.exposed_comm_s,
                 "model_flops_per_gpu": t.model_flops,
@@ -101,53 +137,81 @@ def make_plan(
     cluster: Cluster,
     settings: Settings,
     headroom: float = DEFAULT_HEADROOM,
-    compute_eff: float = DEFAULT_COMPUTE_EFF,
-    comm_eff: float = DEFAULT_COMM_EFF,
+    compute_eff: float | None = None,
+    comm_eff: float | None = None,
     latency_s: float = DEFAULT_LATENCY_S,
+    eff: Any = None,
 ) -> Plan:
     s = settings
+    layout = resolve_layout(
+        s.strategy, cluster.gpus, s.shard_size, s.reshard_after_forward, cluster.gpus_per_node,
+        s.offload,
+    )  # fmt: skip
     mem = predict_memory(
-        shape, cluster.gpus, s.param_dtype, s.reduce_dtype, s.optimizer, s.strategy, s.no_sync
-    )
+        shape, cluster.gpus, s.param_dtype, s.reduce_dtype, s.optimizer, layout.strategy,
+        s.no_sync, shard_size=layout.shard if layout.strategy == "hybrid" else None,
+        reshard_after_forward=layout.hpz if layout.hpz > 1 else True, offload=s.offload,
+    )  # fmt: skip
     act = predict_activations(shape, s.micro_batch, s.seq_len, s.checkpoint_layers, s.param_dtype)
-    unit_grads = unit_grad_bytes(shape, cluster.gpus, s.param_dtype)
-    peak = peak_bytes(mem, act, unit_grads)
+    unit_grads = unit_grad_bytes(shape, layout.shard, s.param_dtype)
+    host = sum(mem.get(k, 0) for k in HOST_KEYS) if s.offload else 0
+    device = dict(mem)
+    if s.offload:
+        for k in HOST_KEYS:
+            if k in device:
+                device[k] = 0
+        device["total"] = sum(v for k, v in device.items() if k != "total")
+    peak = peak_bytes(device, act, unit_grads)
     mem = dict(mem)
     mem["model_states"] = mem.pop("total")
+    mem["device_states"] = device["total"]
+    mem["host_states"] = host
+    # two pinned staging buffers per rank, each the largest shard in the reduce dtype
+    staging = (
+        2 * dtype_bytes(s.reduce_dtype) * max(u.shard_numel(layout.shard) for u in units(shape))
+        if s.offload
+        else 0
+    )
+    mem["host_per_node"] = (host + staging) * cluster.local
     mem.update(act)
     mem["unit_grads"] = unit_grads
     mem["peak"] = peak
     t = predict_time(
-        shape,
-        gpu,
-        cluster,
-        s.micro_batch,
-        s.seq_len,
-        s.checkpoint_layers,
-        s.grad_accum,
-        s.param_dtype,
-        s.reduce_dtype,
-        s.strategy,
-        s.no_sync,
-        compute_eff,
-        comm_eff,
-        latency_s,
-    )
+        shape, gpu, cluster, s.micro_batch, s.seq_len, s.checkpoint_layers, s.grad_accum,
+        s.param_dtype, s.reduce_dtype, s.strategy, s.no_sync, compute_eff, comm_eff, latency_s,
+        s.shard_size, s.reshard_after_forward, s.offload, s.optimizer, eff,
+    )  # fmt: skip
     return Plan(shape, gpu, cluster, s, mem, t, headroom)
 
 
 @dataclass
+class Ranked:
+    """The best setting of one strategy, or why it has none."""
+
+    label: str
+    plan: Plan | None  # None: does not fit
+    reason: str  # what costs it time against the winner, or why it does not fit
+
+
+@dataclass
 class Suggestion:
-    plan: Plan | None  # the cheapest fitting plan, None if nothing fits on this many GPUs
+    plan: Plan | None  # the fastest fitting setting, or None
     gpus_needed: int | None  # when nothing fits: the smallest GPU count that would
     message: str
+    ranking: list[Ranked] = field(default_factory=list)
+    why: str = ""
 
 
 def min_checkpoint_layers(
-    shape: ModelShape, gpu: GPU, cluster: Cluster, settings: Settings, headroom: float, **kw: Any
+    shape: ModelShape,
+    gpu: GPU,
+    cluster: Cluster,
+    settings: Settings,
+    headroom: float = DEFAULT_HEADROOM,
+    **kw: Any,
 ) -> Plan | None:
-    """The plan with the fewest checkpointed layers that fits, or None. Memory grows
-    monotonically with fewer checkpointed layers, so a binary search suffices."""
+    """The plan with the fewest checkpointed layers that fits (memory falls as k grows), or
+    None if even every layer checkpointed does not fit."""
     L = shape.n_layers
 
     def at(k: int) -> Plan:
@@ -167,15 +231,40 @@ def min_checkpoint_layers(
     return at(lo)
 
 
-def suggest(
+def strategy_candidates(cluster: Cluster, settings: Settings) -> list[dict[str, Any]]:
+    """The strategy settings the suggestion compares (see the module docstring)."""
+    base: list[dict[str, Any]] = [
+        {"strategy": "full"},
+        {"strategy": "grad_op"},
+        {"strategy": "no_shard"},
+    ]
+    n, g = cluster.gpus, cluster.local
+    if cluster.nodes > 1:
+        base.append({"strategy": "full", "reshard_after_forward": g})
+        k = g
+        while k < n:
+            if n % k == 0:
+                base.append({"strategy": "hybrid", "shard_size": k})
+            k *= 2
+    out = []
+    for b in base:
+        for off in (False, True):
+            out.append(
+                {"strategy": "full", "shard_size": None, "reshard_after_forward": True, **b}
+                | {"offload": off}
+            )
+    return out
+
+
+def _best_for(
     shape: ModelShape,
     gpu: GPU,
     cluster: Cluster,
     settings: Settings,
-    headroom: float = DEFAULT_HEADROOM,
-    max_gpus: int = 1 << 16,
+    headroom: float,
     **kw: Any,
-) -> Suggestion:
+) -> Plan | None:
+    """The fastest fitting (micro-batch, grad-accum, checkpointed layers) for one strategy."""
     candidates: list[Plan] = []
     req = settings.micro_batch
     for mb in [m for m in range(req, 0, -1) if req % m == 0]:
@@ -187,41 +276,183 @@ def suggest(
             candidates.append(p)
             if p.settings.checkpoint_layers == 0:
                 break  # a smaller micro-batch would only repeat the same work in more steps
-    if candidates:
-        best = min(candidates, key=lambda p: (p.time.step_s, -p.settings.micro_batch))
+    return _pick(candidates)
+
+
+def _pick(plans: list[Plan]) -> Plan | None:
+    if not plans:
+        return None
+    fastest = min(p.time.step_s for p in plans)
+    close = [p for p in plans if p.time.step_s <= fastest * (1 + TIE)]
+    return min(close, key=lambda p: (p.memory["peak"], p.time.step_s, -p.settings.micro_batch))
+
+
+GiB = 2**30
+
+
+def _why_slower(p: Plan, best: Plan) -> str:
+    """The component of ``p``'s step that grew most against ``best``'s."""
+    a, b = p.time, best.time
+    recompute = (a.hardware_flops - a.model_flops) / max(a.hardware_flops, 1) * a.compute_s
+    recompute_b = (b.hardware_flops - b.model_flops) / max(b.hardware_flops, 1) * b.compute_s
+    parts = {
+        "exposed communication": a.exposed_comm_s - b.exposed_comm_s,
+        "recompute": recompute - recompute_b,
+        "optimizer step": a.optimizer_s - b.optimizer_s,
+        "compute-stream copies": a.copy_s - b.copy_s,
+        "compute": (a.compute_s - recompute) - (b.compute_s - recompute_b),
+    }
+    name, delta = max(parts.items(), key=lambda kv: kv[1])
+    if a.step_s <= b.step_s * (1 + TIE):
+        return (
+            f"as fast ({a.step_s - b.step_s:+.3f} s, within {TIE:.1%}) with a higher peak "
+            f"({p.memory['peak'] / GiB:.1f} GiB)"
+        )
+    detail = ""
+    if name == "exposed communication":
+        net = sum(v["network"] for v in a.comm_bytes.values())
+        net_b = sum(v["network"] for v in b.comm_bytes.values())
+        if net > net_b:
+            detail = f"; {net / 1e9:.1f} GB/step over the network vs {net_b / 1e9:.1f}"
+    elif name == "recompute":
+        detail = f" of {p.settings.checkpoint_layers}/{p.shape.n_layers} checkpointed layers"
+    elif name == "optimizer step":
+        detail = " (on the CPU)" if p.settings.offload else ""
+    return f"+{delta:.3f} s {name}{detail}"
+
+
+def suggest(
+    shape: ModelShape,
+    gpu: GPU,
+    cluster: Cluster,
+    settings: Settings,
+    headroom: float = DEFAULT_HEADROOM,
+    max_gpus: int = 1 << 16,
+    keep_strategy: bool = False,
+    **kw: Any,
+) -> Suggestion:
+    """The fastest setting that fits: strategy (unless ``keep_strategy``), CPU offload,
+    micro-batch and activation checkpointing (see the module docstring)."""
+    if keep_strategy:
+        options = [settings.strategy_kwargs()]
+    else:
+        options = strategy_candidates(cluster, settings)
+    ranking: list[Ranked] = []
+    for opt in options:
+        s = replace(settings, **opt)
+        p = _best_for(shape, gpu, cluster, s, headroom, **kw)
+        tight = make_plan(
+            shape, gpu, cluster,
+            replace(s, micro_batch=1, checkpoint_layers=shape.n_layers), headroom, **kw,
+        )  # fmt: skip
+        label = tight.strategy_label
+        if p is not None:
+            ranking.append(Ranked(label, p, ""))
+            continue
+        if not tight.fits_device:
+            reason = (
+                f"does not fit: {tight.memory['peak'] / GiB:.1f} GiB peak > "
+                f"{tight.budget / GiB:.1f} GiB even at micro-batch 1, all layers checkpointed"
+            )
+        else:
+            reason = (
+                f"does not fit: {tight.memory['host_per_node'] / GiB:.0f} GiB of host memory per "
+                f"node > {tight.host_budget / GiB:.0f} GiB"
+            )
+        ranking.append(Ranked(label, None, reason))
+
+    fitting = [r.plan for r in ranking if r.plan is not None]
+    best = _pick(fitting)
+    if best is not None:
+        for r in ranking:
+            if r.plan is not None:
+                r.reason = "fastest" if r.plan is best else _why_slower(r.plan, best)
+        ranking.sort(key=lambda r: (r.plan is None, r.plan.time.step_s if r.plan else 0.0))
         s = best.settings
         msg = (
-            f"fits: micro-batch {s.micro_batch}, grad-accum {s.grad_accum}, "
+            f"{best.strategy_label}: micro-batch {s.micro_batch}, grad-accum {s.grad_accum}, "
             f"{s.checkpoint_layers}/{shape.n_layers} layers checkpointed "
-            f"(peak {best.memory['peak'] / 2**30:.1f} GiB of {best.budget / 2**30:.1f} GiB usable)"
+            f"(peak {best.memory['peak'] / GiB:.1f} GiB of {best.budget / GiB:.1f} GiB usable)"
         )
-        return Suggestion(best, None, msg)
+        return Suggestion(best, None, msg, ranking, _why(best, ranking))
 
     # Nothing fits here: more GPUs shrink the sharded states (not buffers or activations).
     tight = replace(settings, micro_batch=1, checkpoint_layers=shape.n_layers)
+    options = [{"strategy": "full", "offload": False}, {"strategy": "full", "offload": True}]
+    found: list[tuple[int, str]] = []
+    for opt in options if not keep_strategy else [settings.strategy_kwargs()]:
+        n = _gpus_needed(shape, gpu, cluster, replace(tight, **opt), headroom, max_gpus, **kw)
+        if n is not None:
+            found.append((n, "with CPU offload" if opt.get("offload") else ""))
+    if found:
+        n, how = min(found)
+        g = cluster.gpus_per_node
+        return Suggestion(
+            None,
+            n,
+            f"does not fit on {cluster.gpus} GPUs with any strategy, even with micro-batch 1 "
+            f"and every layer checkpointed; {n} GPUs ({n // g} nodes of {g}) would fit"
+            + (f" ({how})" if how else ""),
+            ranking,
+        )
+    return Suggestion(
+        None,
+        None,
+        f"does not fit at any GPU count up to {max_gpus}: the unsharded part (gather buffers, "
+        "activations of one micro-batch) alone exceeds the GPU memory",
+        ranking,
+    )
+
+
+def _gpus_needed(
+    shape: ModelShape,
+    gpu: GPU,
+    cluster: Cluster,
+    tight: Settings,
+    headroom: float,
+    max_gpus: int,
+    **kw: Any,
+) -> int | None:
     g = cluster.gpus_per_node
     n = max(cluster.gpus * 2, g)
     while n <= max_gpus:
         c = Cluster(n, g) if n >= g else Cluster(n, n)
         if make_plan(shape, gpu, c, tight, headroom, **kw).fits:
             # refine downwards to a multiple of the node size
-            lo = max(cluster.gpus + 1, g)
-            step = g
-            lo = -(-lo // step) * step
-            for m in range(lo, n + 1, step):
+            lo = -(-max(cluster.gpus + 1, g) // g) * g
+            for m in range(lo, n + 1, g):
                 if make_plan(shape, gpu, Cluster(m, g), tight, headroom, **kw).fits:
-                    n = m
-                    break
-            return Suggestion(
-                None,
-                n,
-                f"does not fit on {cluster.gpus} GPUs even with micro-batch 1 and every layer "
-                f"checkpointed; {n} GPUs ({n // g} nodes of {g}) would fit",
-            )
+                    return m
+            return n
         n *= 2
-    return Suggestion(
-        None,
-        None,
-        f"does not fit at any GPU count up to {max_gpus}: the unsharded part (gather buffers, "
-        "activations of one micro-batch) alone exceeds the GPU memory",
-    )
+    return None
+
+
+def _why(best: Plan, ranking: list[Ranked]) -> str:
+    """One sentence on why the winner wins."""
+    t = best.time
+    where = "on the CPU" if best.settings.offload else "on the GPU"
+    shares = {
+        "compute-bound": t.compute_s,
+        "communication-bound": t.exposed_comm_s,
+        f"bound by the optimizer step {where}": t.optimizer_s,
+        "bound by compute-stream copies": t.copy_s,
+    }
+    bound = max(shares, key=lambda k: shares[k])
+    others = [r for r in ranking if r.plan is not None and r.plan is not best]
+    misfits = [r.label for r in ranking if r.plan is None]
+    if others:
+        head = f"fastest of the {len(others) + 1} strategies that fit"
+    else:
+        head = "the only strategy that fits"
+    parts = [f"{head} ({bound} at this setting"]
+    if t.exposed_comm_s > 0:
+        parts[-1] += f", {t.exposed_comm_s:.3f} s of communication not hidden"
+    parts[-1] += ")"
+    if others:
+        runner = min(others, key=lambda r: r.plan.time.step_s)
+        ratio = runner.plan.time.step_s / t.step_s
+        parts.append(f"next: {runner.label} at {ratio:.2f}x: {runner.reason}")
+    if misfits:
+        parts.append(f"{len(misfits)} do not fit")
+    return "; ".join(parts)

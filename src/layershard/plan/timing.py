@@ -1,16 +1,43 @@
-"""Communication bytes per step by link, and a compute-plus-communication step-time model.
+"""Communication per step by strategy, group and link, and a compute-plus-communication step time.
 
-Collectives (ring algorithm, as NCCL runs them). For a collective over a full buffer of B bytes
-(a unit's padded numel times the dtype size) each of the N ranks sends ``(N-1)/N * B`` for an
-all-gather or reduce-scatter (twice that for an all-reduce). On M > 1 nodes with G GPUs each,
-NCCL runs G rings, one per NIC, each carrying B/G; every ring leaves a node once, through one
-GPU's NIC, so per GPU
+Strategies (as ``layershard.strategy`` resolves them on N ranks, G per node): a unit is split over
+its *shard group* and replicated over its *replicate group*; groups are consecutive ranks (shard,
+hpZ) or every K-th rank (replicate), as torch's ``DeviceMesh`` / ``new_subgroups`` build them.
 
-    network bytes = (N-1)/N * B / G          NVLink bytes = (N-1)/N * B * (G-1)/G
+    strategy            per micro-batch, per unit                      groups (size, stride)
+    full                AG fwd, AG bwd, RS                             shard (N, 1)
+    full, hpZ K         AG fwd over N, AG bwd over K, RS over N        shard (N, 1), hpz (K, 1)
+    grad_op             AG fwd, RS (weights stay gathered)             shard (N, 1)
+    hybrid K            AG fwd, AG bwd, RS over K; AR of the slice     shard (K, 1),
+                        across the N/K groups                          replicate (N/K, K)
+    no_shard            AR of the whole unit                           replicate (N, 1)
 
-and a collective takes ``max(nvlink / (intra_bw * eff), network / (inter_bw * eff)) + latency``
-(eff = achievable fraction of link bandwidth, default 0.8, about what nccl-tests reach). On one
-node everything goes over NVLink. The link with the larger of the two times is the bottleneck.
+AG bwd skips the root unit (gathered all step), the last two units of the forward (still
+gathered) and an untied embedding (its backward needs the token ids, not the table). Reductions
+(RS, and AR after it) happen in every micro-batch, or only in the last one under ``no_sync()``.
+Gathers move the compute dtype, reductions the reduce dtype; every unit's buffer is padded to a
+multiple of the shard group (``Unit.padded_numel``).
+
+Links. A ring over a group of m ranks sends ``(N-1)/N`` of the buffer per rank (``2 (m-1)/m``
+for an all-reduce). If the group lies in one node, all of it crosses NVLink. Otherwise, with p of
+its ranks per node, NCCL runs p rings, one per NIC, each leaving a node once, so per GPU
+
+    network bytes = sent / p        NVLink bytes = sent * (p - 1) / p
+
+(hybrid's all-reduce across groups has p = G / K: with K = G every GPU talks to its peers in
+other nodes through its own NIC and nothing crosses NVLink). A collective takes
+``max(nvlink / (intra_bw * eff.nvlink), network / (inter_bw * eff.network)) + latency``.
+
+CPU offload (``offload=ls.CPUOffload()``): the fp32 shards live in host memory, so every gather
+from them first copies the shard to the device in the compute dtype (``S_u c`` bytes over PCIe;
+hpZ's backward gathers read the device-resident 1/K and copy nothing), and every reduction
+copies the reduced chunk (``S_u r`` bytes) back; both ride on the communication stream (the
+engine issues them there, before the all-gather and after the reduce-scatter). The optimizer
+steps on the CPU: its bytes stream through the node's DRAM, shared by the node's ranks.
+
+``no_shard`` in a compute dtype other than fp32 (or offloaded) casts/copies each unit into its
+gather buffer at every forward on the *compute* stream (no collective to hide it behind):
+``numel_u (4 + c)`` bytes through HBM (or ``numel_u c`` over PCIe when offloaded).
 
 Compute (FLOPs per micro-batch of T = b s tokens; PaLM's convention, Chowdhery et al. 2022,
 App. B: attention counted without the causal halving):
@@ -20,49 +47,151 @@ App. B: attention counted without the causal halving):
     backward          2 x forward;  a checkpointed block also recomputes its forward
     model FLOPs       6 (L P_mm + V d) T + 12 L s h hd T     (no recompute: used for MFU)
 
-A stage's compute time is FLOPs / (peak * compute_eff) (compute_eff = the fraction of dense peak
-that large bf16 matmuls reach, default 0.6).
+A stage's compute time is FLOPs / (peak * eff.compute).
 
-Overlap (one communication stream, one unit of prefetch, as layershard's schedule):
+Overlap (one communication stream, one unit of prefetch, as layershard's schedule), with AG, AG_bwd
+and RS the time of everything a unit's gather / backward gather / reduction puts on the comm
+stream (PCIe copies and hybrid's second stage included):
 
     forward   = t(AG root) + t(AG first unit) + sum_i max(C_fwd[i], t(AG[i+1]))
     backward  = sum_i max(C_bwd[i], t(AG_bwd[i-1]) + t(RS[i+1])) + t(RS first unit) + t(RS root)
-    step      = grad_accum * (forward + backward) + optimizer
-    optimizer = (7 * 4 + c) bytes per shard element / HBM bandwidth (AdamW reads p, g, m, v,
-                writes p, m, v and the compute-dtype shard copy)
+    step      = sum over micro-batches (forward + backward) + optimizer
+    optimizer = B_opt bytes per shard element / HBM bandwidth (AdamW: reads p, g, m, v and
+                writes p, m, v: 28 bytes); under offload / (host DRAM bandwidth / G * eff.host)
     MFU       = model FLOPs per step / (step * peak)
-
-AG_bwd is 0 for the last two units in forward order (still gathered when backward starts) and
-for an untied embedding (its backward needs no weights).
-Gradient-accumulation micro-batches each reduce-scatter (layershard accumulates in the fp32
-shard) unless ``no_sync`` (then only the last one does); ``grad_op`` (ZeRO-2) gathers once per
-step; ``no_shard`` (DDP) all-reduces once per step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.memory import dtype_bytes, strategy_name
-from layershard.plan.model import ModelShape, units
+from layershard.plan.model import ModelShape, Unit, units
+from layershard.plan.sources import Efficiency
 
-DEFAULT_COMPUTE_EFF = 0.6
-DEFAULT_COMM_EFF = 0.8
 DEFAULT_LATENCY_S = 20e-6
+
+# Bytes the optimizer step streams per shard element (fp32 states): read p, g and each state,
+# write p and each state.
+OPTIMIZER_STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 20, "sgd-nomomentum": 12}
+
+
+# --- strategies resolved on a cluster ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A strategy on N ranks: the groups its collectives run on (as ``strategy.resolve``)."""
+
+    strategy: str  # full | grad_op | no_shard | hybrid
+    world: int
+    shard: int  # ranks a unit is split over
+    hpz: int = 1  # full with reshard_after_forward=K: backward gathers over K ranks (K > 1)
+    offload: bool = False
+
+    @property
+    def replicas(self) -> int:
+        return self.world // self.shard
+
+    @property
+    def keep_gathered(self) -> bool:
+        return self.strategy in ("grad_op", "no_shard")
+
+    def describe(self) -> str:
+        s = {
+            "full": "full",
+            "grad_op": "grad_op",
+            "no_shard": "no_shard",
+            "hybrid": f"hybrid, shard {self.shard} x replicate {self.replicas}",
+        }[self.strategy]
+        if self.hpz > 1:
+            s += f", hpZ over {self.hpz}"
+        return s + (", offload" if self.offload else "")
+
+
+def resolve_layout(
+    strategy: str,
+    world: int,
+    shard_size: int | None = None,
+    reshard_after_forward: bool | int = True,
+    gpus_per_node: int | None = None,
+    offload: bool = False,
+) -> Layout:
+    """The groups of ``ls.shard(strategy=..., shard_size=..., reshard_after_forward=...)`` on
+    ``world`` ranks; hybrid's ``shard_size`` defaults to the ranks of a node, as the engine's
+    does (``LOCAL_WORLD_SIZE``)."""
+    name = strategy_name(strategy)
+    n = int(world)
+    # the engine refuses these combinations (strategy.resolve): so does the plan
+    if shard_size is not None and name != "hybrid":
+        raise ValueError(f"shard_size applies to strategy='hybrid', not {name!r}")
+    if reshard_after_forward is not True and name != "full":
+        raise ValueError(f"reshard_after_forward applies to strategy='full', not {name!r}")
+    if name == "full" and reshard_after_forward is False:
+        name = "grad_op"
+    if name == "hybrid":
+        k = int(shard_size or min(n, gpus_per_node or n))
+        if k < 1 or n % k:
+            raise ValueError(f"shard_size={k} must divide the world size {n}")
+        return Layout("hybrid", n, k, offload=offload)
+    if name == "no_shard":
+        return Layout("no_shard", n, 1, offload=offload)
+    hpz = 1
+    if name == "full" and reshard_after_forward not in (True, False):
+        k = int(reshard_after_forward)
+        if k < 1 or n % k:
+            raise ValueError(f"reshard_after_forward={k} must divide the world size {n}")
+        if k == 1 and n > 1:
+            # the engine then keeps a whole copy of every unit: grad_op does the same for less
+            raise ValueError("reshard_after_forward=1 is not modelled; use strategy='grad_op'")
+        hpz = k if k < n else 1
+    return Layout(name, n, n, hpz, offload=offload)
+
+
+# --- bytes by link -----------------------------------------------------------------------------
 
 
 def ring_bytes(
-    full_bytes: int, world_size: int, cluster: Cluster | None = None
+    full_bytes: int,
+    world_size: int,
+    cluster: Cluster | None = None,
+    stride: int = 1,
+    factor: float = 1.0,
 ) -> dict[str, float]:
-    """Bytes one rank sends in a ring all-gather or reduce-scatter of ``full_bytes``, by link."""
-    n = world_size
-    sent = (n - 1) / n * full_bytes
+    """Bytes one rank sends in a ring collective over ``world_size`` ranks spaced ``stride``
+    apart, by link: ``factor (m-1)/m`` of ``full_bytes`` (factor 2 for an all-reduce)."""
+    m = world_size
+    sent = factor * (m - 1) / m * full_bytes
     if cluster is None or cluster.nodes == 1:
         return {"nvlink": sent, "network": 0.0}
     g = cluster.local
-    return {"nvlink": sent * (g - 1) / g, "network": sent / g}
+    per_node = max(1, min(m, g // stride)) if stride <= g else 1
+    if per_node >= m:  # the whole group in one node
+        return {"nvlink": sent, "network": 0.0}
+    return {"nvlink": sent * (per_node - 1) / per_node, "network": sent / per_node}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective or host copy. ``nbytes`` is the full buffer for collectives (as
+    ``comm_stats()`` counts them) and the bytes copied for ``h2d`` / ``d2h``."""
+
+    op: str  # all_gather | reduce_scatter | all_reduce | h2d | d2h
+    phase: str  # forward | backward
+    group: str  # shard | hpz | replicate | pcie
+    size: int  # ranks in the group (1 for a copy)
+    stride: int
+    nbytes: int
+
+    @property
+    def kind(self) -> str:
+        """The row of the plan's communication table it is tallied under."""
+        if self.op == "all_gather":
+            return "all_gather_fwd" if self.phase == "forward" else "all_gather_bwd"
+        return self.op
 
 
 @dataclass
@@ -70,27 +199,50 @@ class Stage:
     name: str
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
-    ag_fwd: int = 0  # full-buffer bytes gathered before the forward
-    ag_bwd: int = 0  # ... before the backward
-    rs: int = 0  # full-buffer bytes reduce-scattered after the backward
+    gather_fwd: list[Transfer] = field(default_factory=list)  # before the forward (comm stream)
+    gather_bwd: list[Transfer] = field(default_factory=list)  # before the backward
+    reduce: list[Transfer] = field(default_factory=list)  # after the backward
+    local_copy: int = 0  # bytes through HBM on the compute stream per forward (no_shard casts)
+    local_h2d: int = 0  # bytes over PCIe on the compute stream per forward (no_shard offload)
+    local_d2h: int = 0  # ... per backward (offload on one rank: nothing to reduce, a copy)
 
 
-@dataclass
-class TimePlan:
-    stages: list[Stage]
-    comm_bytes: dict[str, dict[str, float]]  # collective -> link -> bytes per step per GPU
-    forward_s: float
-    backward_s: float
-    optimizer_s: float
-    step_s: float
-    compute_s: float  # pure compute time per step (incl. recompute)
-    comm_s: float  # pure communication time per step (sum of collective times)
-    exposed_comm_s: float  # step time not covered by compute
-    model_flops: float  # per GPU per step
-    hardware_flops: float
-    mfu: float
-    tokens_per_s_per_gpu: float
-    assumptions: dict[str, Any] = field(default_factory=dict)
+def _unit_transfers(
+    u: Unit, layout: Layout, c: int, r: int, regather: bool
+) -> tuple[list[Transfer], list[Transfer], list[Transfer], tuple[int, int, int]]:
+    """A unit's gather (forward), gather (backward) and reduction transfers per micro-batch
+    (reductions: when this micro-batch reduces), and its compute-stream copies (HBM bytes per
+    forward, PCIe bytes per forward and per backward)."""
+    n, k = layout.world, layout.shard
+    padded, shard = u.padded_numel(k), u.shard_numel(k)
+    off = layout.offload
+    fwd: list[Transfer] = []
+    bwd: list[Transfer] = []
+    red: list[Transfer] = []
+    local_copy = local_h2d = local_d2h = 0
+    if k > 1:
+        if off:
+            fwd.append(Transfer("h2d", "forward", "pcie", 1, 1, shard * c))
+        fwd.append(Transfer("all_gather", "forward", "shard", k, 1, padded * c))
+        if regather and not layout.keep_gathered:
+            if layout.hpz > 1:  # from the device-resident 1/K, within the K ranks
+                bwd.append(Transfer("all_gather", "backward", "hpz", layout.hpz, 1, padded * c))
+            else:
+                if off:
+                    bwd.append(Transfer("h2d", "backward", "pcie", 1, 1, shard * c))
+                bwd.append(Transfer("all_gather", "backward", "shard", k, 1, padded * c))
+        red.append(Transfer("reduce_scatter", "backward", "shard", k, 1, padded * r))
+    elif off:  # one rank per shard: the "gather" is a copy on the compute stream
+        local_h2d = padded * c
+    elif c != 4:  # the fp32 shard cast into the gather buffer (fp32 computes in place)
+        local_copy = padded * (4 + c)
+    if layout.replicas > 1:
+        red.append(Transfer("all_reduce", "backward", "replicate", layout.replicas, k, shard * r))
+    if off and n > 1:
+        red.append(Transfer("d2h", "backward", "pcie", 1, 1, shard * r))
+    elif off:  # nothing to reduce: the engine copies the gradient at once, on the compute stream
+        local_d2h = shard * r
+    return fwd, bwd, red, (local_copy, local_h2d, local_d2h)
 
 
 def block_fwd_flops(shape: ModelShape, tokens: int, seq_len: int) -> float:
@@ -105,16 +257,15 @@ def model_flops(shape: ModelShape, tokens: int, seq_len: int) -> float:
 
 def build_stages(
     shape: ModelShape,
-    world_size: int,
+    layout: Layout,
     micro_batch: int,
     seq_len: int,
     checkpoint_layers: int,
     param_bytes: int,
     reduce_bytes: int,
-    strategy: str = "full",
-) -> tuple[list[Stage], int, int]:
-    """Stages in forward order, plus the root unit's gather and reduce bytes (full buffers)."""
-    n = world_size
+) -> tuple[list[Stage], Stage | None]:
+    """Stages in forward order, and the root unit's (gathered at the start of the forward,
+    kept all step, reduced at the end of the backward; no compute of its own)."""
     tokens = micro_batch * seq_len
     k = max(0, min(checkpoint_layers, shape.n_layers))
     bf = block_fwd_flops(shape, tokens, seq_len)
@@ -124,24 +275,71 @@ def build_stages(
         stages.append(Stage(f"layers.{i}", bf, 2 * bf + (bf if i < k else 0.0)))
     stages += [Stage("norm"), Stage("lm_head", head, 2 * head)]
     by_name = {s.name: s for s in stages}
-    root_ag = root_rs = 0
-    sharded: list[Stage] = []
-    for u in units(shape):
-        full = u.padded_numel(n)
+    us = units(shape)
+    sharded = [u for u in us if not u.persistent]
+    resident = {u.name for u in sharded[-2:]}  # still gathered when backward starts
+    root = None
+    for u in us:
+        regather = u.needs_weights_in_backward and not u.persistent and u.name not in resident
+        fwd, bwd, red, local = _unit_transfers(u, layout, param_bytes, reduce_bytes, regather)
+        s = Stage("<root>") if u.persistent else by_name[u.name]
+        s.gather_fwd, s.gather_bwd, s.reduce = fwd, bwd, red
+        s.local_copy, s.local_h2d, s.local_d2h = local
         if u.persistent:
-            root_ag, root_rs = full * param_bytes, full * reduce_bytes
+            root = s
+    return stages, root
+
+
+def step_transfers(
+    stages: list[Stage], root: Stage | None, grad_accum: int, no_sync: bool
+) -> list[Transfer]:
+    """Every transfer of one optimizer step, in issue order per micro-batch."""
+    everything = ([root] if root else []) + stages
+    out: list[Transfer] = []
+    for j in range(grad_accum):
+        reduce_now = not no_sync or j == grad_accum - 1
+        for s in everything:
+            out += s.gather_fwd
+        for s in reversed(everything):
+            out += s.gather_bwd
+            if reduce_now:
+                out += s.reduce
+    return out
+
+
+def _aggregate(transfers: Iterable[Transfer]) -> dict[str, dict[str, int]]:
+    """``comm_stats()``'s format: ``{op: {"count", "bytes", <phase>: count}}``, collectives only."""
+    out: dict[str, dict[str, int]] = {}
+    for t in transfers:
+        if t.group == "pcie":
             continue
-        s = by_name[u.name]
-        s.ag_fwd = full * param_bytes
-        s.ag_bwd = full * param_bytes if u.needs_weights_in_backward else 0
-        s.rs = full * reduce_bytes
-        sharded.append(s)
-    for s in sharded[-2:]:  # still gathered when backward starts
-        s.ag_bwd = 0
-    if strategy != "full":  # grad_op / no_shard: weights stay gathered, no backward gather
-        for s in stages:
-            s.ag_bwd = 0
-    return stages, root_ag, root_rs
+        d = out.setdefault(t.op, {"count": 0, "bytes": 0})
+        d["count"] += 1
+        d["bytes"] += t.nbytes
+        d[t.phase] = d.get(t.phase, 0) + 1
+    return {op: out[op] for op in sorted(out)}
+
+
+def _step_transfers_for(
+    config: Any,
+    world_size: int,
+    param_dtype: Any,
+    reduce_dtype: Any,
+    grad_accum: int,
+    no_sync: bool,
+    strategy: str,
+    shard_size: int | None,
+    reshard_after_forward: bool | int,
+    offload: bool,
+    gpus_per_node: int | None,
+) -> list[Transfer]:
+    shape = ModelShape.from_config(config)
+    layout = resolve_layout(
+        strategy, world_size, shard_size, reshard_after_forward, gpus_per_node, offload
+    )
+    c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
+    stages, root = build_stages(shape, layout, 1, 1, 0, c, r)
+    return step_transfers(stages, root, grad_accum, no_sync)
 
 
 def collectives_per_step(
@@ -151,39 +349,109 @@ def collectives_per_step(
     reduce_dtype: Any = "fp32",
     grad_accum: int = 1,
     no_sync: bool = False,
+    strategy: str = "full",
+    shard_size: int | None = None,
+    reshard_after_forward: bool | int = True,
+    offload: bool = False,
 ) -> dict[str, dict[str, int]]:
-    """The ``full`` strategy's collectives per optimizer step, in the format of
-    ``ShardedModule.comm_stats()``: count, full-buffer bytes (before the (N-1)/N ring factor)
-    and count per phase. Per micro-batch: an all-gather of every unit in forward (the root unit
-    included), of every non-root unit in backward but the last two and an untied embedding, and
-    one reduce-scatter per unit (only in the last micro-batch under ``no_sync``)."""
-    shape = ModelShape.from_config(config)
-    n = int(world_size)
-    if n == 1:
-        return {}
-    c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
-    us = units(shape)
-    sharded = [u for u in us if not u.persistent]
-    regathered = [u for u in sharded[:-2] if u.needs_weights_in_backward]
-    n_fwd, n_bwd = len(us), len(regathered)
-    fwd_bytes = sum(u.padded_numel(n) for u in us) * c
-    bwd_bytes = sum(u.padded_numel(n) for u in regathered) * c
-    n_rs = len(us) * (1 if no_sync else grad_accum)
-    gathers = {
-        "count": grad_accum * (n_fwd + n_bwd),
-        "bytes": grad_accum * (fwd_bytes + bwd_bytes),
-        "forward": grad_accum * n_fwd,
-    }
-    if n_bwd:  # comm_stats() lists only the phases that issued something
-        gathers["backward"] = grad_accum * n_bwd
-    return {
-        "all_gather": gathers,
-        "reduce_scatter": {
-            "count": n_rs,
-            "bytes": n_rs // len(us) * sum(u.padded_numel(n) for u in us) * r,
-            "backward": n_rs,
-        },
-    }
+    """The collectives of one optimizer step, in the format of ``ShardedModule.comm_stats()``:
+    count, full-buffer bytes (before the (N-1)/N ring factor) and count per phase (without
+    ``clip_grad_norm_``'s scalar all-reduce). See the module docstring for each strategy."""
+    ts = _step_transfers_for(
+        config, world_size, param_dtype, reduce_dtype, grad_accum, no_sync, strategy,
+        shard_size, reshard_after_forward, offload, None,
+    )  # fmt: skip
+    return _aggregate(ts)
+
+
+def collectives_by_group(
+    config: Any,
+    world_size: int,
+    grad_accum: int = 1,
+    no_sync: bool = False,
+    strategy: str = "full",
+    shard_size: int | None = None,
+    reshard_after_forward: bool | int = True,
+) -> dict[str, dict[str, int]]:
+    """``{op: {group: count}}`` per step, as the engine's ``CommStats.by_group()``."""
+    ts = _step_transfers_for(
+        config, world_size, "bf16", "fp32", grad_accum, no_sync, strategy, shard_size,
+        reshard_after_forward, False, None,
+    )  # fmt: skip
+    out: dict[str, dict[str, int]] = {}
+    for t in ts:
+        g = out.setdefault(t.op, {})
+        g[t.group] = g.get(t.group, 0) + 1
+    return {op: out[op] for op in sorted(out)}
+
+
+def transfers_by_link(
+    config: Any,
+    cluster: Cluster,
+    param_dtype: Any = "bf16",
+    reduce_dtype: Any = "fp32",
+    grad_accum: int = 1,
+    no_sync: bool = False,
+    strategy: str = "full",
+    shard_size: int | None = None,
+    reshard_after_forward: bool | int = True,
+    offload: bool = False,
+) -> dict[tuple[str, str, int], dict[str, float]]:
+    """Bytes one GPU sends per step, by (kind, group, group size) and link (nvlink, network,
+    pcie): which links each strategy's collectives cross on ``cluster``."""
+    ts = _step_transfers_for(
+        config, cluster.gpus, param_dtype, reduce_dtype, grad_accum, no_sync, strategy,
+        shard_size, reshard_after_forward, offload, cluster.gpus_per_node,
+    )  # fmt: skip
+    out: dict[tuple[str, str, int], dict[str, float]] = {}
+    for t in ts:
+        row = out.setdefault(
+            (t.kind, t.group, t.size), {"nvlink": 0.0, "network": 0.0, "pcie": 0.0}
+        )
+        for link, b in _links(t, cluster).items():
+            row[link] += b
+    return out
+
+
+def _links(t: Transfer, cluster: Cluster) -> dict[str, float]:
+    if t.group == "pcie":
+        return {"pcie": float(t.nbytes)}
+    factor = 2.0 if t.op == "all_reduce" else 1.0
+    return ring_bytes(t.nbytes, t.size, cluster, t.stride, factor)
+
+
+# --- time --------------------------------------------------------------------------------------
+
+
+@dataclass
+class TimePlan:
+    stages: list[Stage]
+    comm_bytes: dict[str, dict[str, float]]  # kind -> link -> bytes per step per GPU
+    comm_groups: dict[str, str]  # kind -> the groups it runs on, e.g. "shard 64 (8 nodes)"
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    step_s: float
+    compute_s: float  # pure compute time per step (incl. recompute)
+    copy_s: float  # compute-stream copies (no_shard's casts / offloaded copies)
+    comm_s: float  # everything on the comm stream, if nothing overlapped
+    exposed_comm_s: float  # step time not covered by compute, copies and the optimizer
+    model_flops: float  # per GPU per step
+    hardware_flops: float
+    mfu: float
+    tokens_per_s_per_gpu: float
+    layout: Layout | None = None
+    assumptions: dict[str, Any] = field(default_factory=dict)
+
+
+def group_label(t: Transfer, cluster: Cluster) -> str:
+    """E.g. ``shard 64/8 nodes``, ``shard 8/node``, ``replicate 8/8 nodes``, ``PCIe``."""
+    if t.group == "pcie":
+        return "PCIe"
+    g = cluster.local
+    per_node = max(1, min(t.size, g // t.stride)) if t.stride <= g else 1
+    nodes = -(-t.size // per_node)
+    return f"{t.group} {t.size}/" + ("node" if nodes == 1 else f"{nodes} nodes")
 
 
 def predict_time(
@@ -198,100 +466,129 @@ def predict_time(
     reduce_dtype: Any = "fp32",
     strategy: str = "full",
     no_sync: bool = False,
-    compute_eff: float = DEFAULT_COMPUTE_EFF,
-    comm_eff: float = DEFAULT_COMM_EFF,
+    compute_eff: float | None = None,
+    comm_eff: float | None = None,
     latency_s: float = DEFAULT_LATENCY_S,
+    shard_size: int | None = None,
+    reshard_after_forward: bool | int = True,
+    offload: bool = False,
+    optimizer: str = "adamw",
+    eff: Efficiency | None = None,
 ) -> TimePlan:
+    """Step time of one optimizer step. Efficiencies: ``eff`` (default: the GPU's), with
+    ``compute_eff`` / ``comm_eff`` (NVLink and network alike) overriding its fields."""
     shape = ModelShape.from_config(config)
-    strategy = strategy_name(strategy)
-    n = cluster.gpus
-    c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
-    if strategy == "no_shard":
-        r = 4  # DDP all-reduces the fp32 .grad
-    stages, root_ag, root_rs = build_stages(
-        shape, n, micro_batch, seq_len, checkpoint_layers, c, r, strategy
+    e = eff or gpu.eff
+    if compute_eff is not None:
+        e = replace(e, compute=compute_eff)
+    if comm_eff is not None:
+        e = replace(e, nvlink=comm_eff, network=comm_eff)
+    layout = resolve_layout(
+        strategy, cluster.gpus, shard_size, reshard_after_forward, cluster.gpus_per_node, offload
     )
-    flops_rate = gpu.peak_flops * compute_eff
-    intra = gpu.intra_bw_gbs * 1e9 * comm_eff
-    inter = gpu.inter_bw_gbs * 1e9 * comm_eff
+    c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
+    stages, root = build_stages(shape, layout, micro_batch, seq_len, checkpoint_layers, c, r)
+    flops_rate = gpu.peak_flops * e.compute
+    intra = gpu.intra_bw_gbs * 1e9 * e.nvlink
+    inter = gpu.inter_bw_gbs * 1e9 * e.network
+    pcie = gpu.pcie_gbs * 1e9 * e.pcie
+    hbm = gpu.hbm_bw_gbs * 1e9
 
     comm_bytes: dict[str, dict[str, float]] = {}
-    comm_total = [0.0]
+    groups: dict[str, list[str]] = {}
 
-    def coll(kind: str, full_bytes: float, count: bool, factor: float = 1.0) -> float:
-        """Time of one collective; adds its bytes to the per-step tally when ``count``."""
-        if n == 1 or full_bytes == 0:
-            return 0.0
-        links = ring_bytes(int(full_bytes * factor), n, cluster)
-        t = max(links["nvlink"] / intra, links["network"] / inter if inter else 0.0) + latency_s
-        if count:
-            tally = comm_bytes.setdefault(kind, {"nvlink": 0.0, "network": 0.0})
-            for k, v in links.items():
-                tally[k] += v
-            comm_total[0] += t
-        return t
+    def t_one(t: Transfer) -> float:
+        links = _links(t, cluster)
+        if t.group == "pcie":
+            return links["pcie"] / pcie
+        return max(links["nvlink"] / intra, links["network"] / inter if inter else 0.0) + latency_s
 
-    def micro_batch_time(first: bool, last: bool) -> tuple[float, float]:
-        # grad_op gathers once per step; no_shard never (weights are replicated)
-        gather = strategy == "full" or (strategy == "grad_op" and first)
-        # DDP and no_sync() accumulate unsharded and reduce at the last micro-batch only
-        reduce = (strategy != "no_shard" and not no_sync) or last
-        red_kind, red_factor = (
-            ("all_reduce", 2.0) if strategy == "no_shard" else ("reduce_scatter", 1.0)
-        )
-        ag = [coll("all_gather_fwd", s.ag_fwd, True) if gather else 0.0 for s in stages]
-        agb = [coll("all_gather_bwd", s.ag_bwd, True) for s in stages]
-        rs = [coll(red_kind, s.rs, True, red_factor) if reduce else 0.0 for s in stages]
-        t_ag_root = coll("all_gather_fwd", root_ag, True) if gather else 0.0
-        t_rs_root = coll(red_kind, root_rs, True, red_factor) if reduce else 0.0
-        cf = [s.fwd_flops / flops_rate for s in stages]
-        cb = [s.bwd_flops / flops_rate for s in stages]
-        m = len(stages)
-        fwd = t_ag_root + ag[0]
-        for i in range(m):
-            fwd += max(cf[i], ag[i + 1] if i + 1 < m else 0.0)
-        bwd = 0.0
-        for i in reversed(range(m)):
-            comm = (agb[i - 1] if i > 0 else 0.0) + (rs[i + 1] if i + 1 < m else 0.0)
-            bwd += max(cb[i], comm)
-        bwd += rs[0] + t_rs_root
-        return fwd, bwd
+    def t_all(ts: list[Transfer]) -> float:
+        return sum(t_one(t) for t in ts)
 
-    fwd = bwd = 0.0
+    n_reduce = 1 if no_sync else grad_accum
+    for s in ([root] if root else []) + stages:
+        for ts, times in (
+            (s.gather_fwd, grad_accum),
+            (s.gather_bwd, grad_accum),
+            (s.reduce, n_reduce),
+        ):
+            for t in ts:
+                row = comm_bytes.setdefault(t.kind, {"nvlink": 0.0, "network": 0.0, "pcie": 0.0})
+                for link, b in _links(t, cluster).items():
+                    row[link] += b * times
+                label = group_label(t, cluster)
+                if label not in groups.setdefault(t.kind, []):
+                    groups[t.kind].append(label)
+
+    m = len(stages)
+    ag = [t_all(s.gather_fwd) for s in stages]
+    agb = [t_all(s.gather_bwd) for s in stages]
+    rs = [t_all(s.reduce) for s in stages]
+    copies = [s.local_copy / hbm + s.local_h2d / pcie for s in stages]
+    copies_bwd = [s.local_d2h / pcie for s in stages]
+    cf = [s.fwd_flops / flops_rate + cp for s, cp in zip(stages, copies)]
+    cb = [s.bwd_flops / flops_rate + cp for s, cp in zip(stages, copies_bwd)]
+    t_ag_root = t_all(root.gather_fwd) if root else 0.0
+    t_rs_root = t_all(root.reduce) if root else 0.0
+    root_copy = (root.local_copy / hbm + root.local_h2d / pcie) if root else 0.0
+    root_copy_bwd = root.local_d2h / pcie if root else 0.0
+
+    fwd = bwd = comm = 0.0
     for j in range(grad_accum):
-        f, b = micro_batch_time(first=j == 0, last=j == grad_accum - 1)
+        reduce_now = not no_sync or j == grad_accum - 1
+        red = rs if reduce_now else [0.0] * m
+        f = root_copy + t_ag_root + ag[0]
+        for i in range(m):
+            f += max(cf[i], ag[i + 1] if i + 1 < m else 0.0)
+        b = 0.0
+        for i in reversed(range(m)):
+            b += max(cb[i], (agb[i - 1] if i > 0 else 0.0) + (red[i + 1] if i + 1 < m else 0.0))
+        b += red[0] + (t_rs_root if reduce_now else 0.0) + root_copy_bwd
         fwd, bwd = fwd + f, bwd + b
+        comm += t_ag_root + sum(ag) + sum(agb) + sum(red) + (t_rs_root if reduce_now else 0.0)
 
-    if strategy == "no_shard":
-        opt_elems = shape.total_params
+    us = units(shape)
+    opt_elems = sum(u.shard_numel(layout.shard) for u in us)
+    opt_bytes = opt_elems * OPTIMIZER_STEP_BYTES.get(optimizer.lower(), 28)
+    if offload:
+        opt = opt_bytes / (gpu.host_bw_gbs * 1e9 / cluster.local * e.host)
     else:
-        opt_elems = sum(u.shard_numel(n) for u in units(shape))
-    opt = opt_elems * (7 * 4 + c) / (gpu.hbm_bw_gbs * 1e9)
+        opt = opt_bytes / hbm
     step = fwd + bwd + opt
     tokens = micro_batch * seq_len * grad_accum
     mflops = model_flops(shape, tokens, seq_len)
     hflops = grad_accum * sum(s.fwd_flops + s.bwd_flops for s in stages)
     compute = hflops / flops_rate
+    copy_s = grad_accum * (sum(copies) + sum(copies_bwd) + root_copy + root_copy_bwd)
     return TimePlan(
         stages=stages,
         comm_bytes=comm_bytes,
+        comm_groups={k: ", ".join(v) for k, v in groups.items()},
         forward_s=fwd,
         backward_s=bwd,
         optimizer_s=opt,
         step_s=step,
         compute_s=compute,
-        comm_s=comm_total[0],
-        exposed_comm_s=max(0.0, step - compute - opt),
+        copy_s=copy_s,
+        comm_s=comm,
+        exposed_comm_s=max(0.0, step - compute - copy_s - opt),
         model_flops=mflops,
         hardware_flops=hflops,
         mfu=mflops / (step * gpu.peak_flops) if step > 0 else 0.0,
         tokens_per_s_per_gpu=tokens / step if step > 0 else 0.0,
+        layout=layout,
         assumptions={
-            "compute_eff": compute_eff,
-            "comm_eff": comm_eff,
+            "compute_eff": e.compute,
+            "nvlink_eff": e.nvlink,
+            "network_eff": e.network,
+            "pcie_eff": e.pcie,
+            "host_eff": e.host,
             "latency_s": latency_s,
             "peak_tflops": gpu.bf16_tflops,
             "intra_bw_gbs": gpu.intra_bw_gbs,
             "inter_bw_gbs": gpu.inter_bw_gbs,
+            "pcie_gbs": gpu.pcie_gbs,
+            "host_bw_gbs_per_node": gpu.host_bw_gbs,
         },
     )
