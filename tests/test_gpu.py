@@ -346,3 +346,37 @@ def test_memory_constant_and_as_planned(comm_path):
     _report(f"memory_{comm_path}", {"peaks": peaks, "predicted_peak": predicted})
     assert len(set(peaks[1:])) == 1, peaks
     assert abs(peaks[-1] / predicted - 1) <= 0.05, (peaks[-1], predicted)
+
+
+# ---- CPU offload ------------------------------------------------------------------------------------
+@needs_cuda
+def test_cpu_offload_places_and_trains_exactly(comm_path):
+    """Shards, gradient slices and optimizer state in pinned host memory, gathered weights and
+    gradient buffers on the GPU; training (with a no_sync micro-batch) equals one process."""
+    base = _llama(SMALL)
+    reference = copy.deepcopy(base)
+    model = ls.shard(copy.deepcopy(base), offload=ls.CPUOffload())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    worst = 0.0
+    for x in _batches(4, SMALL["vocab_size"], 8, 128):
+        with model.no_sync():
+            (model(x[:4], labels=x[:4]).loss / 2).backward()
+        loss = model(x[4:], labels=x[4:]).loss / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        (reference(x[:4], labels=x[:4]).loss / 2).backward()
+        ref = reference(x[4:], labels=x[4:]).loss / 2
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst = max(worst, abs(loss.item() - ref.item()) / ref.item())
+    for f in model.flat_params:
+        assert f.shard.device.type == "cpu" and f.shard.is_pinned()
+        assert f.grad is None or f.grad.device.type == "cpu"
+    assert all(v.device.type == "cpu" for st in opt.state.values() for v in st.values())
+    assert all(u.slot.data.device.type == "cuda" for u in model.units)
+    dev, _ = max_diff(model.full_state_dict(cpu=False), reference)
+    _report(f"offload_{comm_path}", {"loss_rel": worst, "param_max_abs": dev})
+    assert worst <= 1e-5 and dev <= PARAM_TOL

@@ -163,6 +163,15 @@ class _TwoStage(Pending):
         self.issued.wait()
 
 
+def _copy_in(own: torch.Tensor, src: torch.Tensor) -> None:
+    """``own.copy_(src)`` with the cast on ``own``'s device: from (pinned) host memory the fp32
+    shard travels as it is, asynchronously, then is cast there (a cross-device copy that also
+    casts would cast on the host into unpinned memory first, and block)."""
+    if src.device != own.device and src.dtype != own.dtype:
+        src = src.to(own.device, non_blocking=True)
+    own.copy_(src, non_blocking=True)
+
+
 class Comm:
     """Issues a sharded model's collectives and counts them. ``group`` is the shard group (the
     ranks a unit is split over; None: this rank alone); ``replicate`` the group its slices are
@@ -219,7 +228,7 @@ class Comm:
         own = out[rank * n : (rank + 1) * n]
         if group is None or not (world > 1 or force_comm()):
             if own.data_ptr() != src.data_ptr():  # no_shard in fp32: the buffer is the shard
-                own.copy_(src, non_blocking=True)
+                _copy_in(own, src)
             return DONE
         self.stats.record("all_gather", phase, out.numel() * out.element_size(), over)
         with record_function(f"layershard::all_gather[{label}]"):
@@ -235,7 +244,7 @@ class Comm:
 
             def run(async_op: bool):
                 # on the comm stream: after the optimizer step that wrote the shard
-                own.copy_(src, non_blocking=True)
+                _copy_in(own, src)
                 return _all_gather(out, own, group=group, async_op=async_op)
 
             return self._issue(run, None, phase)

@@ -488,10 +488,9 @@ class Schedule:
             gs.release()
         self._n_reduced = 0
 
-    @staticmethod
-    def _accumulator(f: FlatParam) -> torch.Tensor:
-        if f.acc is None:
-            f.acc = torch.zeros(f.padded_numel, dtype=torch.float32, device=f.shard.device)
+    def _accumulator(self, f: FlatParam) -> torch.Tensor:
+        if f.acc is None:  # beside the gradients it sums (the device, also under CPU offload)
+            f.acc = torch.zeros(f.padded_numel, dtype=torch.float32, device=self.comm.device)
         return f.acc
 
     @staticmethod
