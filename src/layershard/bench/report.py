@@ -56,6 +56,18 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def _mfu(run: dict, step_s: float, world: int) -> float | None:
+    """Model FLOPs utilization: the step's training FLOPs over its time and the GPUs' bf16 peak
+    (from the planner's table, by device name); None on CPU or an unknown GPU."""
+    from layershard.plan.hardware import GPUS
+
+    flops, name = run.get("model_flops_per_step"), (run.get("device_name") or "").lower()
+    gpu = next((g for key, g in GPUS.items() if key.split("-")[0] in name), None)
+    if flops is None or gpu is None:
+        return None
+    return flops / step_s / (world * gpu.peak_flops)
+
+
 def _summarize(impl: str, runs: list[dict], ls_runs: dict, n: int) -> dict:
     ok = [r for r in runs if "error" not in r]
     s: dict = {"runs": len(runs), "failed": len(runs) - len(ok)}
@@ -75,6 +87,7 @@ def _summarize(impl: str, runs: list[dict], ls_runs: dict, n: int) -> dict:
         step_time_repeat_medians=[statistics.median(r["step_times"]) for r in ok],
         timed_steps=len(times),
         tokens_per_s=first["tokens_per_step"] / med,
+        mfu=_mfu(first, med, n),
         precision=first["precision"],
         threads_per_rank=first["threads_per_rank"],
         params=first["model"]["params"],
@@ -174,8 +187,9 @@ def format_table(results: dict) -> str:
             f"global batch {st.get('global_batch')}, {st.get('warmup')} warm-up + {st.get('steps')} "
             f"timed steps x {st.get('repeats')} repeats, {st.get('cores')} cores"
         )
+    w = max([11] + [len(i) + 1 for ws in results["world_sizes"].values() for i in ws["impls"]])
     hdr = (
-        f"{'impl':<11}{'step s':>8}{'p25-p75':>14}{'min-max':>14}{'tok/s':>8}{'x ls':>7}"
+        f"{'impl':<{w}}{'step s':>8}{'p25-p75':>14}{'min-max':>14}{'tok/s':>8}{'MFU':>6}{'x ls':>7}"
         f"{'peak MiB':>10}{'x ls':>7}{'state MiB':>10}{'/min':>6}{'other MiB':>10}"
         f"{'colls':>7}{'MiB sent':>9}{'loss diff':>11}"
     )
@@ -188,15 +202,16 @@ def format_table(results: dict) -> str:
         lines.append("-" * len(hdr))
         for impl, s in ws["impls"].items():
             if "step_time_median" not in s:
-                lines.append(f"{impl:<11} FAILED ({s.get('failed')} of {s.get('runs')} runs)")
+                lines.append(f"{impl:<{w}} FAILED ({s.get('failed')} of {s.get('runs')} runs)")
                 continue
             ms = s["model_state"]
             peak = s.get("peak_bytes")
             lines.append(
-                f"{impl:<11}{s['step_time_median']:>8.3f}"
+                f"{impl:<{w}}{s['step_time_median']:>8.3f}"
                 f"{s['step_time_p25']:>7.3f}-{s['step_time_p75']:<6.3f}"
                 f"{s['step_time_min']:>7.3f}-{s['step_time_max']:<6.3f}"
-                f"{s['tokens_per_s']:>8.0f}{_f(s['time_vs_layershard'], '.3f'):>7}"
+                f"{s['tokens_per_s']:>8.0f}{_f(s.get('mfu') and 100 * s['mfu'], '.1f'):>6}"
+                f"{_f(s['time_vs_layershard'], '.3f'):>7}"
                 f"{_f(peak and peak / MiB, '.1f'):>10}{_f(s['peak_vs_layershard'], '.3f'):>7}"
                 f"{ms.get('model_state', 0) / MiB:>10.1f}{s['model_state_vs_minimum']:>6.2f}"
                 f"{ms.get('other_resident', 0) / MiB:>10.1f}"
@@ -204,9 +219,9 @@ def format_table(results: dict) -> str:
                 f"{_f(s['loss_max_abs_diff_vs_layershard'], '.2e'):>11}"
             )
             if s.get("failed"):
-                lines.append(f"{'':<11}({s['failed']} of {s['runs']} runs failed)")
+                lines.append(f"{'':<{w}}({s['failed']} of {s['runs']} runs failed)")
             if s.get("memtracker_peak_na"):
-                lines.append(f"{'':<11}peak n/a: {s['memtracker_peak_na']}")
+                lines.append(f"{'':<{w}}peak n/a: {s['memtracker_peak_na']}")
         for name, t in ws["targets"].items():
             lines.append(
                 f"  target {name}: {t['ratio']:.3f} (limit {t['limit']}) -> "
@@ -215,7 +230,7 @@ def format_table(results: dict) -> str:
     lines.append("")
     lines.append(
         "step s: median over all timed steps of all repeats (slowest rank, barrier to barrier); "
-        "x ls: this / layershard;\npeak: per rank (CUDA max_memory_allocated; CPU MemTracker, "
+        "MFU: model FLOPs / (step s x GPUs x bf16 peak), GPUs only; x ls: this / layershard;\npeak: per rank (CUDA max_memory_allocated; CPU MemTracker, "
         "own untimed step); state: params+grads+optimizer+module buffers\n(unique storages, "
         "after optimizer.step), /min: over 16*P/N + buffers; other: every other tensor storage "
         "Python sees between steps\n(engine working buffers); colls/MiB sent: c10d collectives "

@@ -361,6 +361,19 @@ def ring_bytes_sent(op: str, nbytes: int, world: int) -> float:
     return {"all_reduce": 2 * f * nbytes, "broadcast": f * nbytes}.get(op, f * nbytes)
 
 
+def _model_flops(desc: dict, seq_len: int, global_batch: int) -> float | None:
+    """Training FLOPs of one step (the planner's 6 N T + attention), for a preset's model."""
+    if desc.get("source") != "preset":
+        return None
+    from layershard.models import LlamaConfig
+    from layershard.plan import ModelShape
+    from layershard.plan.timing import model_flops
+
+    fields = LlamaConfig.__dataclass_fields__
+    cfg = LlamaConfig(**{k: v for k, v in desc.items() if k in fields})
+    return model_flops(ModelShape.from_config(cfg), seq_len * global_batch, seq_len)
+
+
 # ---- main ------------------------------------------------------------------------------------------
 
 
@@ -510,6 +523,8 @@ def main(argv=None) -> int:
             "seq_len": args.seq_len,
             "global_batch": args.global_batch,
             "tokens_per_step": args.seq_len * args.global_batch,
+            "model_flops_per_step": _model_flops(desc, args.seq_len, args.global_batch),
+            "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
             "warmup": args.warmup,
             "steps": args.steps,
             "lr": args.lr,
