@@ -37,15 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
 )
-from torch.distributed._shard.sharded_tensor.metadata import (
-    TensorProperties as STProperties,
-)
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import (
@@ -184,7 +183,6 @@ def dcp_load(state: dict, folder: Path, **kwargs: Any) -> None:
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
             # "assuming the intent is to load in a single process" (no_dist=True): yes
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=SafeFileSystemReader(folder), **kwargs)
@@ -202,6 +200,82 @@ def dcp_load(state: dict, folder: Path, **kwargs: Any) -> None:
 # ---- shards as DCP-native sharded tensors -------------------------------------------------------
 
 
+class Shard1D(torch.Tensor):
+    """A 1-D tensor of ``numel`` elements of which this rank holds ``[lo, hi)`` as ``local`` (a view
+    into the flat parameter or the optimizer state: DCP reads into it in place).
+
+    It speaks DCP's public checkpoint protocol (``__create_write_items__``, ``__create_chunk_list__``,
+    ``__get_tensor_shard__``, as DTensor does), so DCP saves and reshards uneven 1-D slices without
+    the deprecated ShardedTensor (``torch.distributed``'s ``_shard`` package). The chunks on disk are the ones
+    ShardedTensor wrote (offset ``lo``, size ``hi - lo``, nothing for an empty slice), so checkpoints
+    of either kind load with the other. A tensor subclass only because DCP looks shards up through
+    ``isinstance(obj, torch.Tensor)``; it carries no data of its own and refuses every operation.
+    """
+
+    _local: torch.Tensor
+    _lo: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, numel: int, lo: int) -> Shard1D:
+        if local.dim() != 1 or not 0 <= lo <= lo + local.numel() <= numel:
+            raise ValueError(
+                f"Shard1D: a 1-D slice [{lo}, {lo + local.numel()}) of a tensor of {numel} "
+                "elements was expected"
+            )
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, (numel,), dtype=local.dtype, device=local.device, requires_grad=False
+        )
+        t._local, t._lo = local, lo
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(
+            f"Shard1D only describes a checkpoint shard to DCP; {func} is not supported on it "
+            "(use its local slice)"
+        )
+
+    def __repr__(self) -> str:  # the default repr would dispatch
+        return f"Shard1D(numel={self.shape[0]}, local=[{self._lo}, {self._hi}), {self.dtype})"
+
+    @property
+    def _hi(self) -> int:
+        return self._lo + self._local.numel()
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(
+            offsets=torch.Size([self._lo]), sizes=torch.Size([self._local.numel()])
+        )
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        if self._local.numel() == 0:  # this rank holds none of it: another rank writes it all
+            return []
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size([self._lo])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=self._chunk(),
+                    # the properties ShardedTensor recorded: only the dtype is not a default
+                    properties=TensorProperties(dtype=self.dtype),
+                    size=self.shape,
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()] if self._local.numel() else []
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if index.offset is not None and tuple(index.offset) != (self._lo,):
+            raise ValueError(
+                f"{index.fqn}: this rank holds the slice at offset {self._lo}, not {tuple(index.offset)}"
+            )
+        return self._local
+
+
 def slot_ranges(f, slot) -> list[tuple[int, int]]:
     """For every rank of ``f``'s layout, the part [a, b) of the flattened parameter it holds."""
     out = []
@@ -213,43 +287,23 @@ def slot_ranges(f, slot) -> list[tuple[int, int]]:
     return out
 
 
-def _sharded_1d(local: torch.Tensor, numel: int, ranges, rank: int, granks: list[int], group):
-    """A 1-D ShardedTensor of ``numel`` elements whose rank-r part is ``ranges[r]``; ``local`` is
-    this rank's part (a view: DCP reads into it in place). Ranks with an empty part hold no shard.
-    The global layout is computed, not communicated: no collective per tensor."""
+def _sharded_1d(local: torch.Tensor, numel: int, ranges, rank: int) -> torch.Tensor:
+    """``local`` (this rank's part ``ranges[rank]`` of a 1-D tensor of ``numel`` elements) as DCP
+    should see it. The layout comes from the flat parameter, not from a collective."""
     if numel == 0:
         return local
-    dev = "cpu" if local.device.type == "cpu" else f"{local.device.type}:{local.device.index or 0}"
-    mds, mine = [], None
-    for r, (a, b) in enumerate(ranges):
-        if b > a:
-            md = ShardMetadata(
-                shard_offsets=[a], shard_sizes=[b - a], placement=f"rank:{granks[r]}/{dev}"
-            )
-            mds.append(md)
-            if r == rank:
-                mine = md
-    meta = ShardedTensorMetadata(
-        shards_metadata=mds,
-        size=torch.Size([numel]),
-        tensor_properties=STProperties(dtype=local.dtype),
-    )
-    shards = [Shard(local, mine)] if mine is not None else []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, meta, process_group=group
+    lo, hi = ranges[rank]
+    if local.numel() != hi - lo:
+        raise CheckpointError(
+            f"internal: a local slice of {local.numel()} elements for the range [{lo}, {hi})"
         )
+    # an empty slice lies wholly before or after the parameter: its position does not matter
+    return Shard1D(local, numel, lo if hi > lo else 0)
 
 
 def _group(model):
     group = model.process_group
-    return (
-        group,
-        dist.get_rank(group),
-        dist.get_world_size(group),
-        dist.get_process_group_ranks(group),
-    )
+    return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def _params(model):
@@ -407,7 +461,7 @@ def _hyper_from_json(value, current):
     return value
 
 
-def _optim_save(model, optimizer, rank, granks, group):
+def _optim_save(model, optimizer, rank: int):
     tensors, kinds = {}, {}
     groups = _param_names(model, optimizer)
     for items in groups:
@@ -421,9 +475,7 @@ def _optim_save(model, optimizer, rank, granks, group):
                     tensors[key] = v.detach()
                 elif isinstance(v, torch.Tensor) and v.shape == p.shape:
                     k_of[k] = {"kind": "sharded", "dtype": _dtype_name(v.dtype)}
-                    tensors[key] = _sharded_1d(
-                        v.detach(), slot.numel, slot_ranges(f, slot), rank, granks, group
-                    )
+                    tensors[key] = _sharded_1d(v.detach(), slot.numel, slot_ranges(f, slot), rank)
                 elif isinstance(v, torch.Tensor):
                     raise CheckpointError(
                         f"optimizer state {k!r} of {slot.name} has shape {tuple(v.shape)}: only "
@@ -512,7 +564,7 @@ def save_checkpoint(
     from layershard import __version__
 
     t0 = time.perf_counter()
-    group, rank, world, granks = _group(model)
+    group, rank, world = _group(model)
     final = Path(path).absolute()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint(keep_last={keep_last}): must be at least 1")
@@ -548,12 +600,12 @@ def save_checkpoint(
     try:
         for f, slot, p in _params(model):
             state[f"model/{slot.name}"] = _sharded_1d(
-                p.detach(), slot.numel, slot_ranges(f, slot), rank, granks, group
+                p.detach(), slot.numel, slot_ranges(f, slot), rank
             )
         for key, b in _buffers(model):
             state[f"model/{key}"] = b.detach()
         if optimizer is not None:
-            tensors, optim_info = _optim_save(model, optimizer, rank, granks, group)
+            tensors, optim_info = _optim_save(model, optimizer, rank)
             state.update(tensors)
         state.update(_rng_save(rank))
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
@@ -569,11 +621,7 @@ def save_checkpoint(
             "stepped the same optimizer?)"
         )
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dcp.save(
-            state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group
-        )
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
     t_write = time.perf_counter() - t0
 
     # Integrity: every rank hashes a share of the files (the DCP files are complete now).
@@ -760,7 +808,7 @@ def load_checkpoint(
     "model_config", "layershard_version"}``.
     """
     t0 = time.perf_counter()
-    group, rank, world, granks = _group(model)
+    group, rank, world = _group(model)
 
     err, folder, manifest = None, None, None
     if rank == 0:
@@ -799,7 +847,7 @@ def load_checkpoint(
     state: dict[str, Any] = {}
     for f, slot, p in _params(model):
         state[f"model/{slot.name}"] = _sharded_1d(
-            p.detach(), slot.numel, slot_ranges(f, slot), rank, granks, group
+            p.detach(), slot.numel, slot_ranges(f, slot), rank
         )
     for key, b in _buffers(model):
         if key in manifest["model"]["buffers"]:
@@ -831,7 +879,7 @@ def load_checkpoint(
                             else torch.empty_like(p, dtype=dtype)
                         )
                         state[f"optim/{slot.name}/{k}"] = _sharded_1d(
-                            t, slot.numel, slot_ranges(f, slot), rank, granks, group
+                            t, slot.numel, slot_ranges(f, slot), rank
                         )
                     else:
                         device = p.device if fused else torch.device("cpu")

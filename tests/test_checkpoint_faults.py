@@ -1,0 +1,148 @@
+"""Checkpoints under faults: DCP's public protocol instead of ShardedTensor (old checkpoints still
+load), same-name saves that stay atomic whatever the crash point, a full disk, asynchronous saves."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+
+import layershard as ls
+from layershard.checkpoint import dcp as ckdcp
+from layershard.models import LlamaConfig, LlamaForCausalLM
+
+SRC = Path(__file__).parents[1] / "src" / "layershard"
+# Saved by layershard 0.1.0 through torch.distributed._shard.ShardedTensor (world size 2, AdamW
+# after one step), with the full parameters it held (expected_params.pt).
+FIXTURE = Path(__file__).parent / "fixtures" / "ckpt_shardedtensor_ws2"
+FIXTURE_CFG = dict(
+    vocab_size=16, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16, max_seq_len=8
+)
+TINY = dict(vocab_size=96, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+
+
+def _model(cfg=TINY, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**cfg))
+
+
+def _step(model, opt, rank: int, seed: int = 1) -> None:
+    x = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(seed + rank))
+    model(x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _old_sharded_1d(local, numel, ranges, rank):
+    """The code path layershard 0.1.0 saved with: a ShardedTensor from local shards."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+    )
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        TensorProperties as STProperties,
+    )
+
+    if numel == 0:
+        return local
+    granks = dist.get_process_group_ranks(dist.group.WORLD)
+    mds, mine = [], None
+    for r, (a, b) in enumerate(ranges):
+        if b > a:
+            md = ShardMetadata(
+                shard_offsets=[a], shard_sizes=[b - a], placement=f"rank:{granks[r]}/cpu"
+            )
+            mds.append(md)
+            mine = md if r == rank else mine
+    meta = ShardedTensorMetadata(
+        shards_metadata=mds,
+        size=torch.Size([numel]),
+        tensor_properties=STProperties(dtype=local.dtype),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            [Shard(local, mine)] if mine is not None else [], meta, process_group=dist.group.WORLD
+        )
+
+
+def _optim_full(model, opt) -> dict[str, torch.Tensor]:
+    sd = {}
+    for f in model.flat_params:
+        for slot, p in zip(f.slots, f.shard_params):
+            for k, v in opt.state.get(p, {}).items():
+                if v.dim():
+                    parts = [None] * dist.get_world_size()
+                    dist.all_gather_object(parts, v.clone())
+                    sd[f"{slot.name}/{k}"] = torch.cat(parts)
+                else:
+                    sd[f"{slot.name}/{k}"] = v.clone()
+    return sd
+
+
+def _old_format(rank: int, world: int, root: str) -> None:
+    root = Path(root)
+    # 1. The committed checkpoint written by the old code loads, bit for bit.
+    model = ls.shard(_model(FIXTURE_CFG, seed=5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    meta = ls.load_checkpoint(FIXTURE, model, opt)
+    assert meta["step"] == 1 and "ShardedTensor" in meta["extra"]["note"]
+    expected = torch.load(FIXTURE / "expected_params.pt", weights_only=True)
+    for k, v in model.full_state_dict(rank0_only=False).items():
+        assert torch.equal(v, expected[k]), k
+    assert all(opt.state[p]["step"] == 1 for p in model.parameters() if p.numel())
+    _step(model, opt, rank, seed=7)  # and trains on
+
+    # 2. The same state saved by the old code and by the DCP protocol: identical DCP metadata
+    #    (chunks, sizes, properties) and each loads into the other's place.
+    torch.manual_seed(0)
+    model = ls.shard(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, rank)
+    original = ckdcp._sharded_1d
+    ckdcp._sharded_1d = _old_sharded_1d
+    try:
+        ls.save_checkpoint(root / "old", model, opt, step=1)
+    finally:
+        ckdcp._sharded_1d = original
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ls.save_checkpoint(root / "new", model, opt, step=1)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
+    md_old, md_new = (ckdcp.read_dcp_metadata(root / n) for n in ("old", "new"))
+    assert md_old.state_dict_metadata == md_new.state_dict_metadata
+    assert set(md_old.storage_data) == set(md_new.storage_data)
+    params, optim = model.full_state_dict(rank0_only=False), _optim_full(model, opt)
+    for name in ("old", "new"):
+        fresh = ls.shard(_model(seed=11))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ls.load_checkpoint(root / name, fresh, fresh_opt)
+        assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
+        for k, v in fresh.full_state_dict(rank0_only=False).items():
+            assert torch.equal(v, params[k]), (name, k)
+        got = _optim_full(fresh, fresh_opt)
+        assert got.keys() == optim.keys()
+        for k in optim:
+            assert torch.equal(got[k], optim[k]), (name, k)
+
+
+def test_dcp_protocol_replaces_shardedtensor_and_old_checkpoints_load(tmp_path):
+    run_ranks(_old_format, 2, str(tmp_path))
+    # the old checkpoint also reshards: loaded in one process
+    ls.init_distributed(backend="gloo")
+    model = ls.shard(_model(FIXTURE_CFG, seed=5))
+    ls.load_checkpoint(FIXTURE / "step_000001", model, torch.optim.AdamW(model.parameters()))
+    expected = torch.load(FIXTURE / "expected_params.pt", weights_only=True)
+    for k, v in model.full_state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    # no deprecated ShardedTensor anywhere in layershard
+    imports = re.compile(r"^\s*(from|import)\s+torch\.distributed\._shard", re.M)
+    users = [p for p in SRC.rglob("*.py") if imports.search(p.read_text())]
+    assert not users, users
