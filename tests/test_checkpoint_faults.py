@@ -3,16 +3,20 @@ load), same-name saves that stay atomic whatever the crash point, a full disk, a
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
 
 import layershard as ls
 from layershard.checkpoint import dcp as ckdcp
+from layershard.checkpoint import publish as pub
 from layershard.models import LlamaConfig, LlamaForCausalLM
 
 SRC = Path(__file__).parents[1] / "src" / "layershard"
@@ -146,3 +150,84 @@ def test_dcp_protocol_replaces_shardedtensor_and_old_checkpoints_load(tmp_path):
     imports = re.compile(r"^\s*(from|import)\s+torch\.distributed\._shard", re.M)
     users = [p for p in SRC.rglob("*.py") if imports.search(p.read_text())]
     assert not users, users
+
+
+# ---- same-name saves: atomic at every crash point ----------------------------------------------
+
+
+class _Crash(BaseException):
+    """The process dies here: nothing after this point runs (not even ``except Exception``)."""
+
+
+def _params_of(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("can_exchange", [True, False], ids=["exchange", "two-renames"])
+def test_same_name_save_is_atomic_at_every_crash_point(tmp_path, monkeypatch, can_exchange):
+    """Saving over ``ck/last`` and dying at each file-system step of the publication leaves
+    ``ck`` loadable as either the old or the new checkpoint, never a missing folder."""
+    ls.init_distributed(backend="gloo")
+    model = ls.shard(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps, active = {"n": 0, "crash_at": 0}, [False]
+    real_exchange = getattr(pub, "exchange", None)
+
+    def fs_step(fn):
+        def wrapper(*args, **kwargs):
+            if active[0]:
+                steps["n"] += 1
+                if steps["n"] == steps["crash_at"]:
+                    raise _Crash
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(
+        pub,
+        "exchange",
+        fs_step(real_exchange if can_exchange else lambda a, b: False),
+        raising=False,
+    )
+    monkeypatch.setattr(os, "rename", fs_step(os.rename))
+    monkeypatch.setattr(pub, "write_atomic", fs_step(pub.write_atomic))
+    monkeypatch.setattr(shutil, "rmtree", fs_step(shutil.rmtree))
+    real_publish = pub.publish
+
+    def publish(*args, **kwargs):
+        active[0] = True
+        try:
+            return real_publish(*args, **kwargs)
+        finally:
+            active[0] = False
+
+    monkeypatch.setattr(pub, "publish", publish)
+
+    crash_at, outcomes = 1, set()
+    while True:
+        root = tmp_path / f"crash{crash_at}"
+        ls.save_checkpoint(root / "last", model, opt, step=1)
+        old = _params_of(model)
+        _step(model, opt, 0)
+        new = _params_of(model)
+        steps.update(n=0, crash_at=crash_at)
+        try:
+            ls.save_checkpoint(root / "last", model, opt, step=2)
+            crashed = False
+        except _Crash:
+            crashed = True
+        if can_exchange:  # `latest` never names a missing folder
+            assert (root / (root / "latest").read_text().strip()).is_dir(), crash_at
+        found = pub.resolve(root)
+        assert (found / pub.MANIFEST).is_file()
+        fresh = ls.shard(_model(seed=3))
+        meta = ls.load_checkpoint(root, fresh, torch.optim.AdamW(fresh.parameters()))
+        got = _params_of(fresh)
+        expected = {1: old, 2: new}[meta["step"]]
+        assert all(torch.equal(got[k], expected[k]) for k in got), (crash_at, meta["step"])
+        outcomes.add(meta["step"])
+        if not crashed:
+            assert meta["step"] == 2 and not pub.leftovers(root)
+            break
+        crash_at += 1
+    assert outcomes == {1, 2} and crash_at >= 4, (outcomes, crash_at)
