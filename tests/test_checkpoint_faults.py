@@ -3,6 +3,7 @@ load), same-name saves that stay atomic whatever the crash point, a full disk, a
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 
 import layershard as ls
+from layershard.checkpoint import CheckpointError, checkpoint_info
 from layershard.checkpoint import dcp as ckdcp
 from layershard.checkpoint import publish as pub
 from layershard.models import LlamaConfig, LlamaForCausalLM
@@ -231,3 +233,105 @@ def test_same_name_save_is_atomic_at_every_crash_point(tmp_path, monkeypatch, ca
             break
         crash_at += 1
     assert outcomes == {1, 2} and crash_at >= 4, (outcomes, crash_at)
+
+
+# ---- a full disk; asynchronous saves -------------------------------------------------------------
+
+
+def _disk_full_and_async(rank: int, world: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(root)
+    ck = root / "ck"
+    model = ls.shard(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, rank)
+    ls.save_checkpoint(ck / "step_1", model, opt, step=1)
+    at_1 = _params_of(model)
+    _step(model, opt, rank, seed=2)
+
+    def unchanged() -> None:
+        dist.barrier()
+        assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_1"], list(ck.iterdir())
+        assert (ck / "latest").read_text().strip() == "step_1"
+
+    no_space = r"no space left on .*/ck: needed ~[\d,]+ bytes"
+    # 1. Rank 1's disk fills up while DCP writes (after part of a file is out).
+    original = dcp.FileSystemWriter.write_data
+
+    def write_then_fill(self, plan, planner):
+        if rank == 1:
+            (Path(self.path) / "__1_0.distcp").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = write_then_fill
+    try:
+        with pytest.raises(CheckpointError, match=no_space):
+            ls.save_checkpoint(ck / "step_2", model, opt, step=2)
+        unchanged()
+        # the same through DCP's asynchronous save: the error comes from wait()
+        handle = ls.save_checkpoint(ck / "step_2", model, opt, step=2, async_save=True)
+        with pytest.raises(CheckpointError, match=no_space):
+            handle.wait()
+        unchanged()
+    finally:
+        dcp.FileSystemWriter.write_data = original
+
+    # 2. Too little space to begin with: refused before anything is written.
+    real_usage = shutil.disk_usage
+    shutil.disk_usage = lambda p: real_usage(p)._replace(free=1000)
+    try:
+        with pytest.raises(CheckpointError, match=no_space + ", 1,000 free"):
+            ls.save_checkpoint(ck / "step_2", model, opt, step=2)
+    finally:
+        shutil.disk_usage = real_usage
+    unchanged()
+
+    # 3. The disk fills up at the manifest (rank 0, after every rank wrote).
+    real_write = pub.write_atomic
+
+    def manifest_fills(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    pub.write_atomic = manifest_fills
+    try:
+        with pytest.raises(CheckpointError, match=no_space):
+            ls.save_checkpoint(ck / "step_2", model, opt, step=2)
+    finally:
+        pub.write_atomic = real_write
+    unchanged()
+    fresh = ls.shard(_model(seed=4))
+    assert ls.load_checkpoint(ck, fresh)["step"] == 1
+    got = _params_of(fresh)
+    assert all(torch.equal(got[k], at_1[k]) for k in got)
+
+    # 4. An asynchronous save holds the state of the moment it was called, while training goes on,
+    #    and is published exactly like a synchronous one.
+    at_2, optim_2 = _params_of(model), _optim_full(model, opt)
+    handle = ls.save_checkpoint(ck / "step_2", model, opt, step=2, keep_last=1, async_save=True)
+    assert isinstance(handle, ckdcp.AsyncCheckpoint) and handle.path == (ck / "step_2").absolute()
+    for s in range(3):  # the parameters and optimizer state change under the background write
+        _step(model, opt, rank, seed=10 + s)
+    assert handle.wait() == (ck / "step_2").absolute()
+    assert (ck / "latest").read_text().strip() == "step_2" and not (ck / "step_1").exists()
+    fresh = ls.shard(_model(seed=4))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    assert ls.load_checkpoint(ck, fresh, fresh_opt)["step"] == 2
+    got, got_optim = _params_of(fresh), _optim_full(fresh, fresh_opt)
+    assert all(torch.equal(got[k], at_2[k]) for k in got)
+    assert all(torch.equal(got_optim[k], optim_2[k]) for k in got_optim)
+    # a second asynchronous save reuses the staging buffers; a synchronous one waits for it
+    at_5 = _params_of(model)
+    ls.save_checkpoint(ck / "step_5", model, opt, step=5, async_save=True)
+    _step(model, opt, rank, seed=20)
+    ls.save_checkpoint(ck / "step_6", model, opt, step=6)
+    assert ls.load_checkpoint(ck / "step_5", fresh)["step"] == 5
+    got = _params_of(fresh)
+    assert all(torch.equal(got[k], at_5[k]) for k in got)
+    info = checkpoint_info(ck)
+    assert info["ok"] and info["step"] == 6 and not info["leftovers"]
+
+
+def test_disk_full_and_async_saves(tmp_path):
+    run_ranks(_disk_full_and_async, 2, str(tmp_path))
