@@ -4,6 +4,7 @@ launcher (``python -m torch.distributed.run``), which also covers multi-node run
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -165,6 +166,15 @@ def _choose_resume(run_dir: Path, opts: LaunchOptions) -> Path:
     return older[0]
 
 
+def _launch_id(run_dir: Path, opts: LaunchOptions) -> str:
+    """An id for this launch's records in the run folder. Every node's launcher writes
+    launch.json, so on many nodes they must agree: the id comes from what they share."""
+    if opts.nnodes == "1" and not opts.rdzv_endpoint:
+        return uuid.uuid4().hex[:12]
+    shared = f"{run_dir.absolute()}|{opts.rdzv_endpoint}|{opts.rdzv_id}|{opts.nnodes}"
+    return "n" + hashlib.sha256(shared.encode()).hexdigest()[:11]
+
+
 def _finished(run_dir: Path, cfg: TrainConfig) -> str:
     """A message when the run in ``run_dir`` has already done ``cfg.steps`` steps, else ''."""
     summary = st.read_json(run_dir / "summary.json")
@@ -290,7 +300,7 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
     if opts.dry_run:
         return cfg, run_dir, manifest
 
-    opts.launch_id = uuid.uuid4().hex[:12]
+    opts.launch_id = _launch_id(run_dir, opts)
     if opts.node_rank == 0:
         busy = st.held_by(run_dir)
         if busy:

@@ -362,8 +362,9 @@ class Trainer:
             return []
         out = [chosen]
         if self.launch.get("resume_fallback") and folder.is_dir():
+            # step_NNNNNN names sort like their steps: the older ones, newest first
             older = [d for _, _, d in reversed(pub.sibling_checkpoints(folder))]
-            out += [str(d) for d in older if str(d) != chosen]
+            out += [str(d) for d in older if d.name < Path(chosen).name]
         return out
 
     def resume(self) -> dict | None:
