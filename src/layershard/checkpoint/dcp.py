@@ -21,31 +21,35 @@ an unpickler that admits only DCP's own metadata classes, everything else is JSO
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import errno
 import json
 import logging
 import math
 import os
 import pickle
 import random
+import shutil
 import sys
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
 )
-from torch.distributed._shard.sharded_tensor.metadata import (
-    TensorProperties as STProperties,
-)
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import (
@@ -184,7 +188,6 @@ def dcp_load(state: dict, folder: Path, **kwargs: Any) -> None:
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
             # "assuming the intent is to load in a single process" (no_dist=True): yes
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=SafeFileSystemReader(folder), **kwargs)
@@ -202,6 +205,82 @@ def dcp_load(state: dict, folder: Path, **kwargs: Any) -> None:
 # ---- shards as DCP-native sharded tensors -------------------------------------------------------
 
 
+class Shard1D(torch.Tensor):
+    """A 1-D tensor of ``numel`` elements of which this rank holds ``[lo, hi)`` as ``local`` (a view
+    into the flat parameter or the optimizer state: DCP reads into it in place).
+
+    It speaks DCP's public checkpoint protocol (``__create_write_items__``, ``__create_chunk_list__``,
+    ``__get_tensor_shard__``, as DTensor does), so DCP saves and reshards uneven 1-D slices without
+    the deprecated ShardedTensor (``torch.distributed``'s ``_shard`` package). The chunks on disk are the ones
+    ShardedTensor wrote (offset ``lo``, size ``hi - lo``, nothing for an empty slice), so checkpoints
+    of either kind load with the other. A tensor subclass only because DCP looks shards up through
+    ``isinstance(obj, torch.Tensor)``; it carries no data of its own and refuses every operation.
+    """
+
+    _local: torch.Tensor
+    _lo: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, numel: int, lo: int) -> Shard1D:
+        if local.dim() != 1 or not 0 <= lo <= lo + local.numel() <= numel:
+            raise ValueError(
+                f"Shard1D: a 1-D slice [{lo}, {lo + local.numel()}) of a tensor of {numel} "
+                "elements was expected"
+            )
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, (numel,), dtype=local.dtype, device=local.device, requires_grad=False
+        )
+        t._local, t._lo = local, lo
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(
+            f"Shard1D only describes a checkpoint shard to DCP; {func} is not supported on it "
+            "(use its local slice)"
+        )
+
+    def __repr__(self) -> str:  # the default repr would dispatch
+        return f"Shard1D(numel={self.shape[0]}, local=[{self._lo}, {self._hi}), {self.dtype})"
+
+    @property
+    def _hi(self) -> int:
+        return self._lo + self._local.numel()
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(
+            offsets=torch.Size([self._lo]), sizes=torch.Size([self._local.numel()])
+        )
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        if self._local.numel() == 0:  # this rank holds none of it: another rank writes it all
+            return []
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size([self._lo])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=self._chunk(),
+                    # the properties ShardedTensor recorded: only the dtype is not a default
+                    properties=TensorProperties(dtype=self.dtype),
+                    size=self.shape,
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()] if self._local.numel() else []
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if index.offset is not None and tuple(index.offset) != (self._lo,):
+            raise ValueError(
+                f"{index.fqn}: this rank holds the slice at offset {self._lo}, not {tuple(index.offset)}"
+            )
+        return self._local
+
+
 def slot_ranges(f, slot) -> list[tuple[int, int]]:
     """For every rank of ``f``'s layout, the part [a, b) of the flattened parameter it holds."""
     out = []
@@ -213,43 +292,23 @@ def slot_ranges(f, slot) -> list[tuple[int, int]]:
     return out
 
 
-def _sharded_1d(local: torch.Tensor, numel: int, ranges, rank: int, granks: list[int], group):
-    """A 1-D ShardedTensor of ``numel`` elements whose rank-r part is ``ranges[r]``; ``local`` is
-    this rank's part (a view: DCP reads into it in place). Ranks with an empty part hold no shard.
-    The global layout is computed, not communicated: no collective per tensor."""
+def _sharded_1d(local: torch.Tensor, numel: int, ranges, rank: int) -> torch.Tensor:
+    """``local`` (this rank's part ``ranges[rank]`` of a 1-D tensor of ``numel`` elements) as DCP
+    should see it. The layout comes from the flat parameter, not from a collective."""
     if numel == 0:
         return local
-    dev = "cpu" if local.device.type == "cpu" else f"{local.device.type}:{local.device.index or 0}"
-    mds, mine = [], None
-    for r, (a, b) in enumerate(ranges):
-        if b > a:
-            md = ShardMetadata(
-                shard_offsets=[a], shard_sizes=[b - a], placement=f"rank:{granks[r]}/{dev}"
-            )
-            mds.append(md)
-            if r == rank:
-                mine = md
-    meta = ShardedTensorMetadata(
-        shards_metadata=mds,
-        size=torch.Size([numel]),
-        tensor_properties=STProperties(dtype=local.dtype),
-    )
-    shards = [Shard(local, mine)] if mine is not None else []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, meta, process_group=group
+    lo, hi = ranges[rank]
+    if local.numel() != hi - lo:
+        raise CheckpointError(
+            f"internal: a local slice of {local.numel()} elements for the range [{lo}, {hi})"
         )
+    # an empty slice lies wholly before or after the parameter: its position does not matter
+    return Shard1D(local, numel, lo if hi > lo else 0)
 
 
 def _group(model):
     group = model.process_group
-    return (
-        group,
-        dist.get_rank(group),
-        dist.get_world_size(group),
-        dist.get_process_group_ranks(group),
-    )
+    return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def _params(model):
@@ -407,7 +466,7 @@ def _hyper_from_json(value, current):
     return value
 
 
-def _optim_save(model, optimizer, rank, granks, group):
+def _optim_save(model, optimizer, rank: int):
     tensors, kinds = {}, {}
     groups = _param_names(model, optimizer)
     for items in groups:
@@ -421,9 +480,7 @@ def _optim_save(model, optimizer, rank, granks, group):
                     tensors[key] = v.detach()
                 elif isinstance(v, torch.Tensor) and v.shape == p.shape:
                     k_of[k] = {"kind": "sharded", "dtype": _dtype_name(v.dtype)}
-                    tensors[key] = _sharded_1d(
-                        v.detach(), slot.numel, slot_ranges(f, slot), rank, granks, group
-                    )
+                    tensors[key] = _sharded_1d(v.detach(), slot.numel, slot_ranges(f, slot), rank)
                 elif isinstance(v, torch.Tensor):
                     raise CheckpointError(
                         f"optimizer state {k!r} of {slot.name} has shape {tuple(v.shape)}: only "
@@ -488,6 +545,261 @@ def _reseed(step: int | None, rank: int) -> int:
 # ---- save --------------------------------------------------------------------------------------
 
 
+# Per-tensor overhead of DCP's files (a zip record per tensor), for the free-space estimate.
+_FILE_OVERHEAD = 4096
+
+
+def _nbytes(state: dict[str, Any]) -> int:
+    """Bytes this rank writes for ``state`` (its local slices), with DCP's per-tensor overhead."""
+    total = 0
+    for v in state.values():
+        if isinstance(v, Shard1D):
+            locals_ = [v._local]
+        elif hasattr(v, "local_shards"):  # another DCP-sharded type (tests save the old format)
+            locals_ = [s.tensor for s in v.local_shards()]
+        else:
+            locals_ = [v]
+        total += sum(t.numel() * t.element_size() + _FILE_OVERHEAD for t in locals_)
+    return total
+
+
+def _is_disk_full(exc: BaseException | None) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        failures = getattr(exc, "failures", None)  # DCP's CheckpointException: every rank's error
+        if isinstance(failures, dict):
+            if any(_is_disk_full(f[0] if isinstance(f, tuple) else f) for f in failures.values()):
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _no_space(parent: Path, need: int) -> CheckpointError:
+    try:
+        free = f", {shutil.disk_usage(parent).free:,} free"
+    except OSError:
+        free = ""
+    return CheckpointError(
+        f"no space left on {parent}: needed ~{need:,} bytes{free}; free some space (or save "
+        "elsewhere); the previous checkpoint and `latest` are unchanged"
+    )
+
+
+def _sum_over_ranks(group, value: int) -> int:
+    if dist.get_world_size(group) == 1:
+        return value
+    parts = [0] * dist.get_world_size(group)
+    dist.all_gather_object(parts, value, group=group)
+    return sum(parts)
+
+
+class _Save:
+    """One checkpoint save, in the order every rank runs it: collect the state (views), check the
+    space and create the temporary folder, write (here or in the background), then finalize:
+    hash, manifest, publish. Any failure removes the temporary folder and leaves the previous
+    checkpoint and ``latest`` as they were."""
+
+    def __init__(self, final: Path, model, group, keep_last: int | None, manifest: dict):
+        self.final, self.model, self.group = final, model, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.keep_last, self.manifest = keep_last, manifest
+        self.tmp: Path | None = None
+        self.need = 0
+        self.t0 = time.perf_counter()
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Collective: free space, then the temporary folder (rank 0), agreed by every rank."""
+        self.need = _sum_over_ranks(self.group, _nbytes(state)) + (1 << 20)  # + metadata
+        err, tmp = None, None
+        if self.rank == 0:
+            final = self.final
+            try:
+                if (
+                    final.exists()
+                    and not (final / pub.MANIFEST).is_file()
+                    and (not final.is_dir() or any(final.iterdir()))
+                ):
+                    raise CheckpointError(
+                        f"save_checkpoint: {final} exists and is not a layershard checkpoint; "
+                        "refusing to replace it"
+                    )
+                final.parent.mkdir(parents=True, exist_ok=True)
+                if shutil.disk_usage(final.parent).free < self.need:
+                    raise _no_space(final.parent, self.need)
+                tmp = pub.tmp_name(final)
+                tmp.mkdir()
+            except CheckpointError as e:
+                err = e
+            except OSError as e:
+                err = (
+                    _no_space(final.parent, self.need)
+                    if _is_disk_full(e)
+                    else CheckpointError(f"save_checkpoint: cannot create {final.parent}: {e}")
+                )
+        _agree(self.group, err)
+        self.tmp = Path(_broadcast(self.group, str(tmp)))
+
+    def write(self, state: dict[str, Any]) -> None:
+        """Collective (on ``self.group``): DCP writes every rank's slices into the folder."""
+        try:
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(self.tmp, sync_files=True),
+                process_group=self.group,
+            )
+        except (Exception, CheckpointException) as e:  # the same on every rank (DCP agrees)
+            self.fail(e)
+
+    def fail(self, exc: BaseException) -> None:
+        """Every rank has failed the same step: remove the temporary folder, raise one error."""
+        if self.rank == 0 and self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if isinstance(exc, CheckpointError) and not _is_disk_full(exc):
+            raise exc
+        if _is_disk_full(exc):
+            raise _no_space(self.final.parent, self.need) from None
+        raise CheckpointError(
+            f"save_checkpoint: writing {self.final} failed ({type(exc).__name__}: {exc}); the "
+            "previous checkpoint and `latest` are unchanged"
+        ) from exc
+
+    def finalize(self) -> Path:
+        """Collective: hash a share of the files each, then rank 0 writes the manifest and
+        publishes. Every failure is agreed on, so no rank waits for another."""
+        group, rank, world, tmp = self.group, self.rank, self.world, self.tmp
+        t_write = time.perf_counter() - self.t0
+        err, digests = None, {}
+        try:
+            names = pub.data_files(tmp)
+            for name in names[rank::world]:
+                size, sha = pub.file_digest(tmp / name)
+                digests[name] = {"bytes": size, "sha256": sha}
+        except OSError as e:
+            err = CheckpointError(f"save_checkpoint: cannot read back {tmp}: {e}")
+        try:
+            _agree(group, err)
+        except CheckpointError as e:
+            self.fail(e)
+        parts = [digests]
+        if world > 1:
+            parts = [None] * world
+            dist.all_gather_object(parts, digests, group=group)
+
+        err = None
+        if rank == 0:
+            try:
+                files = {k: v for part in parts for k, v in sorted(part.items())}
+                manifest = dict(self.manifest)
+                manifest["files"] = dict(sorted(files.items()))
+                manifest["total_bytes"] = sum(v["bytes"] for v in files.values())
+                manifest["write_seconds"] = round(t_write, 3)
+                pub.write_atomic(tmp / pub.MANIFEST, pub.dumps(manifest))
+                pub.publish(tmp, self.final, self.keep_last)
+            except Exception as e:  # noqa: BLE001
+                if self.tmp.exists():  # not published: nothing of this save stays behind
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                err = (
+                    _no_space(self.final.parent, self.need)
+                    if _is_disk_full(e)
+                    else CheckpointError(f"save_checkpoint: publishing {self.final} failed: {e}")
+                )
+        _agree(group, err)
+        log.info("layershard: saved %s in %.2f s", self.final, time.perf_counter() - self.t0)
+        return self.final
+
+
+class AsyncCheckpoint:
+    """A checkpoint being written in the background by :func:`save_checkpoint` with
+    ``async_save=True``. The state was copied when the call returned; ``wait()`` returns the
+    published folder or raises the save's error. Until then the folder is a ``*.tmp-*`` one that
+    is never loaded, exactly as for a synchronous save."""
+
+    def __init__(self, path: Path, future: concurrent.futures.Future, stall_s: float):
+        self.path, self._future = path, future
+        self.stall_s = stall_s  # seconds the caller was blocked (staging, the previous save)
+        self.observed = False  # wait() has returned or raised
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        try:
+            return self._future.result(timeout)
+        finally:
+            self.observed = self._future.done()
+
+
+# One background save at a time per model: its staging buffers, its thread, the gloo group.
+_ASYNC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _AsyncState:
+    def __init__(self, group):
+        # DCP's background collectives must not interleave with the training thread's on the same
+        # process group (and NCCL groups have no CPU backend, which async_save needs): a gloo group
+        # of the same ranks. new_group() is collective on the default group.
+        self.group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, "layershard-ckpt")
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.pending: AsyncCheckpoint | None = None
+
+
+class _PreStaged:
+    """An ``AsyncStager`` for a state that is already a private CPU copy (see ``_stage``)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _stage(state: dict[str, Any], buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A CPU copy of ``state`` that training cannot change: reused buffers, pinned on CUDA so the
+    device-to-host copies are asynchronous (one synchronize at the end)."""
+    out: dict[str, Any] = {}
+    cuda = False
+    for key, v in state.items():
+        local = v._local if isinstance(v, Shard1D) else v
+        buf = buffers.get(key)
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+            pin = local.device.type == "cuda"
+            buf = buffers[key] = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+        buf.copy_(local, non_blocking=local.device.type == "cuda")
+        cuda |= local.device.type == "cuda"
+        out[key] = Shard1D(buf, v.shape[0], v._lo) if isinstance(v, Shard1D) else buf
+    if cuda:
+        torch.cuda.synchronize()
+    return out
+
+
+def wait_for_pending_save(model) -> Path | None:
+    """Wait for ``model``'s asynchronous save in flight, if any; returns its folder, or None when
+    there is none or it failed (its error is raised by its own ``wait()``; if nobody waited for
+    it, it is logged here rather than raised by an unrelated save)."""
+    st = _ASYNC.get(model)
+    if st is None or st.pending is None:
+        return None
+    pending, st.pending = st.pending, None
+    seen = pending.observed
+    try:
+        return pending.wait()
+    except CheckpointError as e:
+        if not seen:
+            log.error("layershard: the asynchronous save of %s failed: %s", pending.path, e)
+        return None
+
+
 @torch.no_grad()
 def save_checkpoint(
     path: str | os.PathLike,
@@ -498,7 +810,8 @@ def save_checkpoint(
     *,
     keep_last: int | None = None,
     run_config: dict | None = None,
-) -> Path:
+    async_save: bool = False,
+) -> Path | AsyncCheckpoint:
     """Save a resumable sharded checkpoint into the folder ``path``. Collective: every rank of the
     model's process group calls it with the same arguments; ``path`` must be on a file system all
     ranks share.
@@ -508,11 +821,20 @@ def save_checkpoint(
     ``extra`` (JSON: e.g. the data loader's position, an LR scheduler's state) and ``run_config``
     (the resolved run config) come back from :func:`load_checkpoint`. With ``keep_last=K`` only the
     K newest checkpoints in the parent folder remain. Returns the checkpoint folder.
+
+    A save that cannot fit (checked before writing) or runs out of space while writing raises
+    ``CheckpointError("no space left on <folder>: needed ~N bytes ...")`` and removes what it wrote.
+
+    ``async_save=True`` copies the state (to pinned CPU memory on CUDA) and returns an
+    :class:`AsyncCheckpoint` at once; ``torch.distributed.checkpoint.async_save`` writes it in a
+    background thread over a gloo group of the same ranks (created by the first asynchronous save:
+    a collective on the default group), then the manifest and the publication follow, with the
+    same crash safety. One save per model is in flight: a new save (either kind) waits for it.
     """
     from layershard import __version__
 
     t0 = time.perf_counter()
-    group, rank, world, granks = _group(model)
+    group, rank, world = _group(model)
     final = Path(path).absolute()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint(keep_last={keep_last}): must be at least 1")
@@ -520,40 +842,19 @@ def save_checkpoint(
         raise TypeError(f"save_checkpoint(step={step!r}): must be an int")
     extra = _jsonable(extra, "save_checkpoint(extra=...)")
     run_config = _jsonable(run_config, "save_checkpoint(run_config=...)")
+    wait_for_pending_save(model)
 
     # Every part that can fail on one rank only is followed by an agreement, so no rank hangs.
-    err, tmp = None, None
-    if rank == 0:
-        try:
-            if (
-                final.exists()
-                and not (final / pub.MANIFEST).is_file()
-                and (not final.is_dir() or any(final.iterdir()))
-            ):
-                raise CheckpointError(
-                    f"save_checkpoint: {final} exists and is not a layershard checkpoint; "
-                    "refusing to replace it"
-                )
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = pub.tmp_name(final)
-            tmp.mkdir()
-        except CheckpointError as e:
-            err = e
-        except OSError as e:
-            err = CheckpointError(f"save_checkpoint: cannot create {final.parent}: {e}")
-    _agree(group, err)
-    tmp = Path(_broadcast(group, str(tmp)))
-
     err, state, optim_info = None, {}, None
     try:
         for f, slot, p in _params(model):
             state[f"model/{slot.name}"] = _sharded_1d(
-                p.detach(), slot.numel, slot_ranges(f, slot), rank, granks, group
+                p.detach(), slot.numel, slot_ranges(f, slot), rank
             )
         for key, b in _buffers(model):
             state[f"model/{key}"] = b.detach()
         if optimizer is not None:
-            tensors, optim_info = _optim_save(model, optimizer, rank, granks, group)
+            tensors, optim_info = _optim_save(model, optimizer, rank)
             state.update(tensors)
         state.update(_rng_save(rank))
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
@@ -568,60 +869,56 @@ def save_checkpoint(
             "save_checkpoint: the ranks' optimizers hold different kinds of state (has every rank "
             "stepped the same optimizer?)"
         )
+    manifest = {
+        "format": pub.FORMAT,
+        "format_version": pub.FORMAT_VERSION,
+        "layershard_version": __version__,
+        "torch_version": torch.__version__,
+        "created_unix": time.time(),
+        "step": step,
+        "world_size": world,
+        "extra": extra,
+        "run_config": run_config,
+        "model": describe_model(model),
+        "optimizer": optim_info,
+        "rng": {"world_size": world, "keys": sorted(k.split("/", 2)[2] for k in _rng_save(0))},
+    }
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dcp.save(
-            state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group
-        )
-    t_write = time.perf_counter() - t0
+    if not async_save:
+        save = _Save(final, model, group, keep_last, manifest)
+        save.prepare(state)
+        save.write(state)
+        return save.finalize()
 
-    # Integrity: every rank hashes a share of the files (the DCP files are complete now).
-    err, digests = None, {}
+    st = _ASYNC.get(model)
+    if st is None:
+        st = _ASYNC[model] = _AsyncState(group)
+    save = _Save(final, model, st.group, keep_last, manifest)
+    save.prepare(state)
+    staged = _stage(state, st.buffers)
     try:
-        names = pub.data_files(tmp)
-        for name in names[rank::world]:
-            size, sha = pub.file_digest(tmp / name)
-            digests[name] = {"bytes": size, "sha256": sha}
-    except OSError as e:
-        err = CheckpointError(f"save_checkpoint: cannot read back {tmp}: {e}")
-    _agree(group, err)
-    parts = [digests]
-    if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, digests, group=group)
+        with warnings.catch_warnings():
+            # "async_save is experimental": layershard pins the torch version it is tested with
+            warnings.simplefilter("ignore", UserWarning)
+            upload = dcp.async_save(
+                staged,
+                storage_writer=dcp.FileSystemWriter(save.tmp, sync_files=True),
+                process_group=st.group,
+                async_stager=_PreStaged(),
+            )
+    except (Exception, CheckpointException) as e:
+        save.fail(e)
 
-    err = None
-    if rank == 0:
+    def finish() -> Path:
         try:
-            files = {k: v for part in parts for k, v in sorted(part.items())}
-            manifest = {
-                "format": pub.FORMAT,
-                "format_version": pub.FORMAT_VERSION,
-                "layershard_version": __version__,
-                "torch_version": torch.__version__,
-                "created_unix": time.time(),
-                "step": step,
-                "world_size": world,
-                "extra": extra,
-                "run_config": run_config,
-                "model": describe_model(model),
-                "optimizer": optim_info,
-                "rng": {
-                    "world_size": world,
-                    "keys": sorted(k.split("/", 2)[2] for k in _rng_save(0)),
-                },
-                "files": dict(sorted(files.items())),
-                "total_bytes": sum(v["bytes"] for v in files.values()),
-                "write_seconds": round(t_write, 3),
-            }
-            pub.write_atomic(tmp / pub.MANIFEST, pub.dumps(manifest))
-            pub.publish(tmp, final, keep_last)
-        except Exception as e:  # noqa: BLE001
-            err = CheckpointError(f"save_checkpoint: publishing {final} failed: {e}")
-    _agree(group, err)
-    log.info("layershard: saved %s in %.2f s", final, time.perf_counter() - t0)
-    return final
+            upload.result()
+        except (Exception, CheckpointException) as e:
+            save.fail(e)
+        return save.finalize()
+
+    handle = AsyncCheckpoint(final, st.executor.submit(finish), time.perf_counter() - t0)
+    st.pending = handle
+    return handle
 
 
 # ---- load --------------------------------------------------------------------------------------
@@ -760,7 +1057,7 @@ def load_checkpoint(
     "model_config", "layershard_version"}``.
     """
     t0 = time.perf_counter()
-    group, rank, world, granks = _group(model)
+    group, rank, world = _group(model)
 
     err, folder, manifest = None, None, None
     if rank == 0:
@@ -799,7 +1096,7 @@ def load_checkpoint(
     state: dict[str, Any] = {}
     for f, slot, p in _params(model):
         state[f"model/{slot.name}"] = _sharded_1d(
-            p.detach(), slot.numel, slot_ranges(f, slot), rank, granks, group
+            p.detach(), slot.numel, slot_ranges(f, slot), rank
         )
     for key, b in _buffers(model):
         if key in manifest["model"]["buffers"]:
@@ -831,7 +1128,7 @@ def load_checkpoint(
                             else torch.empty_like(p, dtype=dtype)
                         )
                         state[f"optim/{slot.name}/{k}"] = _sharded_1d(
-                            t, slot.numel, slot_ranges(f, slot), rank, granks, group
+                            t, slot.numel, slot_ranges(f, slot), rank
                         )
                     else:
                         device = p.device if fused else torch.device("cpu")

@@ -6,19 +6,31 @@ file) is in place does rank 0 rename the folder to ``<name>`` (atomic on POSIX f
 then update ``latest`` in the parent folder (write-temp + ``os.replace``). A crash at any point
 leaves the previous checkpoint and ``latest`` untouched; the ``*.tmp-*`` folder it leaves is never
 loaded and ``layershard checkpoint info`` reports it.
+
+Saving again under the same name swaps the complete new folder and the old one in one step
+(Linux ``renameat2(RENAME_EXCHANGE)``), so ``latest`` never names a missing folder. Where the file
+system cannot exchange (NFS, macOS), the old folder is first renamed aside; a crash between that
+rename and the next leaves ``latest`` naming a missing folder, and :func:`resolve` then takes the
+complete new folder (``<name>.tmp-*``, manifest written) or else the old one (``<name>.trash-*``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 from layershard.checkpoint.errors import CheckpointCorruptError, CheckpointNotFoundError
+
+log = logging.getLogger("layershard")
 
 MANIFEST = "layershard.json"
 LATEST = "latest"
@@ -132,6 +144,9 @@ def resolve(path: str | os.PathLike) -> Path:
     if p.is_dir() and not (p / MANIFEST).exists() and (p / LATEST).is_file():
         return _follow(p / LATEST)
     if not p.exists():
+        found = _interrupted_swap(p)
+        if found is not None:
+            return found
         raise CheckpointNotFoundError(f"{p}: no such checkpoint")
     return p
 
@@ -142,25 +157,74 @@ def _follow(latest: Path) -> Path:
         raise CheckpointCorruptError(f"{latest}: does not name a checkpoint folder ({name!r})")
     target = latest.parent / name
     if not target.is_dir():
+        found = _interrupted_swap(target)
+        if found is not None:
+            return found
         raise CheckpointNotFoundError(f"{latest} points to {name!r}, which does not exist")
     return target
+
+
+def _interrupted_swap(final: Path) -> Path | None:
+    """A same-name save that crashed between its two renames (no exchange available) leaves no
+    ``final`` but a complete new ``final.tmp-*`` (its manifest is written before any rename) and
+    the old ``final.trash-*``. The new one wins; either is a complete checkpoint."""
+    if not final.parent.is_dir():
+        return None
+    for mark in (TMP_MARK, TRASH_MARK):
+        done = [
+            d
+            for d in final.parent.glob(f"{final.name}{mark}*")
+            if d.is_dir() and (d / MANIFEST).is_file()
+        ]
+        if done:
+            chosen = max(done, key=lambda d: (d / MANIFEST).stat().st_mtime)
+            log.warning(
+                "layershard: %s is missing (a save of that name was interrupted); using %s",
+                final,
+                chosen.name,
+            )
+            return chosen
+    return None
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two folders in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``). False where the
+    platform or the file system cannot (then nothing happened)."""
+    if sys.platform != "linux":
+        return False
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:  # glibc older than 2.28
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def publish(tmp: Path, final: Path, keep_last: int | None) -> None:
     """Rank 0, after every rank has written and the manifest is in ``tmp``: make it visible."""
     fsync_dir(tmp)
-    trash = None
-    if final.exists():  # replacing a checkpoint of the same name: move the old one aside first
-        trash = final.parent / f"{final.name}{TRASH_MARK}{uuid.uuid4().hex[:8]}"
-        os.rename(final, trash)
-    os.rename(tmp, final)
+    old = None
+    if final.exists():  # replacing a checkpoint of the same name
+        if exchange(tmp, final):  # `final` is the new checkpoint now, `tmp` the old one
+            old = tmp
+        else:  # see the module docstring: resolve() covers a crash between these two renames
+            old = final.parent / f"{final.name}{TRASH_MARK}{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+    else:
+        os.rename(tmp, final)
     fsync_dir(final.parent)
     write_atomic(final.parent / LATEST, final.name + "\n")
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-    for stale in final.parent.glob(f"{final.name}{TMP_MARK}*"):  # leftovers of crashed saves
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for mark in (TMP_MARK, TRASH_MARK):  # leftovers of crashed saves of this name
+        for stale in final.parent.glob(f"{final.name}{mark}*"):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
     if keep_last is not None:
         prune(final.parent, keep_last, keep=final.name)
 

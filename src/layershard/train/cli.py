@@ -12,8 +12,16 @@ from typing import Any
 
 import yaml
 
+from layershard.train import status as st
 from layershard.train.config import ConfigError, TrainConfig
-from layershard.train.launch import LaunchOptions, launch, prepare
+from layershard.train.launch import (
+    DEFAULT_TIMEOUT_S,
+    AlreadyFinished,
+    LaunchOptions,
+    launch,
+    outcome,
+    prepare,
+)
 
 _HELP = {
     "model": "model preset: tiny, small, llama-1b, llama-7b, llama-13b, llama-70b (architectures)",
@@ -46,6 +54,8 @@ _HELP = {
     "eval_interval": "validate every N steps (0: only at start and end)",
     "eval_sequences": "validation sequences per evaluation",
     "checkpoint_interval": "checkpoint every N steps (0: only the final one)",
+    "async_checkpoint": "write periodic checkpoints in the background (DCP async_save)",
+    "max_bad_steps": "stop after this many non-finite steps in a row (each one is skipped)",
     "log_interval": "log metrics every N steps",
     "run_dir": "run folder (default runs/<name or timestamp>)",
     "name": "run name: the run folder becomes runs/<name>",
@@ -68,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                      default=argparse.SUPPRESS,
                      help="continue the run in --run-dir from its latest (or the given) checkpoint")  # fmt: skip
+    run.add_argument("--resume-fallback", action="store_true", default=argparse.SUPPRESS,
+                     help="with --resume: if the latest checkpoint is corrupt, resume from the "
+                     "newest intact one (named on the terminal)")  # fmt: skip
     run.add_argument("--stop-at-step", type=int, default=argparse.SUPPRESS, metavar="N",
                      help="checkpoint and stop at step N (the schedule still plans --steps)")  # fmt: skip
     run.add_argument("--dry-run", action="store_true", default=argparse.SUPPRESS,
@@ -85,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": _HELP.get(f.name, "")}
         if default not in (None, [], {}):
             kwargs["help"] += f" (default: {default})"
-        if f.name in ("data", "no_decay"):
+        if f.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.name in ("data", "no_decay"):
             kwargs["nargs"] = "*" if f.name == "no_decay" else "+"
             kwargs["metavar"] = "PATH" if f.name == "data" else "PATTERN"
         elif f.type in ("int", "int | None"):
@@ -106,7 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="torchrun rendezvous backend (default static: rank 0 on node 0)")  # fmt: skip
     dist.add_argument("--rdzv-id", default=argparse.SUPPRESS, help="torchrun rendezvous id")
     dist.add_argument("--max-restarts", type=int, default=argparse.SUPPRESS,
-                      help="torchrun restarts after a failure (default 0)")  # fmt: skip
+                      help="torchrun restarts after a failure, each from the latest checkpoint "
+                      "(default 0)")  # fmt: skip
+    dist.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
+                      help="a rank waiting this long in one collective fails the job (default "
+                      f"{DEFAULT_TIMEOUT_S:.0f}; LAYERSHARD_TIMEOUT_S)")  # fmt: skip
 
 
 def _split_args(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchOptions]:
@@ -117,9 +136,15 @@ def _split_args(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchOptions
         overrides = {}
         for item in given["model_override"]:
             key, sep, value = item.partition("=")
-            if not sep:
+            if not sep or not key.strip() or not value.strip():
                 raise ConfigError(f"--model-override {item}: expected KEY=VALUE, e.g. dim=256")
-            overrides[key.strip()] = yaml.safe_load(value)
+            try:
+                overrides[key.strip()] = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise ConfigError(
+                    f"--model-override {item}: {value!r} is not a value (a number, true/false or "
+                    "a string), e.g. dim=256"
+                ) from None
         cli_layer["model_overrides"] = overrides
     opts = LaunchOptions(
         **{f.name: given[f.name] for f in fields(LaunchOptions) if f.name in given}
@@ -130,26 +155,35 @@ def _split_args(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchOptions
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    opts = None
     try:
         cli_layer, opts = _split_args(args)
         cfg, run_dir, manifest = prepare(cli_layer, opts)
     except ConfigError as e:
         print(f"layershard train: error: {e}", file=sys.stderr)
         return 2
+    except AlreadyFinished as e:
+        print(f"layershard train: {e}")
+        return 0
+    except KeyboardInterrupt:
+        st.release_lock(opts.lock if opts else None)
+        print("layershard train: interrupted before training started", file=sys.stderr)
+        return 130
     if opts.dry_run:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         print(f"# train tokens: {manifest['train']['n_tokens']}, val tokens: "
               f"{manifest['val']['n_tokens']}")  # fmt: skip
         return 0
-    print(f"run folder: {run_dir}", flush=True)
-    rc = launch(run_dir, opts)
-    if rc != 0:
-        print(
-            f"layershard train: error: the training ranks failed (exit code {rc}); the first "
-            "error above names the cause",
-            file=sys.stderr,
-        )
-        return rc
+    try:
+        print(f"run folder: {run_dir}", flush=True)
+        rc, signalled = launch(run_dir, opts)
+        code, message = outcome(Path(run_dir), opts, rc, signalled)
+    finally:
+        st.release_lock(opts.lock)
+    if code != 0:
+        label = "error: " if code not in (st.EXIT_STOPPED,) else ""
+        print(f"layershard train: {label}{message}", file=sys.stderr, flush=True)
+        return code
     summary_path = Path(run_dir) / "summary.json"
     if summary_path.is_file() and opts.node_rank == 0:
         s = json.loads(summary_path.read_text())
@@ -158,8 +192,9 @@ def run(args: argparse.Namespace) -> int:
         summary_path.write_text(json.dumps(s, indent=1))
         start, end = s.get("val_loss_start"), s.get("val_loss_end")
         val = f"validation loss {start:.3f} -> {end:.3f}, " if start and end else ""
+        tps = f"{s['tokens_per_s']:,.0f} tokens/s" if s.get("tokens_per_s") else "no new steps"
         print(
-            f"done in {wall:.0f}s: {val}{s['tokens_per_s']:,.0f} tokens/s over {s['steps']} steps"
+            f"done in {wall:.0f}s: {val}{tps} over {s['steps']} steps"
             f" on {s['world_size']} ranks. Run folder: {run_dir}/ (config.yaml, metrics.jsonl, "
             "loss.png, checkpoints/, final/, sample.txt)"
         )

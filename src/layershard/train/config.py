@@ -7,6 +7,7 @@ run folder records the resolved config as ``config.yaml``; a resumed run starts 
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,8 @@ class TrainConfig:
     eval_interval: int = 50  # steps; 0 disables periodic evaluation (start and end remain)
     eval_sequences: int = 64  # validation sequences per evaluation (whole global batches)
     checkpoint_interval: int = 0  # steps; 0: only the final checkpoint
+    async_checkpoint: bool = False  # write periodic checkpoints in the background (DCP async_save)
+    max_bad_steps: int = 3  # non-finite steps (loss or gradient norm) in a row before stopping
     log_interval: int = 1
     run_dir: str | None = None  # default runs/<name or timestamp>
     name: str | None = None
@@ -80,6 +83,8 @@ LAUNCH_KEYS = (
     "rdzv_id",
     "rdzv_backend",
     "max_restarts",
+    "resume_fallback",
+    "timeout",
 )
 
 CHOICES = {
@@ -139,39 +144,40 @@ def resolve(*layers: dict[str, Any]) -> TrainConfig:
 
 
 def _coerce(cfg: TrainConfig) -> None:
-    # YAML gives a str for one data path and may give ints for floats; normalize.
+    """Normalize what YAML and flags give (one data path as a str, ints for floats) and refuse
+    values of the wrong type, naming the key."""
     if isinstance(cfg.data, str):
         cfg.data = [cfg.data]
     if isinstance(cfg.no_decay, str):
         cfg.no_decay = [cfg.no_decay]
-    for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip"):
-        try:
-            setattr(cfg, name, float(getattr(cfg, name)))
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{name} must be a number, got {getattr(cfg, name)!r}") from e
-    int_fields = (
-        "vocab_size",
-        "seq_len",
-        "micro_batch",
-        "steps",
-        "warmup_steps",
-        "activation_checkpointing",
-        "seed",
-        "eval_interval",
-        "eval_sequences",
-        "checkpoint_interval",
-        "log_interval",
-        "sample_tokens",
-    )
-    for name in int_fields + ("grad_accum", "batch_tokens", "max_files"):
-        v = getattr(cfg, name)
-        if v is None and name not in int_fields:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
-            raise ConfigError(f"{name} must be an integer, got {v!r}")
-        setattr(cfg, name, int(v))
-    if not isinstance(cfg.model_overrides, dict):
-        raise ConfigError("model_overrides must be a mapping such as {dim: 256, n_layers: 6}")
+    for f in fields(TrainConfig):
+        v = getattr(cfg, f.name)
+        if f.type in ("float",):
+            if isinstance(v, bool) or not isinstance(v, int | float | str):
+                raise ConfigError(f"{f.name} must be a number, got {v!r}")
+            try:
+                setattr(cfg, f.name, float(v))
+            except ValueError:
+                raise ConfigError(f"{f.name} must be a number, got {v!r}") from None
+        elif f.type in ("int", "int | None"):
+            if v is None and f.type == "int | None":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
+                raise ConfigError(f"{f.name} must be an integer, got {v!r}")
+            setattr(cfg, f.name, int(v))
+        elif f.type == "bool":
+            if not isinstance(v, bool):
+                raise ConfigError(f"{f.name} must be true or false, got {v!r}")
+        elif f.type in ("str", "str | None"):
+            if v is None and f.type == "str | None":
+                continue
+            if not isinstance(v, str):
+                raise ConfigError(f"{f.name} must be a string, got {v!r}")
+        elif f.type == "list[str]":
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise ConfigError(f"{f.name} must be a list of strings, got {v!r}")
+        elif f.name == "model_overrides" and not isinstance(v, dict):
+            raise ConfigError("model_overrides must be a mapping such as {dim: 256, n_layers: 6}")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -191,6 +197,31 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"{name} must be at least 1, got {v}")
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
+    for name in ("lr", "weight_decay", "grad_clip"):
+        v = getattr(cfg, name)
+        if not math.isfinite(v) or v < 0:
+            raise ConfigError(f"{name} must be a finite number >= 0, got {v}")
+    for name in ("beta1", "beta2"):
+        v = getattr(cfg, name)
+        if not 0.0 <= v < 1.0:  # also refuses nan
+            raise ConfigError(f"{name} must be in [0, 1), got {v} (AdamW's betas)")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise ConfigError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    non_negative = (
+        "warmup_steps",
+        "activation_checkpointing",
+        "eval_interval",
+        "eval_sequences",
+        "checkpoint_interval",
+        "sample_tokens",
+    )
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be at least 0, got {getattr(cfg, name)}")
+    if cfg.max_bad_steps < 1:
+        raise ConfigError(f"max_bad_steps must be at least 1, got {cfg.max_bad_steps}")
+    if cfg.max_files is not None and cfg.max_files < 1:
+        raise ConfigError(f"max_files must be at least 1, got {cfg.max_files}")
     if cfg.hf_config and cfg.init_from:
         raise ConfigError(
             "--hf-config and --init-from both choose the model; pass one "

@@ -90,20 +90,55 @@ def iter_documents(files: list[Path], cfg: TrainConfig) -> Iterator[tuple[str, A
         if f.is_dir():  # a `datasets` folder saved with save_to_disk
             yield from _iter_datasets(f, cfg)
         elif f.suffix == ".jsonl":
-            with f.open(encoding="utf-8") as fh:
-                for i, line in enumerate(fh):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ConfigError(f"{f}:{i + 1} is not valid JSON ({e.msg})") from e
-                    yield f"{f.name}:{i}", _record(rec, cfg, f"{f}:{i + 1}")
+            for i, line in enumerate(_text_lines(f)):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{f}:{i + 1} is not valid JSON ({e.msg})") from e
+                yield f"{f.name}:{i}", _record(rec, cfg, f"{f}:{i + 1}")
         else:
-            text = f.read_text(encoding="utf-8", errors="replace")
             if cfg.task == "sft":
                 raise ConfigError(f"--task sft needs JSONL records, got the text file {f}")
-            yield f.name if not cfg.data else str(f), text
+            yield f.name if not cfg.data else str(f), read_text(f)
+
+
+def _not_text(f: Path, data: bytes) -> ConfigError | None:
+    """Why ``data`` (the bytes of ``f``) is not UTF-8 text, as an error naming the place."""
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        return ConfigError(
+            f"{f} is a binary file (a NUL byte at offset {nul}), not text; leave it out of --data"
+        )
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return ConfigError(
+            f"{f}:{line} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); convert "
+            "the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out of --data"
+        )
+    return None
+
+
+def read_text(f: Path) -> str:
+    """A corpus file's text. Binary or non-UTF-8 files are an error: training on replacement
+    characters would be silent garbage."""
+    data = f.read_bytes()
+    err = _not_text(f, data)
+    if err is not None:
+        raise err
+    return data.decode("utf-8")
+
+
+def _text_lines(f: Path) -> Iterator[str]:
+    with f.open("rb") as fh:
+        for i, raw in enumerate(fh):
+            err = _not_text(f, raw)
+            if err is not None:  # the line number of the file, not of the line
+                raise ConfigError(str(err).replace(f"{f}:1 ", f"{f}:{i + 1} ", 1)) from None
+            yield raw.decode("utf-8")
 
 
 def _iter_datasets(path: Path, cfg: TrainConfig) -> Iterator[tuple[str, Any]]:
@@ -122,6 +157,9 @@ def _iter_datasets(path: Path, cfg: TrainConfig) -> Iterator[tuple[str, Any]]:
 
 def _record(rec: Any, cfg: TrainConfig, where: str) -> Any:
     if cfg.task == "sft":
+        from layershard.train.sft import messages_of
+
+        messages_of(rec, where)  # a malformed record is named here, with its file and line
         return rec
     if isinstance(rec, str):
         return rec
@@ -129,7 +167,11 @@ def _record(rec: Any, cfg: TrainConfig, where: str) -> Any:
         raise ConfigError(
             f"{where} has no '{cfg.text_key}' field; set --text-key to the field holding the text"
         )
-    return str(rec[cfg.text_key])
+    text = rec[cfg.text_key]
+    if not isinstance(text, str):
+        what = "null" if text is None else f"a {type(text).__name__}, not a string"
+        raise ConfigError(f"{where}: '{cfg.text_key}' is {what}; fix or remove the record")
+    return text
 
 
 def _name_hash(name: str) -> float:
@@ -146,8 +188,7 @@ def document_names(files: list[Path], cfg: TrainConfig) -> Iterator[str]:
         if f.is_dir():
             yield from (name for name, _ in _iter_datasets(f, cfg))
         elif f.suffix == ".jsonl":
-            with f.open(encoding="utf-8") as fh:
-                yield from (f"{f.name}:{i}" for i, line in enumerate(fh) if line.strip())
+            yield from (f"{f.name}:{i}" for i, line in enumerate(_text_lines(f)) if line.strip())
         else:
             yield f.name if not cfg.data else str(f)
 

@@ -4,12 +4,15 @@ launcher (``python -m torch.distributed.run``), which also covers multi-node run
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,9 @@ from typing import Any
 import torch
 import yaml
 
+from layershard.checkpoint import publish as pub
+from layershard.checkpoint.errors import CheckpointError
+from layershard.train import status as st
 from layershard.train.config import (
     ConfigError,
     TrainConfig,
@@ -26,7 +32,7 @@ from layershard.train.config import (
     resolve,
 )
 from layershard.train.data import corpus_hash, find_files, iter_documents, prepare_splits, val_names
-from layershard.train.modeling import check_seq_len, model_spec
+from layershard.train.modeling import check_model, check_seq_len, model_spec
 from layershard.train.tokenizer import load_tokenizer, train_or_load_bpe
 
 
@@ -45,8 +51,25 @@ class LaunchOptions:
     rdzv_backend: str | None = None
     rdzv_id: str | None = None
     max_restarts: int = 0
+    resume_fallback: bool = False
+    timeout: float | None = None
     dry_run: bool = False
     notes: list[str] = field(default_factory=list)
+    # set by prepare(): this launch's id (in launch.json and every rank's status) and its lock
+    launch_id: str = ""
+    lock: Path | None = None
+
+
+# The process-group timeout `layershard train` gives its ranks unless told otherwise: a rank that
+# waits longer than this in one collective fails the job. Long enough for the slowest legitimate
+# wait between two collectives (a rank hashing its share of a checkpoint, rank 0 writing a 2 GB
+# safetensors file of an HF export), short enough that a hung job ends in minutes. A rank that
+# waits a fifth of it (at most a minute) first says where it waits (train/faults.py).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class AlreadyFinished(Exception):
+    """``--resume`` of a run that has done all its steps: nothing to do (exit 0)."""
 
 
 def default_nproc() -> int:
@@ -54,24 +77,140 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def nproc(opts: LaunchOptions) -> int:
+    return opts.nproc_per_node if opts.nproc_per_node is not None else default_nproc()
+
+
 def world_size(opts: LaunchOptions) -> int | None:
     """Total ranks when it is fixed (an elastic ``--nnodes MIN:MAX`` leaves it open)."""
     try:
-        return int(opts.nnodes) * (opts.nproc_per_node or default_nproc())
+        return int(opts.nnodes) * nproc(opts)
     except ValueError:
         return None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint ``checkpoints/latest`` names, else the complete one of the highest step."""
     folder = run_dir / "checkpoints"
     if not folder.is_dir():
         return None
-    done = sorted(
-        p
-        for p in folder.iterdir()
-        if p.is_dir() and p.name.startswith("step_") and "." not in p.name
+    if (folder / pub.LATEST).is_file():
+        try:
+            return pub.resolve(folder)
+        except CheckpointError:
+            pass  # a `latest` naming nothing: the checkpoints themselves decide
+    done = pub.sibling_checkpoints(folder)
+    return done[-1][2] if done else None
+
+
+def _check_launch_options(opts: LaunchOptions) -> None:
+    if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, got {opts.nproc_per_node}")
+    if opts.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be at least 0, got {opts.max_restarts}")
+    if opts.node_rank < 0:
+        raise ConfigError(f"--node-rank must be at least 0, got {opts.node_rank}")
+    if opts.timeout is not None and not opts.timeout > 0:
+        raise ConfigError(f"--timeout must be a number of seconds > 0, got {opts.timeout}")
+    if opts.stop_at_step is not None and opts.stop_at_step < 1:
+        raise ConfigError(f"--stop-at-step must be at least 1, got {opts.stop_at_step}")
+    if opts.resume_fallback and not opts.resume:
+        raise ConfigError("--resume-fallback goes with --resume")
+
+
+def _unusable(ckpt: Path) -> str:
+    """Why ``ckpt`` cannot be resumed from, by the checks that read no tensor data (manifest,
+    file sizes, DCP metadata); '' if it passes them. The ranks check the SHA-256 when loading."""
+    from layershard.checkpoint.info import checkpoint_info
+
+    info = checkpoint_info(ckpt, verify=False)
+    return "" if info["ok"] else str(info["error"])
+
+
+def _choose_resume(run_dir: Path, opts: LaunchOptions) -> Path:
+    if opts.resume != "latest":
+        chosen = Path(opts.resume)
+        if not chosen.is_dir():
+            raise ConfigError(f"--resume: no checkpoint at {chosen}; run without --resume")
+        why = _unusable(chosen)
+        if why:
+            raise ConfigError(f"--resume: {chosen} cannot be resumed from: {why}")
+        return chosen
+    chosen = latest_checkpoint(run_dir)
+    if chosen is None:
+        raise ConfigError(f"--resume: no checkpoint at {run_dir}/checkpoints; run without --resume")
+    why = _unusable(chosen)
+    if not why:
+        return chosen
+    older = [
+        d
+        for _, _, d in reversed(pub.sibling_checkpoints(run_dir / "checkpoints"))
+        if d.name < chosen.name and not _unusable(d)
+    ]
+    if not opts.resume_fallback:
+        hint = (
+            f"pass --resume-fallback to resume from the newest intact one ({older[0].name})"
+            if older
+            else "no older intact checkpoint exists; start again with --overwrite"
+        )
+        raise ConfigError(f"--resume: the latest checkpoint is unusable: {why}; {hint}")
+    if not older:
+        raise ConfigError(
+            f"--resume-fallback: no intact checkpoint in {run_dir}/checkpoints ({why})"
+        )
+    print(
+        f"layershard train: note: {chosen.name} is unusable ({why}); resuming from {older[0].name}",
+        file=sys.stderr,
+        flush=True,
     )
-    return done[-1] if done else None
+    return older[0]
+
+
+def _launch_id(run_dir: Path, opts: LaunchOptions) -> str:
+    """An id for this launch's records in the run folder. Every node's launcher writes
+    launch.json, so on many nodes they must agree: the id comes from what they share."""
+    if opts.nnodes == "1" and not opts.rdzv_endpoint:
+        return uuid.uuid4().hex[:12]
+    shared = f"{run_dir.absolute()}|{opts.rdzv_endpoint}|{opts.rdzv_id}|{opts.nnodes}"
+    return "n" + hashlib.sha256(shared.encode()).hexdigest()[:11]
+
+
+def _finished(run_dir: Path, cfg: TrainConfig) -> str:
+    """A message when the run in ``run_dir`` has already done ``cfg.steps`` steps, else ''."""
+    summary = st.read_json(run_dir / "summary.json")
+    if summary is None or not isinstance(summary.get("steps"), int):
+        return ""
+    if summary["steps"] < cfg.steps:
+        return ""
+    return (
+        f"run {run_dir} is already finished ({summary['steps']} of {cfg.steps} steps): nothing "
+        f"to do. Its results are in {run_dir}/ (final/, summary.json); to train further, "
+        f"resume with a larger --steps (e.g. --steps {cfg.steps * 2})"
+    )
+
+
+def _cores_warning(cfg: TrainConfig, kind: str, spec: Any, opts: LaunchOptions) -> None:
+    """On CPU, more ranks than cores still runs, slowly; say so with the memory each rank needs."""
+    n, cores = nproc(opts), os.cpu_count() or 1
+    if torch.cuda.is_available() or n <= cores:
+        return
+    from layershard.train.modeling import count_params
+
+    params = count_params(kind, spec)
+    world = world_size(opts) or n
+    state_mib = params * 16 / world / 2**20  # fp32 weights, gradients, two AdamW moments
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / n / 2**20
+        free = f", {avail:,.0f} MiB of free memory per rank"
+    except (ValueError, OSError):
+        free = ""
+    print(
+        f"layershard train: warning: {n} ranks on {cores} CPU cores: the ranks will share the "
+        f"cores and run slower than {cores} would; each rank needs ~{state_mib:,.0f} MiB of "
+        f"model state (16 bytes per parameter / {world} ranks) plus activations{free}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _run_dir_for(layers: list[dict[str, Any]], resume: bool) -> Path:
@@ -89,7 +228,9 @@ def _run_dir_for(layers: list[dict[str, Any]], resume: bool) -> Path:
 
 
 def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig, Path, dict]:
-    """Resolve and check everything; write the run folder only once all checks passed."""
+    """Resolve and check everything; write the run folder only once all checks passed, under its
+    lock (``opts.lock``, released by the caller)."""
+    _check_launch_options(opts)
     yaml_layer = load_yaml(opts.config) if opts.config else {}
     run_dir = _run_dir_for([yaml_layer, cli_layer], bool(opts.resume))
     base: dict[str, Any] = {}
@@ -106,13 +247,15 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
     ga = grad_accum_for(cfg, world) if world else None
     kind, spec, max_len = model_spec(cfg, None)
     check_seq_len(cfg, max_len)
+    check_model(cfg, kind, spec)
+    _cores_warning(cfg, kind, spec, opts)
 
     resume_from = None
     if opts.resume:
-        resume_from = Path(opts.resume) if opts.resume != "latest" else latest_checkpoint(run_dir)
-        if resume_from is None or not resume_from.is_dir():
-            where = opts.resume if opts.resume != "latest" else f"{run_dir}/checkpoints"
-            raise ConfigError(f"--resume: no checkpoint at {where}; run without --resume")
+        finished = _finished(run_dir, cfg)
+        if finished:
+            raise AlreadyFinished(finished)
+        resume_from = _choose_resume(run_dir, opts)
     elif run_dir.exists() and any(run_dir.iterdir()) and opts.node_rank == 0:
         if not opts.overwrite:
             raise ConfigError(
@@ -124,6 +267,10 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
                 f"--overwrite: {run_dir} is not empty and is not a run folder (no config.yaml); "
                 "refusing to delete it; choose another --run-dir"
             )
+    if opts.node_rank == 0 and not opts.dry_run:
+        busy = st.held_by(run_dir)  # before the data work: say it now, not in a minute
+        if busy:
+            raise ConfigError(busy)
 
     files = find_files(cfg)
     chash = corpus_hash(files, cfg)
@@ -153,8 +300,16 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
     if opts.dry_run:
         return cfg, run_dir, manifest
 
-    if not opts.resume and run_dir.exists() and opts.overwrite and opts.node_rank == 0:
-        shutil.rmtree(run_dir)
+    opts.launch_id = _launch_id(run_dir, opts)
+    if opts.node_rank == 0:
+        busy = st.held_by(run_dir)
+        if busy:
+            raise ConfigError(busy)
+        if not opts.resume and run_dir.exists() and opts.overwrite:
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        opts.lock = st.acquire_lock(run_dir, opts.launch_id)
+        st.clear_run_state(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tok.save(run_dir / "tokenizer.json")
     resolved = {
@@ -170,8 +325,10 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
     }
     dump_yaml(cfg, run_dir / "config.yaml", extra=resolved)
     launch = {
+        "launch_id": opts.launch_id,
         "data": manifest,
         "resume": str(resume_from) if resume_from else None,
+        "resume_fallback": opts.resume_fallback,
         "stop_at_step": opts.stop_at_step,
     }
     (run_dir / "launch.json").write_text(json.dumps(launch, indent=1))
@@ -215,7 +372,9 @@ def _tokenizer(cfg: TrainConfig, files: list[Path], chash: str):
 
 
 def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    """torchrun (``torch.distributed.run``) through ``layershard.train.agent``, which runs
+    torchrun's own ``run()`` and records what it says about failed ranks."""
+    cmd = [sys.executable, "-m", "layershard.train.agent", str(run_dir)]
     if opts.nnodes == "1" and not opts.rdzv_endpoint:
         cmd += ["--standalone"]  # a free local port; nothing to configure
     else:
@@ -227,18 +386,139 @@ def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
         if opts.rdzv_id:
             cmd += ["--rdzv-id", opts.rdzv_id]
     cmd += [
-        "--nproc-per-node", str(opts.nproc_per_node or default_nproc()),
+        "--nproc-per-node", str(nproc(opts)),
         "--max-restarts", str(opts.max_restarts),
         "-m", "layershard.train.loop", str(run_dir),
     ]  # fmt: skip
     return cmd
 
 
-def launch(run_dir: Path, opts: LaunchOptions) -> int:
-    nproc = opts.nproc_per_node or default_nproc()
+def rank_env(opts: LaunchOptions) -> dict[str, str]:
     env = dict(os.environ)
+    n = nproc(opts)
     if "OMP_NUM_THREADS" not in env and not torch.cuda.is_available():
         # Ranks share the cores: one compute thread per core each, no oversubscription.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(torchrun_command(run_dir, opts), env=env)
+    if opts.timeout is not None:
+        env["LAYERSHARD_TIMEOUT_S"] = str(opts.timeout)
+    env.setdefault("LAYERSHARD_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+    env["LAYERSHARD_TRAIN_CLI"] = "1"  # the ranks leave the final one-line message to us
+    return env
+
+
+def _local_ranks(run_dir: Path, launch_id: str) -> list[int]:
+    return [
+        r["pid"]
+        for r in st.rank_statuses(run_dir, launch_id).values()
+        if "exit" not in r and st.alive(r)
+    ]
+
+
+def launch(run_dir: Path, opts: LaunchOptions) -> tuple[int, str | None]:
+    """Start torchrun and wait for it. Returns (its exit code, the first stop signal received).
+
+    torchrun and its ranks run in sessions of their own, so a terminal's Ctrl-C reaches only this
+    process, which passes the first SIGINT / SIGTERM / SIGHUP to this machine's ranks: they agree
+    on a step, save a checkpoint and exit (0, so that torchrun does not restart them). A second
+    one kills torchrun and the ranks at once."""
+    received: list[int] = []
+    proc: subprocess.Popen | None = None
+
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if proc is None:
+            return
+        if len(received) == 1:
+            ranks = _local_ranks(run_dir, opts.launch_id)
+            for pid in ranks or [proc.pid]:  # before the ranks run: torchrun stops them
+                with _quiet():
+                    os.kill(pid, signum)
+            os.write(
+                2,
+                f"layershard train: {st.signal_name(signum)}: the ranks stop after the current "
+                "step and save a checkpoint (send it again to stop at once, losing the step)\n".encode(),
+            )
+            return
+        for pid in [proc.pid, *_local_ranks(run_dir, opts.launch_id)]:
+            with _quiet():
+                os.killpg(pid, signal.SIGKILL)  # each is the leader of its own session
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, on_signal) for sig in handled}
+    try:
+        proc = subprocess.Popen(
+            torchrun_command(run_dir, opts), env=rank_env(opts), start_new_session=True
+        )
+        if opts.lock is not None:
+            st.add_child(opts.lock, proc.pid)
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return rc, (st.signal_name(received[0]) if received else None)
+
+
+class _quiet:
+    """Ignore a process that is already gone."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, value, tb) -> bool:
+        return kind is not None and issubclass(kind, ProcessLookupError | PermissionError)
+
+
+def outcome(run_dir: Path, opts: LaunchOptions, rc: int, signalled: str | None) -> tuple[int, str]:
+    """The exit code of `layershard train` and the one line that explains a run that did not
+    finish: a stop on request, non-finite steps, or which rank failed, how, and at which step."""
+    state = st.state_dir(run_dir)
+    stop = st.read_json(state / st.STOP)
+    if stop is not None and stop.get("launch_id") == opts.launch_id:
+        if stop.get("reason") == "signal":
+            return st.EXIT_STOPPED, (
+                f"stopped by {stop.get('signal')} at step {stop.get('step')}; checkpoint saved "
+                f"({stop.get('checkpoint')}). Continue with: layershard train --resume --run-dir "
+                f"{run_dir}"
+            )
+        return 1, str(stop.get("message"))
+    if rc == 0:
+        return 0, ""
+    ranks = st.rank_statuses(run_dir, opts.launch_id)
+    fails = st.read_json(state / st.FAILURES) or {}
+    if fails.get("launch_id") != opts.launch_id:
+        fails = {}
+    failures = fails.get("failures", {})
+    resume = _resume_hint(run_dir)
+    for _, s in sorted(ranks.items()):
+        if s.get("exit") == 2:  # a problem the user can fix, agreed by the ranks
+            return 2, str(s.get("error"))
+    for r, s in sorted(ranks.items()):
+        if s.get("exit") not in (None, 0) and not s.get("peer_lost"):
+            first = str(s.get("error") or "").splitlines()[0] if s.get("error") else "an error"
+            return 1, f"rank {r} failed at step {s.get('step')}: {first}{resume}"
+    silent = [r for r, s in sorted(ranks.items()) if "exit" not in s]
+    silent += [int(r) for r in sorted(failures, key=int) if int(r) not in ranks]
+    for r in silent:
+        s, f = ranks.get(r, {}), failures.get(str(r), {})
+        if f.get("signal"):
+            how = f"was killed by {f['signal']}"
+            if f["signal"] == "SIGKILL":
+                how += " (out of memory? `dmesg` shows the kernel's OOM kills)"
+        elif f.get("exitcode") is not None:
+            how = f"exited with code {f['exitcode']}"
+        else:
+            how = "died without an error message"
+        where = f" (pid {s['pid']} on {s.get('host')})" if s.get("pid") else ""
+        step = f" at step {s['step']}" if s.get("step") is not None else " before training"
+        return 1, f"rank {r}{where} {how}{step}; the other ranks were stopped{resume}"
+    if signalled:
+        return st.EXIT_STOPPED, f"stopped by {signalled} before training started"
+    return rc or 1, f"the training ranks failed (exit code {rc}); the first error above names it"
+
+
+def _resume_hint(run_dir: Path) -> str:
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return ""
+    return f". Resume from {latest.name} with: layershard train --resume --run-dir {run_dir}"

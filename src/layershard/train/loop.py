@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 import layershard as ls
+from layershard.checkpoint import CheckpointCorruptError, CheckpointError
+from layershard.checkpoint import publish as pub
 from layershard.models import LlamaForCausalLM
+from layershard.train import status as st
 from layershard.train.config import ConfigError, TrainConfig, grad_accum_for, read_run_config
 from layershard.train.data import BatchLoader, TokenSplit, eval_windows, read_windows
+from layershard.train.faults import StopRequest, Watchdog, connect_store
 from layershard.train.modeling import build_model, check_seq_len, model_spec
 from layershard.train.report import MetricsLog, plot_losses
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
@@ -64,24 +69,39 @@ def _all_reduce(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def _memory_per_rank(model: nn.Module, optimizer, device: torch.device) -> list[float]:
-    """MiB per rank: peak CUDA allocation on GPU; on CPU the engine's memory report (parameter
-    shards, gradients, buffers and optimizer state)."""
+def _memory_mib(model: nn.Module, optimizer, device: torch.device) -> float:
+    """This rank's MiB: peak CUDA allocation since the end of init on GPU (a host-side counter);
+    on CPU the engine's memory report (parameter shards, gradients, buffers, optimizer state)."""
     if device.type == "cuda":
-        mine = torch.cuda.max_memory_allocated(device)
-    else:
-        mine = model.memory_report(optimizer)["total"]
-    t = torch.tensor([float(mine) / 2**20], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, t)
-        return [float(x) for x in out]
-    return [float(t)]
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return model.memory_report(optimizer)["total"] / 2**20
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Tokens a (CPU) label batch trains on; read before the batch goes to the device."""
+    return int(np.count_nonzero(labels[:, 1:].numpy() != -100))
+
+
+class StopRun(Exception):
+    """The ranks agreed to stop before the last step: ``reason`` is "signal" or "non-finite"."""
+
+    def __init__(self, reason: str, message: str, **info: Any) -> None:
+        super().__init__(message)
+        self.reason, self.info = reason, info
 
 
 class Trainer:
-    def __init__(self, run_dir: Path, rank: int, world: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        world: int,
+        device: torch.device,
+        stop: StopRequest | None = None,
+        status: st.RankStatus | None = None,
+    ) -> None:
         self.run_dir, self.rank, self.world, self.device = run_dir, rank, world, device
+        self.stop, self.status = stop or StopRequest(None), status
         self.cfg = read_run_config(run_dir / "config.yaml")
         self.launch = json.loads((run_dir / "launch.json").read_text())
         self.tok: TextTokenizer = load_tokenizer(run_dir / "tokenizer.json")
@@ -129,72 +149,172 @@ class Trainer:
             self.val, cfg.seq_len, cfg.eval_sequences, world * cfg.micro_batch
         )
         self.step = 0
+        self.bad_steps = 0  # non-finite steps in a row
+        self.pending: ls.checkpoint.dcp.AsyncCheckpoint | None = None  # async save in flight
+        if device.type == "cuda":  # the logged peak is training's, not init's (load_hf, ...)
+            torch.cuda.reset_peak_memory_stats(device)
 
     # --- pieces ---------------------------------------------------------------------------
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t
+        # page-locked host memory: the copy is asynchronous and overlaps the previous kernels
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def evaluate(self) -> float | None:
         if not len(self.val_idx):
             return None
         mb = self.cfg.micro_batch
         mine = self.val_idx.reshape(-1, self.world, mb)[:, self.rank]  # same count on every rank
-        loss_sum, n_sum = 0.0, 0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss * tokens, tokens
         self.model.eval()
         with torch.no_grad():
             for windows in mine:
                 x, y = read_windows(self.val_tokens, self.val_mask, windows, self.cfg.seq_len)
-                n = int((y[:, 1:] != -100).sum())
-                out = self.model(x.to(self.device), labels=y.to(self.device))
+                n = count_targets(y)
+                out = self.model(self._to_device(x), labels=self._to_device(y))
                 if n:
-                    loss_sum += float(out.loss) * n
-                    n_sum += n
+                    sums[0] += out.loss.detach().double() * n
+                    sums[1] += n
         self.model.train()
-        loss_sum, n_sum = _all_reduce([loss_sum, n_sum], self.device)
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(sums)
+        loss_sum, n_sum = sums.tolist()
         return loss_sum / n_sum if n_sum else None
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self, with_memory: bool = False) -> dict[str, Any]:
+        """One optimizer step. The loss stays on the device: the step reads the host once, after
+        its last collective (the step's loss and gradient norm, and on logged steps each rank's
+        memory), which is what decides whether the step is applied. A non-finite loss or norm
+        skips the optimizer step (the gradients are dropped), as a loss scaler does."""
         cfg = self.cfg
         lr = lr_at(self.step, cfg)
         for g in self.opt.param_groups:
             g["lr"] = lr
         micro = self.loader.next_step()
-        counts = [int((y[:, 1:] != -100).sum()) for _, y in micro]
-        (total,) = _all_reduce([sum(counts)], self.device)
-        loss_sum = 0.0
+        counts = [count_targets(y) for _, y in micro]
+        total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(total)  # the global target count, still on the device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y) in enumerate(micro):
             # Gradients are summed over micro-batches and averaged over ranks by the engine, so
             # weighting each micro-batch mean by its share of the step's target tokens gives
             # the exact mean over the global batch even when masks make the counts differ.
             sync = i == len(micro) - 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
-                out = self.model(x.to(self.device), labels=y.to(self.device))
+                out = self.model(self._to_device(x), labels=self._to_device(y))
                 if counts[i]:
-                    weight = counts[i] * self.world / total
+                    weight = (counts[i] * self.world / total[0]).to(out.loss.dtype)
                     (out.loss * weight).backward()
-                    loss_sum += float(out.loss.detach()) * counts[i]
+                    loss_sum += out.loss.detach().double() * counts[i]
                 else:  # nothing to learn here, but every rank must run the same backward
                     (out.logits.sum() * 0.0).backward()
         # grad_clip 0: an infinite bound clips nothing but still returns the norm (for the log)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = float(self.model.clip_grad_norm_(max_norm))
-        self.opt.step()
+        grad_norm = self.model.clip_grad_norm_(max_norm)
+        loss, n, norm, mem = self._read_stats(loss_sum, total, grad_norm, with_memory)
+        stats = {"loss": loss / max(n, 1), "lr": lr, "grad_norm": norm}
+        if mem is not None:
+            stats["mem_mib"] = mem
+        if math.isfinite(stats["loss"]) and math.isfinite(norm):
+            self.opt.step()
+            self.bad_steps = 0
+        else:  # every rank read the same numbers: every rank skips this step
+            self.bad_steps += 1
+            stats["skipped"] = True
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        (loss_sum,) = _all_reduce([loss_sum], self.device)
-        return {"loss": loss_sum / max(total, 1), "lr": lr, "grad_norm": grad_norm}
+        return stats
 
-    def checkpoint(self) -> Path:
+    def _read_stats(
+        self,
+        loss_sum: torch.Tensor,
+        total: torch.Tensor,
+        grad_norm: torch.Tensor,
+        with_memory: bool,
+    ) -> tuple[float, float, float, list[float] | None]:
+        """The step's one device-to-host read: global loss sum and target count, gradient norm
+        (the same on every rank), and with ``with_memory`` each rank's MiB."""
+        distributed = dist.is_initialized() and self.world > 1
+        tail = torch.stack([total[0], grad_norm.detach().double().reshape(())])
+        if with_memory:
+            mine = torch.stack(
+                [loss_sum, torch.tensor(_memory_mib(self.model, self.opt, self.device),
+                                        dtype=torch.float64, device=self.device)]
+            )  # fmt: skip
+            parts = [torch.empty_like(mine) for _ in range(self.world)] if distributed else [mine]
+            if distributed:
+                dist.all_gather(parts, mine)
+            values = torch.cat([torch.stack(parts).flatten(), tail]).tolist()
+            per_rank = values[: 2 * self.world]
+            return sum(per_rank[0::2]), values[-2], values[-1], per_rank[1::2]
+        if distributed:
+            dist.all_reduce(loss_sum)
+        loss, n, norm = torch.cat([loss_sum.reshape(1), tail]).tolist()
+        return loss, n, norm, None
+
+    def _weights_finite(self) -> bool:
+        """Are this model's weights finite on every rank? (One flag, all-reduced.)"""
+        ok = torch.tensor(
+            [float(all(bool(torch.isfinite(f.shard).all()) for f in self.model.flat_params))],
+            device=self.device,
+        )
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def _refuse_non_finite(self, what: str) -> None:
+        if not self._weights_finite():
+            raise StopRun(
+                "non-finite",
+                f"step {self.step}: the weights hold NaN or inf; {what} was not written. "
+                f"{self._last_good()}",
+                step=self.step,
+            )
+
+    def _last_good(self) -> str:
+        try:
+            good = pub.resolve(self.run_dir / "checkpoints")
+        except CheckpointError:
+            return "There is no checkpoint of this run."
+        return f"Last good checkpoint: {good}."
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight; its error, if any, fails the run here."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+
+    def checkpoint(self, async_save: bool = False, log=None) -> Path:
         ckpt = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        self.wait_for_checkpoint()
         if ckpt.exists():  # already written (e.g. stop-at and final at the same step)
             return ckpt
+        self._refuse_non_finite(f"the checkpoint {ckpt.name}")
         extra = {"loader": self.loader.state_dict(), "config": self.cfg.to_dict()}
-        ls.save_checkpoint(
-            ckpt, self.model, self.opt, step=self.step, extra=extra, run_config=extra["config"]
+        t0 = time.perf_counter()
+        result = ls.save_checkpoint(
+            ckpt,
+            self.model,
+            self.opt,
+            step=self.step,
+            extra=extra,
+            run_config=extra["config"],
+            async_save=async_save,
         )
+        if async_save:
+            self.pending = result
+        if log is not None:  # how long training stood still for this save
+            log({"step": self.step, "checkpoint": ckpt.name, "async": async_save,
+                 "checkpoint_stall_s": time.perf_counter() - t0})  # fmt: skip
         return ckpt
 
     def export(self, folder: Path) -> None:
         """The trained model as an HF folder (config.json, safetensors, tokenizer.json) that
         ``--init-from`` and ``transformers`` load. Collective."""
+        self._refuse_non_finite(f"the Hugging Face export {folder.name}/")
         ls.export_hf(self.model, folder, dtype=torch.float32)  # streams unit by unit
         if self.rank == 0:
             if self.kind == "hf":
@@ -226,52 +346,112 @@ class Trainer:
 
     # --- the run --------------------------------------------------------------------------
 
-    def run(self) -> int:
-        cfg, rank = self.cfg, self.rank
-        t_start = time.perf_counter()
-        resume = self.launch.get("resume")
-        if resume:
-            meta = ls.load_checkpoint(resume, self.model, optimizer=self.opt)
+    def resume_candidates(self) -> list[str]:
+        """Checkpoints to resume from, newest first: the launcher's choice, or after a torchrun
+        restart the newest of this run (the attempt that failed may have saved some); with
+        ``--resume-fallback`` the older ones follow."""
+        chosen = self.launch.get("resume")
+        folder = self.run_dir / "checkpoints"
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if attempt > 0:
+            from layershard.train.launch import latest_checkpoint
+
+            latest = latest_checkpoint(self.run_dir)
+            chosen = str(latest) if latest is not None else chosen
+        if not chosen:
+            return []
+        out = [chosen]
+        if self.launch.get("resume_fallback") and folder.is_dir():
+            # step_NNNNNN names sort like their steps: the older ones, newest first
+            older = [d for _, _, d in reversed(pub.sibling_checkpoints(folder))]
+            out += [str(d) for d in older if d.name < Path(chosen).name]
+        return out
+
+    def resume(self) -> dict | None:
+        candidates = self.resume_candidates()
+        skipped = []
+        for path in candidates:
+            try:
+                meta = ls.load_checkpoint(path, self.model, optimizer=self.opt)
+            except CheckpointCorruptError as e:  # raised on every rank alike (agreed)
+                if not self.launch.get("resume_fallback"):
+                    raise ConfigError(
+                        f"--resume: {e}; resume from an older checkpoint with --resume-fallback "
+                        "(or name one: --resume PATH)"
+                    ) from None
+                skipped.append(f"{Path(path).name} ({e})")
+                continue
+            if skipped and self.rank == 0:
+                print(
+                    f"layershard train: resuming from {Path(path).name}; skipped the corrupt "
+                    + ", ".join(skipped),
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.step = int(meta["step"])
             self.loader.load_state_dict(meta["extra"]["loader"])
+            return meta
+        if candidates:
+            raise ConfigError(
+                "--resume-fallback: no intact checkpoint to resume from ("
+                + "; ".join(skipped)
+                + ")"
+            )
+        return None
+
+    def run(self) -> int:
+        rank = self.rank
+        t_start = time.perf_counter()
+        resumed = self.resume() is not None
         metrics = (
-            MetricsLog(self.run_dir / "metrics.jsonl", self.step if resume else None)
+            MetricsLog(self.run_dir / "metrics.jsonl", self.step if resumed else None)
             if rank == 0
             else None
         )
         log = metrics.write if metrics else (lambda record: None)
-        if rank == 0:
-            print(
-                f"layershard train: {self.n_params / 1e6:.2f}M parameters, {self.world} ranks, "
-                f"{self.precision}, {self.ga} micro-batch(es) of {cfg.micro_batch}x{cfg.seq_len}"
-                f" per rank per step, {cfg.steps} steps",
-                flush=True,
-            )
-        val_start = None
-        if self.step == 0:
-            val_start = self.evaluate()
-            if val_start is not None:
-                log({"step": 0, "val_loss": val_start})
-        stop_at = self.launch.get("stop_at_step") or cfg.steps
-        tokens_per_step = cfg.seq_len * cfg.micro_batch * self.ga * self.world
-        bar = None
-        if rank == 0:
-            from tqdm import tqdm
+        try:
+            return self._run(log, metrics, resumed, t_start)
+        finally:
+            if metrics is not None:
+                metrics.close()
 
-            bar = tqdm(
-                total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True,
-                file=sys.stderr, mininterval=0.5,
-            )  # fmt: skip
-        train_time, cpu_time, steps_run, val_loss = 0.0, 0.0, 0, val_start
+    def _steps(self, log, bar, stop_at: int, val_loss: float | None) -> tuple[float, float, int]:
+        """The training steps, until ``stop_at``, a stop request or too many non-finite steps."""
+        cfg, rank = self.cfg, self.rank
+        tokens_per_step = cfg.seq_len * cfg.micro_batch * self.ga * self.world
+        train_time, cpu_time, steps_run = 0.0, 0.0, 0
         while self.step < min(cfg.steps, stop_at):
+            if self.status is not None:
+                self.status.step(self.step + 1)
+            logged = (self.step + 1) % cfg.log_interval == 0 or self.step + 1 == cfg.steps
             t0, c0 = time.perf_counter(), time.process_time()
-            stats = self.train_step()
+            stats = self.train_step(with_memory=logged)
             dt = time.perf_counter() - t0
             train_time += dt
             cpu_time += time.process_time() - c0
             steps_run += 1
-            if self.step % cfg.log_interval == 0 or self.step == cfg.steps:
-                mem = _memory_per_rank(self.model, self.opt, self.device)
+            if stats.get("skipped"):
+                log({"step": self.step, **stats, "step_time_s": dt})
+                if rank == 0:
+                    print(
+                        f"\nlayershard train: step {self.step}: non-finite loss "
+                        f"({stats['loss']}) or gradient norm ({stats['grad_norm']}): step "
+                        f"skipped ({self.bad_steps} in a row, --max-bad-steps "
+                        f"{cfg.max_bad_steps})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                if self.bad_steps >= cfg.max_bad_steps:
+                    raise StopRun(
+                        "non-finite",
+                        f"step {self.step}: {self.bad_steps} non-finite steps in a row (loss "
+                        f"{stats['loss']}, gradient norm {stats['grad_norm']}); stopped without "
+                        f"saving. {self._last_good()} Lower --lr or raise --warmup-steps, then "
+                        "resume from it.",
+                        step=self.step,
+                    )
+            elif logged:
+                mem = stats.pop("mem_mib")
                 record = {"step": self.step, **stats, "step_time_s": dt,
                           "tokens_per_s": tokens_per_step / dt, "tokens": self.step * tokens_per_step,
                           "mem_mib": mem}  # fmt: skip
@@ -292,20 +472,57 @@ class Trainer:
                 if val_loss is not None:
                     log({"step": self.step, "val_loss": val_loss})
             if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
-                self.checkpoint()
-        if bar is not None:
-            bar.close()
+                self.checkpoint(async_save=cfg.async_checkpoint, log=log)
+            if self.stop.should_stop(self.step) and self.step < cfg.steps:
+                ckpt = self.checkpoint(log=log)
+                raise StopRun(
+                    "signal",
+                    f"stopped by {self.stop.signal} at step {self.step}; checkpoint {ckpt}",
+                    step=self.step,
+                    signal=self.stop.signal,
+                    checkpoint=str(ckpt),
+                )
+        return train_time, cpu_time, steps_run
+
+    def _run(self, log, metrics, resumed: bool, t_start: float) -> int:
+        cfg, rank = self.cfg, self.rank
+        if rank == 0:
+            print(
+                f"layershard train: {self.n_params / 1e6:.2f}M parameters, {self.world} ranks, "
+                f"{self.precision}, {self.ga} micro-batch(es) of {cfg.micro_batch}x{cfg.seq_len}"
+                f" per rank per step, {cfg.steps} steps"
+                + (f", resumed at step {self.step}" if resumed else ""),
+                flush=True,
+            )
+        val_start = None
+        if self.step == 0:
+            val_start = self.evaluate()
+            if val_start is not None:
+                log({"step": 0, "val_loss": val_start})
+        stop_at = self.launch.get("stop_at_step") or cfg.steps
+        tokens_per_step = cfg.seq_len * cfg.micro_batch * self.ga * self.world
+        bar = None
+        if rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True,
+                file=sys.stderr, mininterval=0.5,
+            )  # fmt: skip
+        try:
+            train_time, cpu_time, steps_run = self._steps(log, bar, stop_at, val_start)
+        finally:
+            if bar is not None:
+                bar.close()
         if self.step < cfg.steps:  # stopped early on purpose: leave a checkpoint to resume
-            ckpt = self.checkpoint()
+            ckpt = self.checkpoint(log=log)
             if rank == 0:
                 print(f"stopped at step {self.step}; resume with --resume ({ckpt})", flush=True)
-            if metrics:
-                metrics.close()
             return 0
         val_end = self.evaluate()
         if val_end is not None:
             log({"step": self.step, "val_loss": val_end})
-        self.checkpoint()
+        self.checkpoint(log=log)
         self.export(self.run_dir / "final")
         text = self.sample()
         if rank == 0:
@@ -347,29 +564,146 @@ def _first_val(run_dir: Path) -> float | None:
     return vals[0] if vals else None
 
 
-def main(run_dir: str) -> int:
-    from layershard.distributed import default_device, init_distributed
+# Text of collective errors that mean "another rank is gone", not "this rank went wrong".
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket closed",
+    "NCCL communicator was aborted",
+)
 
-    rank, world = init_distributed()
+
+def _peer_lost(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}"
+    return any(m in text for m in _PEER_LOST)
+
+
+def _stall_report_s() -> float:
+    """Seconds without progress before a rank says where it waits: a fifth of the process-group
+    timeout, at most a minute (LAYERSHARD_STALL_REPORT_S overrides)."""
+    if os.environ.get("LAYERSHARD_STALL_REPORT_S"):
+        return float(os.environ["LAYERSHARD_STALL_REPORT_S"])
+    from layershard.distributed import DEFAULT_TIMEOUT
+
+    return min(60.0, DEFAULT_TIMEOUT.total_seconds() / 5)
+
+
+def _init_process_group() -> tuple[int, int]:
+    """``ls.init_distributed()``, except that under torchrun every attempt (restart) gets store
+    keys of its own. torchrun's agent keeps one store for all attempts, and torch 2.13 adds no
+    per-attempt prefix for the workers, so a restarted gloo rank can read the previous attempt's
+    addresses: in 4 runs of a 2-rank restart, 2 hung or failed with "Connection refused" in
+    connectFullMesh; with the prefix, 6 of 6 connected."""
+    from layershard.distributed import DEFAULT_TIMEOUT, default_backend, init_distributed
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if attempt is not None and agent_store and not dist.is_initialized():
+        backend = default_backend()
+        if backend == "nccl":  # what init_distributed does before it creates the group
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=DEFAULT_TIMEOUT,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"layershard/attempt_{attempt}", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=DEFAULT_TIMEOUT,
+        )
+    return init_distributed()
+
+
+def main(run_dir: str) -> int:
+    """One rank's whole life. Returns its exit code: 0 also when the ranks agreed to stop early
+    (a signal, non-finite steps: torchrun must not restart them; ``stop.json`` says why), 2 for
+    a problem the user can fix, 1 for a failure."""
+    from layershard.distributed import default_device
+
+    rank, world = _init_process_group()
     device = default_device()
     np.seterr(all="ignore")
+    path = Path(run_dir)
+    launch_id = json.loads((path / "launch.json").read_text()).get("launch_id")
+    store = connect_store() if world > 1 else None
+    stop = StopRequest(store, announce=rank == 0)
+    stop.install()  # before the status file exists: `layershard train` signals the ranks it lists
+    status = st.RankStatus(
+        path, rank, launch_id, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    )
+    trainer, watchdog = None, None
+    code, error, peer_lost, agreed = 1, None, False, False
     try:
-        return Trainer(Path(run_dir), rank, world, device).run()
-    except ConfigError as e:
-        if rank == 0:
+        trainer = Trainer(path, rank, world, device, stop=stop, status=status)
+        if world > 1:
+            watchdog = Watchdog(
+                connect_store(),
+                rank,
+                world,
+                _stall_report_s(),
+                lambda: (trainer.step, _collectives(trainer.model)),
+            )
+            watchdog.start()
+        code = trainer.run()
+        trainer.wait_for_checkpoint()
+        agreed = True
+    except StopRun as e:
+        code, agreed = 0, True
+        if trainer is not None:
+            trainer.wait_for_checkpoint()
+        if rank == 0:  # `layershard train` reads it and says why, with the exit code that fits
+            st.write_json(
+                st.state_dir(path) / st.STOP,
+                {"launch_id": launch_id, "reason": e.reason, "message": str(e), **e.info},
+            )
+    except (ConfigError, CheckpointError) as e:
+        code, error = 2, str(e)
+        if rank == 0 and not os.environ.get("LAYERSHARD_TRAIN_CLI"):  # else the CLI says it
             print(f"layershard train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except Exception as e:
+        if _peer_lost(e):  # the rank that went away is the story; this one only noticed
+            code, peer_lost, error = 1, True, f"{type(e).__name__}: {e}"
+            step = trainer.step + 1 if trainer is not None else None
+            print(
+                f"layershard train: rank {rank}: lost another rank during step {step} "
+                f"({str(e).splitlines()[0][:200]})",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            code, error = 1, f"{type(e).__name__}: {e}"
+            traceback.print_exc()
     finally:
-        if dist.is_initialized():
+        status.exit(code, error, peer_lost)
+        stop.uninstall()
+        if watchdog is not None:
+            watchdog.stop()
+        if dist.is_initialized() and (code == 0 or agreed):
             # Leave together: a rank that tears its group down while a peer still works (rank 0
-            # writing the plot) can abort inside gloo and take the whole job down with it.
+            # writing the plot) can abort inside gloo and take the whole job down with it. After
+            # a failure there is nobody to wait for: torchrun stops the others.
             with contextlib.suppress(Exception):
                 dist.barrier()
             dist.destroy_process_group()
+    return code
+
+
+def _collectives(model) -> int:
+    # A progress counter for the watchdog thread (engine collectives issued so far).
+    return sum(v["count"] for v in model.comm_stats().values())
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1])
+    # Run the module's own main (not this __main__ copy of it), so that there is one Trainer.
+    from layershard.train import loop as _loop
+
+    code = _loop.main(sys.argv[1])
     # Everything is written and the process group is gone: skip the interpreter's teardown, in
     # which gloo's static destructors have aborted a finished rank ("terminate called without an
     # active exception") and so failed a run that had succeeded.

@@ -3,12 +3,15 @@ init), or local HF safetensors weights (fine-tuning, read by ``layershard.load_h
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from layershard.models import LlamaForCausalLM, build_config
+from layershard.models import PRESETS, LlamaConfig, LlamaForCausalLM, build_config
 from layershard.models.hf import load_hf_config
 from layershard.train.config import ConfigError, TrainConfig
 
@@ -18,10 +21,20 @@ def round_up(n: int, multiple: int = 64) -> int:
 
 
 def _hf_config(path: str) -> Any:
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    # transformers' own warnings about a broken config would come before our one line
+    hf_logging.set_verbosity_error()
     try:
         return load_hf_config(path)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - e.g. huggingface_hub's strict field validation
+        first = " ".join(str(e).split())[:200]
+        raise ConfigError(f"{path}: not a config transformers can read ({first})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]:
@@ -29,11 +42,34 @@ def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]
     tokenizer's (None when not known yet); a preset's vocabulary follows the tokenizer."""
     if cfg.hf_config or cfg.init_from:
         hf = _hf_config(cfg.hf_config or cfg.init_from)
+        where = cfg.hf_config or cfg.init_from
+        vocab = getattr(hf, "vocab_size", None)
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise ConfigError(
+                f"{where}: the config has no vocabulary (vocab_size={vocab!r}); a causal language "
+                "model needs one: set vocab_size in config.json"
+            )
         if vocab_size is not None and hf.vocab_size < vocab_size and not cfg.init_from:
             hf.vocab_size = round_up(vocab_size)  # random init: room for every token
         max_len = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 0)
         return "hf", hf, int(max_len or 1 << 30)
     overrides = dict(cfg.model_overrides)
+    fields_ = {f.name: f.type for f in dataclasses.fields(LlamaConfig)}
+    for key, value in overrides.items():
+        want = fields_.get(key)
+        ok = {
+            "int": isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            "float": isinstance(value, int | float) and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+        }.get(str(want), True)  # unknown keys: build_config names the valid ones
+        if not ok:
+            kind = {"int": "a positive integer", "float": "a number", "bool": "true or false"}
+            raise ConfigError(
+                f"--model-override {key}={value!r}: {key} must be {kind[str(want)]}, e.g. "
+                f"--model-override {key}={getattr(build_config(cfg.model), key, 1)}"
+                if cfg.model in PRESETS
+                else f"--model-override {key}={value!r}: {key} must be {kind[str(want)]}"
+            )
     if vocab_size is not None:
         overrides.setdefault("vocab_size", round_up(vocab_size))
     try:
@@ -41,6 +77,112 @@ def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--model {cfg.model}: {e}") from e
     return "preset", lc, lc.max_seq_len
+
+
+def n_layers(kind: str, spec: Any) -> int | None:
+    if kind == "preset":
+        return spec.n_layers
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(spec, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def check_model(cfg: TrainConfig, kind: str, spec: Any) -> None:
+    """Checks of the model that need its config: activation checkpointing within its blocks, a
+    causal language model (HF), weights present for --init-from."""
+    layers = n_layers(kind, spec)
+    if layers is not None and cfg.activation_checkpointing > layers:
+        raise ConfigError(
+            f"activation_checkpointing={cfg.activation_checkpointing} is more than the model's "
+            f"{layers} blocks; use 0 to {layers}"
+        )
+    if kind != "hf":
+        return
+    where = cfg.hf_config or cfg.init_from
+    check_causal_lm(spec, where)
+    if cfg.init_from:
+        folder = Path(cfg.init_from)
+        if not any(folder.glob("*.safetensors")):
+            other = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+                p.name for p in folder.glob("*.pt")
+            )
+            extra = (
+                f" (it has {', '.join(other[:3])}: layershard reads safetensors only, which run "
+                "no code when loaded; convert them with transformers' save_pretrained)"
+                if other
+                else ""
+            )
+            raise ConfigError(
+                f"--init-from {folder} has no *.safetensors weights{extra}; for a random init "
+                "of that architecture use --hf-config"
+            )
+
+
+def check_causal_lm(hf: Any, where: str) -> None:
+    """Refuse HF configs that are not causal language models: no causal-LM class in
+    transformers, or attention that sees later tokens (BERT-like encoders unless is_decoder).
+
+    The second is a behaviour, so it is tested as one: a 1-layer, 32-wide copy of the
+    architecture runs on 8 tokens twice, with token 6 changed; a causal model's outputs at
+    positions 0-5 cannot change. Architectures that cannot be shrunk that way skip this test."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(
+            f"{where}: model_type {model_type!r} is not a causal language model (transformers "
+            "has no AutoModelForCausalLM for it); layershard train trains next-token prediction"
+        )
+    small = copy.deepcopy(hf)
+    shrink = {
+        "num_hidden_layers": 1, "n_layer": 1, "num_layers": 1, "hidden_size": 32, "n_embd": 32,
+        "d_model": 32, "num_attention_heads": 2, "n_head": 2, "num_key_value_heads": 2,
+        "intermediate_size": 64, "n_inner": 64, "ffn_dim": 64, "head_dim": 16, "vocab_size": 64,
+    }  # fmt: skip
+    for name, value in shrink.items():
+        if isinstance(getattr(small, name, None), int):
+            setattr(small, name, value)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(small, name, None), int) and getattr(small, name) >= 64:
+            setattr(small, name, 0)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its advice on is_decoder comes as our one line
+    try:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(small).float().eval()
+        ids = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+        changed = ids.clone()
+        changed[0, 6] = ids[0, 6] % 63 + 1
+        with torch.no_grad():
+            a = model(input_ids=ids).logits[0, :6]
+            b = model(input_ids=changed).logits[0, :6]
+    except Exception:  # noqa: BLE001 - an architecture this shrinking does not fit: not tested
+        return
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if not torch.allclose(a, b, rtol=0, atol=1e-5):
+        raise ConfigError(
+            f"{where}: {model_type} attends to later tokens (bidirectional attention), so it "
+            'cannot learn next-token prediction; set "is_decoder": true in config.json if the '
+            "architecture supports it, or use a decoder-only model"
+        )
+
+
+def count_params(kind: str, spec: Any) -> int:
+    """Parameters of the model, counted on the meta device (no memory)."""
+    if kind == "preset":
+        with torch.device("meta"):
+            return sum(p.numel() for p in LlamaForCausalLM(spec).parameters())
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(spec)
+    return sum(p.numel() for p in model.parameters())
 
 
 def check_seq_len(cfg: TrainConfig, max_len: int) -> None:

@@ -20,6 +20,10 @@ def messages_of(rec: Any, where: str) -> list[dict[str, str]]:
     if isinstance(rec, dict) and "messages" in rec:
         msgs = rec["messages"]
     elif isinstance(rec, dict) and "prompt" in rec and "response" in rec:
+        for key in ("prompt", "response"):
+            if not isinstance(rec[key], str):
+                what = "null" if rec[key] is None else f"a {type(rec[key]).__name__}"
+                raise ConfigError(f"{where}: '{key}' is {what}, not a string")
         msgs = [
             {"role": "user", "content": rec["prompt"]},
             {"role": "assistant", "content": rec["response"]},
@@ -30,11 +34,14 @@ def messages_of(rec: Any, where: str) -> list[dict[str, str]]:
         )
     if not isinstance(msgs, list) or not msgs:
         raise ConfigError(f"{where}: 'messages' must be a non-empty list")
-    for m in msgs:
+    for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in _PLAIN_MARKERS or "content" not in m:
             raise ConfigError(
                 f"{where}: each message needs a role (system/user/assistant) and content"
             )
+        if not isinstance(m["content"], str):
+            what = "null" if m["content"] is None else f"a {type(m['content']).__name__}"
+            raise ConfigError(f"{where}: the content of message {i + 1} is {what}, not a string")
     if not any(m["role"] == "assistant" for m in msgs):
         raise ConfigError(f"{where}: the record has no assistant message to train on")
     return msgs
@@ -54,7 +61,7 @@ def encode_example(
     mask: list[int] = []
     for m in messages_of(rec, where):
         head = tok.encode(markers[m["role"]] + "\n")
-        body = tok.encode(str(m["content"]))
+        body = tok.encode(m["content"])
         trained = m["role"] == "assistant"
         ids += head + body
         mask += [0] * len(head) + [int(trained)] * len(body)

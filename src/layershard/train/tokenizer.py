@@ -69,9 +69,24 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     eos_token = None
     tok_cfg = file.parent / "tokenizer_config.json"
     if tok_cfg.is_file():  # HF folders name their end-of-text token here
-        eos = json.loads(tok_cfg.read_text()).get("eos_token")
+        try:
+            eos = json.loads(tok_cfg.read_text(encoding="utf-8")).get("eos_token")
+        except (ValueError, UnicodeDecodeError, AttributeError) as e:
+            raise ConfigError(
+                f"{tok_cfg} is not a valid tokenizer_config.json ({e}); fix or remove it"
+            ) from None
         eos_token = eos.get("content") if isinstance(eos, dict) else eos
-    return TextTokenizer(Tokenizer.from_file(str(file)), file, eos_token)
+        if eos_token is not None and not isinstance(eos_token, str):
+            raise ConfigError(f"{tok_cfg}: eos_token must be a string, got {eos_token!r}")
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ConfigError(
+            f"{file} is not a tokenizer.json that the tokenizers library can read ({first}); "
+            "pass the tokenizer.json of an HF model folder"
+        ) from None
+    return TextTokenizer(tok, file, eos_token)
 
 
 def bpe_cache_path(corpus_hash: str, vocab_size: int) -> Path:

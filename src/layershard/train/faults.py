@@ -1,0 +1,269 @@
+"""What a rank does when something goes wrong around it: a stop request (SIGTERM from a scheduler,
+Ctrl-C), a collective that does not complete (a peer frozen, dead or on another code path).
+
+Both talk through torchrun's key-value store (a TCP connection of its own, not the process
+group), so they work while the process group is busy or stuck:
+
+- ``StopRequest``: a signal sets a flag; at the end of a step the rank proposes to stop after the
+  next step, and every rank reads the one proposal that won, so all of them stop after the same
+  step and can save a checkpoint together.
+- ``Watchdog``: a thread that publishes this rank's heartbeat and position (step, collectives
+  issued) and, when the main thread has made no progress for a while, says where it waits (which
+  collective, which unit, from its Python stack) and which ranks are not there yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from layershard.train.status import signal_name
+
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
+
+
+def _prefix() -> str:
+    # The agent's store outlives a restart of the workers: keys are per launch and per attempt.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"layershard/{run_id}/{attempt}/"
+
+
+def connect_store(timeout_s: float = 30.0) -> dist.Store | None:
+    """A client of the job's TCP store (torchrun's, or rank 0's), or None for a lone process."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(_prefix(), store)
+
+
+class StopRequest:
+    """Stop after a step on SIGTERM, SIGINT, SIGHUP or SIGUSR1, all ranks after the same one.
+
+    ``should_stop(step)`` is called by every rank after every step, after the step's last
+    collective has completed on this rank. A rank that completed step s cannot be more than one
+    step ahead of any other: its step-s collectives needed every rank. So a proposal "stop after
+    s + 1", made by a rank at the end of step s, reaches every rank before it ends step s + 1.
+    """
+
+    def __init__(self, store: dist.Store | None, announce: bool = True) -> None:
+        self.store, self.announce = store, announce
+        self.signum: int | None = None  # the first signal this rank received
+        self.stop_at: int | None = None
+        self.signal: str | None = None  # the signal of the proposal that won
+        self._proposed = False
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for name in STOP_SIGNALS:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+            if not self.announce:
+                return
+            # os.write: print() is not safe inside a signal handler
+            os.write(
+                2,
+                f"layershard train: {signal_name(signum)} received: stopping after the current "
+                "step, saving a checkpoint\n".encode(),
+            )
+
+    def should_stop(self, step: int) -> bool:
+        if self.store is None:
+            if self.signum is not None:
+                self.signal = signal_name(self.signum)
+            return self.signum is not None
+        if self.signum is not None and not self._proposed:
+            self._proposed = True
+            self.store.compare_set("stop_signal", "", signal_name(self.signum))
+            self.store.compare_set("stop_at", "", str(step + 1))
+        if self.stop_at is None and self.store.check(["stop_at"]):
+            self.stop_at = int(self.store.get("stop_at"))
+            self.signal = self.store.get("stop_signal").decode()
+        return self.stop_at is not None and step >= self.stop_at
+
+
+# ---- where the main thread waits -------------------------------------------------------------------
+
+# Functions of the engine's schedule, and the collective a rank blocked in them waits for.
+_WAITS = {
+    "ensure": "all-gather",
+    "gather": "all-gather",
+    "prefetch": "all-gather",
+    "_issue_gather": "all-gather",
+    "reduce": "reduce-scatter",
+    "post_backward": "reduce-scatter",
+    "end_backward": "reduce-scatter",
+    "_free_grad_slots": "reduce-scatter",
+    "clip_grad_norm_": "all-reduce of the gradient norm",
+    "full_state_dict": "all-gather of full_state_dict",
+    "save_checkpoint": "checkpoint save",
+    "load_checkpoint": "checkpoint load",
+    "export_hf": "HF export",
+    "_all_reduce": "all-reduce of the step's loss",
+    "_read_stats": "all-reduce of the step's loss and gradient norm",
+    "_memory_per_rank": "all-gather of memory use",
+    "evaluate": "evaluation",
+    "sample": "sampling",
+    "barrier": "barrier",
+}
+
+
+def describe_stack(frame: Any) -> str:
+    """Where a thread blocked in layershard waits: "the all-gather of unit layers.3 (forward)",
+    from the innermost layershard frames of its stack and their locals."""
+    frames = []
+    while frame is not None:
+        if f"{os.sep}layershard{os.sep}" in frame.f_code.co_filename:
+            frames.append(frame)
+        frame = frame.f_back
+    if not frames:
+        return "outside layershard"
+    what, unit, phase = None, None, None
+    for f in frames:  # innermost first
+        loc = f.f_locals
+        if unit is None:
+            u = loc.get("u", loc.get("unit"))
+            unit = getattr(u, "name", None) if u is not None else None
+        if phase is None and isinstance(loc.get("phase"), str):
+            phase = loc["phase"]
+        if what is None:
+            what = _WAITS.get(f.f_code.co_name)
+    inner = frames[0]
+    at = f"{os.path.basename(inner.f_code.co_filename)}:{inner.f_lineno} {inner.f_code.co_name}"
+    text = what or f"{inner.f_code.co_name}"
+    if unit is not None:
+        text += f" of unit {unit}"
+    if phase is not None:
+        text += f" ({phase})"
+    return f"{text} [{at}]"
+
+
+def main_thread_stack() -> Any:
+    return sys._current_frames().get(threading.main_thread().ident)
+
+
+class Watchdog(threading.Thread):
+    """Publishes this rank's heartbeat every ``stall_s / 4`` s and reports a stall once the
+    progress token (``progress()``: step and collectives issued) has not changed for ``stall_s``.
+    The report goes to ``report`` (default: one block on stderr), then again every ``stall_s``."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world: int,
+        stall_s: float,
+        progress: Callable[[], tuple[int, int]],
+        report: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(name="layershard-watchdog", daemon=True)
+        self.store, self.rank, self.world = store, rank, world
+        self.stall_s = stall_s
+        self.interval = min(5.0, max(0.1, stall_s / 4))
+        self.progress = progress
+        self.report = report or (lambda text: print(text, file=sys.stderr, flush=True))
+        self._stop = threading.Event()
+        self._seq = 0
+        self._peer_seen: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat seq, when seen)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        last, since, reported_at = None, time.monotonic(), None
+        while not self._stop.wait(self.interval):
+            try:
+                token = self.progress()
+            except Exception:  # noqa: BLE001 - counters read mid-update: next round
+                continue
+            try:
+                now = time.monotonic()
+                if token != last:
+                    last, since, reported_at = token, now, None
+                self._heartbeat(token)
+                stalled = now - since
+                if stalled >= self.stall_s and (
+                    reported_at is None or now - reported_at >= self.stall_s
+                ):
+                    reported_at = now
+                    self.report(self.describe(token, stalled))
+            except Exception:  # noqa: BLE001 - the store went away: the job is ending
+                return
+
+    def _heartbeat(self, token: tuple[int, int]) -> None:
+        self._seq += 1
+        frame = main_thread_stack()
+        where = describe_stack(frame) if frame is not None else "?"
+        record = {"seq": self._seq, "step": token[0], "collectives": token[1], "where": where}
+        self.store.set(f"hb/{self.rank}", json.dumps(record))
+
+    def _peers(self) -> dict[int, tuple[dict[str, Any] | None, float]]:
+        now, out = time.monotonic(), {}
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            rec = None
+            if self.store.check([f"hb/{r}"]):
+                rec = json.loads(self.store.get(f"hb/{r}"))
+            seq = rec["seq"] if rec else -1
+            seen = self._peer_seen.get(r)
+            if seen is None or seen[0] != seq:
+                self._peer_seen[r] = seen = (seq, now)
+            out[r] = (rec, now - seen[1])
+        return out
+
+    def describe(self, token: tuple[int, int], stalled: float) -> str:
+        frame = main_thread_stack()
+        where = describe_stack(frame) if frame is not None else "?"
+        step, mine = token
+        doing = f"busy {where}" if where.startswith("outside") else f"waiting in the {where}"
+        lines = [
+            f"layershard train: rank {self.rank}: no progress for {stalled:.0f} s, at step {step}, "
+            f"collective #{mine}: {doing}"
+        ]
+        missing, others = [], []
+        for r, (rec, quiet) in self._peers().items():
+            if rec is None or quiet >= 2 * self.interval + 1:
+                missing.append(
+                    f"rank {r} (no heartbeat for {quiet:.0f} s: frozen, or dead)"
+                    if rec is not None
+                    else f"rank {r} (never reported)"
+                )
+            elif rec["collectives"] < mine:
+                missing.append(
+                    f"rank {r} (at collective #{rec['collectives']}, step {rec['step']}: "
+                    f"{rec['where']})"
+                )
+            else:
+                others.append(
+                    f"rank {r} (collective #{rec['collectives']}, step {rec['step']}: {rec['where']})"
+                )
+        if missing:
+            lines.append("  not joined: " + "; ".join(missing))
+        if others:
+            lines.append("  waiting with it: " + "; ".join(others))
+        timeout = os.environ.get("LAYERSHARD_TIMEOUT_S")
+        if timeout:
+            lines.append(
+                f"  the process group times out after {float(timeout):.0f} s without progress"
+            )
+        return "\n".join(lines)

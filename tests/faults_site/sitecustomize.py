@@ -1,0 +1,74 @@
+"""Deterministic faults for the end-to-end tests of `layershard train` (tests/test_train_faults.py).
+
+Put on PYTHONPATH, Python imports this module at start-up in every process of a test launch; it
+acts only in a rank (torchrun sets RANK and TORCHELASTIC_RESTART_COUNT) and only when
+LS_TEST_FAULT is set, as comma-separated ACTION@STEP:RANK[:ATTEMPT] (attempt: torchrun's restart
+count, 0 by default):
+
+    kill@3:1      rank 1 sends itself SIGKILL right after its step 3 (first attempt only)
+    term_cli@3:0  rank 0 sends SIGTERM to `layershard train` (its grandparent) after step 3
+    int_cli@3:0   the same with SIGINT (Ctrl-C)
+"""
+
+import os
+import signal
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+def _patch(loop, faults: list[tuple[str, int, int, int]]) -> None:
+    original = loop.Trainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        for action, step, _, _ in faults:
+            if self.step != step:
+                continue
+            if action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            cli = _parent(os.getppid())  # rank -> torchrun (the agent) -> layershard train
+            os.kill(cli, {"term_cli": signal.SIGTERM, "int_cli": signal.SIGINT}[action])
+        return out
+
+    loop.Trainer.train_step = train_step
+
+
+def _install(faults: list[tuple[str, int, int, int]]) -> None:
+    """Patch layershard.train.loop when it is imported (the rank's `-m layershard.train.loop`
+    imports it as a module to run it); importing it here would upset runpy."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "layershard.train.loop":
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            real_exec = spec.loader.exec_module
+
+            def exec_module(module):
+                real_exec(module)
+                _patch(module, faults)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+_spec = os.environ.get("LS_TEST_FAULT")
+if _spec and "RANK" in os.environ and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+    _mine = []
+    for _one in _spec.split(","):
+        _action, _, _where = _one.partition("@")
+        _step, _rank, *_attempt = (int(x) for x in _where.split(":"))
+        if int(os.environ["RANK"]) == _rank and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == (
+            _attempt[0] if _attempt else 0
+        ):
+            _mine.append((_action, _step, _rank, _attempt[0] if _attempt else 0))
+    if _mine:
+        _install(_mine)
