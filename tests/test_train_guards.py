@@ -108,11 +108,6 @@ def test_more_ranks_than_cores_warns_with_the_memory_per_rank(tmp_path, capsys):
     ), err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the engine (sharded.py, not in this branch): shard() should refuse a module "
-    "that contains a ShardedModule",
-)
 def test_shard_refuses_a_module_that_contains_a_sharded_module():
     from layershard.models import LlamaConfig, LlamaForCausalLM
 
@@ -120,8 +115,12 @@ def test_shard_refuses_a_module_that_contains_a_sharded_module():
     cfg = LlamaConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=16,
                       max_seq_len=8)  # fmt: skip
     inner = ls.shard(LlamaForCausalLM(cfg))
-    with pytest.raises(ValueError, match="already sharded"):
+    with pytest.raises(ValueError, match="contains a sharded module"):
         ls.shard(torch.nn.Sequential(inner))
+    with pytest.raises(ValueError, match="already sharded"):
+        ls.shard(inner)
+    with pytest.raises(ValueError, match="already sharded"):
+        ls.shard(inner.module)  # the wrapped model: its hooks are installed
 
 
 # ---- the training loop in this process (world size 1) -------------------------------------------

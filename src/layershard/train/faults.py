@@ -143,8 +143,10 @@ def describe_stack(frame: Any) -> str:
         if unit is None:
             u = loc.get("u", loc.get("unit"))
             unit = getattr(u, "name", None) if u is not None else None
-        if phase is None and isinstance(loc.get("phase"), str):
-            phase = loc["phase"]
+        if phase is None:  # a string in the collectives, schedule.Phase in the schedule
+            ph = loc.get("phase")
+            ph = getattr(ph, "value", ph)
+            phase = ph if isinstance(ph, str) else None
         if what is None:
             what = _WAITS.get(f.f_code.co_name)
     inner = frames[0]
