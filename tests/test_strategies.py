@@ -199,3 +199,79 @@ def _memory(rank: int, world: int) -> None:
 
 def test_memory_per_strategy_equals_plan():
     run_ranks(_memory, 4)
+
+
+# ---- checkpoints convert between strategies ------------------------------------------------------
+def _full_optim(model, opt) -> dict[str, torch.Tensor]:
+    """AdamW's moments whole, on every rank, for any strategy (slices summed over the shard
+    group: disjoint there; replicas hold the same slices and are not summed)."""
+    out = {}
+    group = model.sharding.shard_group
+    for f in model.flat_params:
+        for slot, p in zip(f.slots, f.shard_params):
+            a, b = f.local_param_range(slot)
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = torch.zeros(slot.numel)
+                if p in opt.state:
+                    full[a:b] = opt.state[p][key]
+                if group is not None:
+                    dist.all_reduce(full, group=group)
+                out[f"{slot.name}/{key}"] = full
+    return out
+
+
+CKPT_STRATEGIES = {
+    "full": {},
+    "hybrid": {"strategy": "hybrid", "shard_size": 2},
+    "no_shard": {"strategy": "no_shard"},
+    "grad_op": {"strategy": "grad_op"},
+}
+
+
+def _save_each(rank: int, world: int, root: str) -> None:
+    from pathlib import Path
+
+    for name in ("hybrid", "no_shard"):
+        model = ls.shard(_tiny(), **CKPT_STRATEGIES[name])
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        for batch in batches(2):
+            lm_loss(model, local(batch, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        ls.save_checkpoint(Path(root) / name / "step_2", model, opt, step=2)
+        state = {
+            "params": model.full_state_dict(rank0_only=False),
+            "optim": _full_optim(model, opt),
+        }
+        if rank == 0:
+            torch.save(state, Path(root) / f"{name}.pt")
+        dist.barrier()
+        _load_each(rank, world, root, [n for n in CKPT_STRATEGIES if n != name], name)
+
+
+def _load_each(rank: int, world: int, root: str, into: list[str], saved: str | None = None):
+    from pathlib import Path
+
+    for src in [saved] if saved else ["hybrid", "no_shard"]:
+        ref = torch.load(Path(root) / f"{src}.pt", weights_only=True)
+        for name in into:
+            model = ls.shard(_tiny(seed=9), **CKPT_STRATEGIES[name])
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            meta = ls.load_checkpoint(Path(root) / src, model, opt)
+            assert meta["step"] == 2
+            got = model.full_state_dict(rank0_only=False)
+            for k, v in ref["params"].items():
+                assert torch.equal(got[k], v), (src, name, k)
+            for k, v in _full_optim(model, opt).items():
+                assert torch.equal(v, ref["optim"][k]), (src, name, k)
+
+
+def _load_at_two(rank: int, world: int, root: str) -> None:
+    _load_each(rank, world, root, ["full", "grad_op", "no_shard"])
+
+
+def test_checkpoints_convert_between_strategies(tmp_path):
+    """Saved under hybrid (2 x 2) and no_shard at 4 ranks, each rank's slice written once (a
+    replica writes nothing); loaded bitwise into every other strategy at 4 and at 2 ranks."""
+    run_ranks(_save_each, 4, str(tmp_path))
+    run_ranks(_load_at_two, 2, str(tmp_path))

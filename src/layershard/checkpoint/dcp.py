@@ -292,12 +292,16 @@ def slot_ranges(f, slot) -> list[tuple[int, int]]:
     return out
 
 
-def _sharded_1d(local: torch.Tensor, numel: int, ranges, rank: int) -> torch.Tensor:
-    """``local`` (this rank's part ``ranges[rank]`` of a 1-D tensor of ``numel`` elements) as DCP
-    should see it. The layout comes from the flat parameter, not from a collective."""
+def _sharded_1d(model, local: torch.Tensor, numel: int, ranges, save: bool) -> torch.Tensor:
+    """``local`` (this rank's part ``ranges[shard rank]`` of a 1-D tensor of ``numel`` elements)
+    as DCP should see it. The layout comes from the flat parameter, not from a collective. The
+    ranks that hold a replica of another rank's slice (``hybrid``, ``no_shard``) write nothing:
+    every chunk is saved once, and loads into every replica."""
     if numel == 0:
         return local
-    lo, hi = ranges[rank]
+    if save and model.sharding.replica_index > 0:
+        return Shard1D(local[:0], numel, 0)
+    lo, hi = ranges[model.sharding.shard_rank]
     if local.numel() != hi - lo:
         raise CheckpointError(
             f"internal: a local slice of {local.numel()} elements for the range [{lo}, {hi})"
@@ -319,9 +323,7 @@ def _params(model):
 
 
 def _buffers(model):
-    for key, kind, ref in model._entries:
-        if kind == "buffer":
-            yield key, getattr(ref[0], ref[1])
+    return model.persistent_buffers()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -466,7 +468,7 @@ def _hyper_from_json(value, current):
     return value
 
 
-def _optim_save(model, optimizer, rank: int):
+def _optim_save(model, optimizer):
     tensors, kinds = {}, {}
     groups = _param_names(model, optimizer)
     for items in groups:
@@ -480,7 +482,9 @@ def _optim_save(model, optimizer, rank: int):
                     tensors[key] = v.detach()
                 elif isinstance(v, torch.Tensor) and v.shape == p.shape:
                     k_of[k] = {"kind": "sharded", "dtype": _dtype_name(v.dtype)}
-                    tensors[key] = _sharded_1d(v.detach(), slot.numel, slot_ranges(f, slot), rank)
+                    tensors[key] = _sharded_1d(
+                        model, v.detach(), slot.numel, slot_ranges(f, slot), save=True
+                    )
                 elif isinstance(v, torch.Tensor):
                     raise CheckpointError(
                         f"optimizer state {k!r} of {slot.name} has shape {tuple(v.shape)}: only "
@@ -849,12 +853,12 @@ def save_checkpoint(
     try:
         for f, slot, p in _params(model):
             state[f"model/{slot.name}"] = _sharded_1d(
-                p.detach(), slot.numel, slot_ranges(f, slot), rank
+                model, p.detach(), slot.numel, slot_ranges(f, slot), save=True
             )
         for key, b in _buffers(model):
             state[f"model/{key}"] = b.detach()
         if optimizer is not None:
-            tensors, optim_info = _optim_save(model, optimizer, rank)
+            tensors, optim_info = _optim_save(model, optimizer)
             state.update(tensors)
         state.update(_rng_save(rank))
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
@@ -1096,7 +1100,7 @@ def load_checkpoint(
     state: dict[str, Any] = {}
     for f, slot, p in _params(model):
         state[f"model/{slot.name}"] = _sharded_1d(
-            p.detach(), slot.numel, slot_ranges(f, slot), rank
+            model, p.detach(), slot.numel, slot_ranges(f, slot), save=False
         )
     for key, b in _buffers(model):
         if key in manifest["model"]["buffers"]:
@@ -1128,7 +1132,7 @@ def load_checkpoint(
                             else torch.empty_like(p, dtype=dtype)
                         )
                         state[f"optim/{slot.name}/{k}"] = _sharded_1d(
-                            t, slot.numel, slot_ranges(f, slot), rank
+                            model, t, slot.numel, slot_ranges(f, slot), save=False
                         )
                     else:
                         device = p.device if fused else torch.device("cpu")

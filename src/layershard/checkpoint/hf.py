@@ -168,7 +168,7 @@ def export_hf(
     ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` for our Llama and for
     transformers models. Returns ``out_dir`` on rank 0, None elsewhere."""
     group = model.process_group
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     out = Path(out_dir)
     module = model.module
     kind = model_kind(module)
@@ -186,15 +186,10 @@ def export_hf(
 
     err = None
     for f in model.flat_params:
-        buf = torch.empty(f.padded_numel, dtype=torch.float32, device=f.shard.device)
-        if world == 1:
-            buf.copy_(f.shard)
-        else:
-            dist.all_gather(list(buf.chunk(world)), f.shard, group=group)
+        buf = model.gather_flat(f)  # over the shard group (each replica holds the same)
         if rank == 0 and err is None:
             try:
-                for slot in f.slots:
-                    t = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                for slot, t in zip(f.slots, f.views(buf)):
                     writer.add(rename(slot.name), t.to("cpu", dtype, copy=True))
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 err = e
