@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-RUN = ["layershard", "layershard-no_shard", "fsdp2", "fsdp1", "ddp", "plain"]
+RUN = ["layershard", "layershard-no_shard", "fsdp2", "ddp", "plain"]
 
 
 def test_bench_tiny_end_to_end(tmp_path):
@@ -18,7 +18,7 @@ def test_bench_tiny_end_to_end(tmp_path):
         sys.executable, "-m", "layershard.cli", "bench", "--model", "tiny", "--nproc", "2",
         "--steps", "2", "--warmup", "1", "--repeats", "1", "--seq-len", "32",
         "--global-batch", "4", "--out", str(out), "--timeout", "240",
-        "--strategy", "full", "no_shard", "--impl", "fsdp2", "fsdp1", "ddp", "plain",
+        "--strategy", "full", "no_shard", "--impl", "fsdp2", "ddp", "plain",
     ]  # fmt: skip
     env = dict(os.environ, LAYERSHARD_TIMEOUT_S="120")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -40,7 +40,7 @@ def test_bench_tiny_end_to_end(tmp_path):
         ms = s["model_state"]
         assert ms["params"] > 0 and ms["grads"] > 0 and ms["optimizer"] > 0, name
     # The sharded implementations hold 1/2 of the model state; DDP all of it.
-    for name in ("layershard", "fsdp2", "fsdp1"):
+    for name in ("layershard", "fsdp2"):
         assert impls[name]["model_state_vs_minimum"] < 1.05, name
     for name in ("ddp", "layershard-no_shard", "plain"):  # replicated
         assert impls[name]["model_state_vs_minimum"] > 1.9, name

@@ -43,7 +43,7 @@ def _step(model, opt, rank: int, seed: int = 1) -> None:
     opt.zero_grad()
 
 
-def _old_sharded_1d(local, numel, ranges, rank):
+def _old_sharded_1d(model, local, numel, ranges, save):
     """The code path layershard 0.1.0 saved with: a ShardedTensor from local shards."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -56,6 +56,7 @@ def _old_sharded_1d(local, numel, ranges, rank):
 
     if numel == 0:
         return local
+    rank = dist.get_rank()
     granks = dist.get_process_group_ranks(dist.group.WORLD)
     mds, mine = [], None
     for r, (a, b) in enumerate(ranges):

@@ -212,3 +212,21 @@ def test_a_second_run_on_the_same_folder_refuses(tmp_path, reference, capsys):
     assert st.read_json(path)["pid"] == os.getpid()
     st.release_lock(path)
     assert not path.exists()
+
+
+def test_stop_at_step_then_resume_with_micro_batches_matches(tmp_path, reference):
+    """`--stop-at-step` checkpoints and stops; the resumed run continues exactly. Here each step
+    is also split into 2 micro-batches of 2 (the first under no_sync): the same global batch, so
+    the reference's losses to fp32 reduction-order noise."""
+    run = tmp_path / "run"
+    split = [a for a in TINY]
+    split[split.index("--micro-batch") + 1] = "2"
+    assert (
+        train_main([*split, "--grad-accum", "2", "--run-dir", str(run), "--stop-at-step", "4"]) == 0
+    )
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    assert train_main(["--resume", "--run-dir", str(run), "--nproc-per-node", "2"]) == 0
+    a, b = losses(reference), losses(run)
+    assert sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (step, a, b)
