@@ -294,6 +294,8 @@ def prepare_splits(
             for name, rec in batch:
                 ids, mask = sft.encode_example(rec, tok, where=name)
                 if cfg.sft_packing == "pad":
+                    # the launcher refuses sft without an end-of-text token, pad's fallback
+                    assert tok.pad_id is not None, "sft needs a padding or end-of-text token"
                     ids, mask = sft.pad_or_truncate(ids, mask, cfg.seq_len, tok.pad_id)
                 split = "val" if name in held_out else "train"
                 writers[split].write(ids, mask)
@@ -343,6 +345,7 @@ class _SplitWriter:
         self.fh.close()
         os.replace(self.tmp, self.final)
         if self.mask_fh is not None:
+            assert self.mask_tmp is not None and self.mask_final is not None  # set with mask_fh
             self.mask_fh.close()
             os.replace(self.mask_tmp, self.mask_final)
         return TokenSplit(self.final, self.mask_final, self.dtype, self.n)

@@ -160,7 +160,8 @@ def describe_stack(frame: Any) -> str:
 
 
 def main_thread_stack() -> Any:
-    return sys._current_frames().get(threading.main_thread().ident)
+    ident = threading.main_thread().ident  # None only before the thread starts
+    return sys._current_frames().get(ident) if ident is not None else None
 
 
 class Watchdog(threading.Thread):

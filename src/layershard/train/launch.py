@@ -128,6 +128,7 @@ def _unusable(ckpt: Path) -> str:
 
 
 def _choose_resume(run_dir: Path, opts: LaunchOptions) -> Path:
+    assert opts.resume, "called only with --resume"
     if opts.resume != "latest":
         chosen = Path(opts.resume)
         if not chosen.is_dir():
@@ -136,9 +137,10 @@ def _choose_resume(run_dir: Path, opts: LaunchOptions) -> Path:
         if why:
             raise ConfigError(f"--resume: {chosen} cannot be resumed from: {why}")
         return chosen
-    chosen = latest_checkpoint(run_dir)
-    if chosen is None:
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
         raise ConfigError(f"--resume: no checkpoint at {run_dir}/checkpoints; run without --resume")
+    chosen = latest
     why = _unusable(chosen)
     if not why:
         return chosen

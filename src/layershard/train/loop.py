@@ -40,7 +40,8 @@ from layershard.train.tokenizer import TextTokenizer, load_tokenizer
 def param_groups(named_params, cfg: TrainConfig) -> list[dict[str, Any]]:
     """Weight decay by parameter NAME (sharded parameters are 1-D, so ndim says nothing):
     names matching ``cfg.no_decay`` (norms, biases, embeddings by default) get none."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in named_params:
         if not p.requires_grad:
             continue
@@ -69,7 +70,7 @@ def _all_reduce(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def _memory_mib(model: nn.Module, optimizer, device: torch.device) -> float:
+def _memory_mib(model: ls.ShardedModule, optimizer, device: torch.device) -> float:
     """This rank's MiB: peak CUDA allocation since the end of init on GPU (a host-side counter);
     on CPU the engine's memory report (parameter shards, gradients, buffers, optimizer state)."""
     if device.type == "cuda":
@@ -144,6 +145,8 @@ class Trainer:
             cfg.seed,
         )
         self.val = TokenSplit.from_dict(data["val"])
+        self.val_tokens: np.ndarray | None
+        self.val_mask: np.ndarray | None
         self.val_tokens, self.val_mask = self.val.open() if self.val.n_tokens else (None, None)
         self.val_idx = eval_windows(
             self.val, cfg.seq_len, cfg.eval_sequences, world * cfg.micro_batch
@@ -165,6 +168,7 @@ class Trainer:
     def evaluate(self) -> float | None:
         if not len(self.val_idx):
             return None
+        assert self.val_tokens is not None  # eval_windows() gives none for an empty split
         mb = self.cfg.micro_batch
         mine = self.val_idx.reshape(-1, self.world, mb)[:, self.rank]  # same count on every rank
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss * tokens, tokens
@@ -215,7 +219,7 @@ class Trainer:
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = self.model.clip_grad_norm_(max_norm)
         loss, n, norm, mem = self._read_stats(loss_sum, total, grad_norm, with_memory)
-        stats = {"loss": loss / max(n, 1), "lr": lr, "grad_norm": norm}
+        stats: dict[str, Any] = {"loss": loss / max(n, 1), "lr": lr, "grad_norm": norm}
         if mem is not None:
             stats["mem_mib"] = mem
         if math.isfinite(stats["loss"]) and math.isfinite(norm):
@@ -642,8 +646,10 @@ def main(run_dir: str) -> int:
     try:
         trainer = Trainer(path, rank, world, device, stop=stop, status=status)
         if world > 1:
+            wd_store = connect_store()  # the watchdog thread's own client
+            assert wd_store is not None  # world > 1: the launcher set MASTER_ADDR/MASTER_PORT
             watchdog = Watchdog(
-                connect_store(),
+                wd_store,
                 rank,
                 world,
                 _stall_report_s(),

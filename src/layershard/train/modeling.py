@@ -40,9 +40,9 @@ def _hf_config(path: str) -> Any:
 def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]:
     """(kind, config, max sequence length) where kind is 'preset' or 'hf'. ``vocab_size`` is the
     tokenizer's (None when not known yet); a preset's vocabulary follows the tokenizer."""
-    if cfg.hf_config or cfg.init_from:
-        hf = _hf_config(cfg.hf_config or cfg.init_from)
-        where = cfg.hf_config or cfg.init_from
+    where = cfg.hf_config or cfg.init_from
+    if where:
+        hf = _hf_config(where)
         vocab = getattr(hf, "vocab_size", None)
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             raise ConfigError(
@@ -101,6 +101,7 @@ def check_model(cfg: TrainConfig, kind: str, spec: Any) -> None:
     if kind != "hf":
         return
     where = cfg.hf_config or cfg.init_from
+    assert where, "model_spec() gives kind 'hf' only for --hf-config or --init-from"
     check_causal_lm(spec, where)
     if cfg.init_from:
         folder = Path(cfg.init_from)
