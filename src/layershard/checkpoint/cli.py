@@ -27,11 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _human(n: int | None) -> str:
     if n is None:
         return "?"
+    x: float = n  # an int until divided: "512 B"
     for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1000
-    return str(n)
+        if x < 1000 or unit == "TB":
+            return f"{x:.1f} {unit}" if unit != "B" else f"{x} B"
+        x /= 1000
+    return str(x)
 
 
 def run(args: argparse.Namespace) -> int:

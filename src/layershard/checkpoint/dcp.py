@@ -36,7 +36,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import (
@@ -172,11 +173,12 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = read_dcp_metadata(Path(self.path))
-        if getattr(md, "storage_meta", None) is None:
+        storage_meta = getattr(md, "storage_meta", None)
+        if storage_meta is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+            storage_meta = md.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return md
 
 
@@ -233,16 +235,20 @@ class Shard1D(torch.Tensor):
         t._local, t._lo = local, lo
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's own idiom (nn.Parameter's too); its stubs type the attribute as a method
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
+    # the stubs declare Tensor.__torch_dispatch__ as the disabled implementation's function
+    # rather than the classmethod protocol every subclass implements (DTensor ignores it too)
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         raise RuntimeError(
             f"Shard1D only describes a checkpoint shard to DCP; {func} is not supported on it "
             "(use its local slice)"
         )
 
-    def __repr__(self) -> str:  # the default repr would dispatch
+    # the default repr would dispatch; Tensor's takes a tensor_contents= that this one ignores
+    def __repr__(self) -> str:  # type: ignore[override]
         return f"Shard1D(numel={self.shape[0]}, local=[{self._lo}, {self._hi}), {self.dtype})"
 
     @property
@@ -650,6 +656,7 @@ class _Save:
 
     def write(self, state: dict[str, Any]) -> None:
         """Collective (on ``self.group``): DCP writes every rank's slices into the folder."""
+        assert self.tmp is not None, "prepare() creates the folder first"
         try:
             dcp.save(
                 state,
@@ -659,7 +666,7 @@ class _Save:
         except (Exception, CheckpointException) as e:  # the same on every rank (DCP agrees)
             self.fail(e)
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> NoReturn:
         """Every rank has failed the same step: remove the temporary folder, raise one error."""
         if self.rank == 0 and self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -676,6 +683,7 @@ class _Save:
         """Collective: hash a share of the files each, then rank 0 writes the manifest and
         publishes. Every failure is agreed on, so no rank waits for another."""
         group, rank, world, tmp = self.group, self.rank, self.world, self.tmp
+        assert tmp is not None, "prepare() creates the folder first"
         t_write = time.perf_counter() - self.t0
         err, digests = None, {}
         try:
@@ -689,10 +697,11 @@ class _Save:
             _agree(group, err)
         except CheckpointError as e:
             self.fail(e)
-        parts = [digests]
+        parts: list[dict[str, Any]] = [digests]
         if world > 1:
-            parts = [None] * world
-            dist.all_gather_object(parts, digests, group=group)
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, digests, group=group)
+            parts = gathered
 
         err = None
         if rank == 0:
@@ -705,8 +714,8 @@ class _Save:
                 pub.write_atomic(tmp / pub.MANIFEST, pub.dumps(manifest))
                 pub.publish(tmp, self.final, self.keep_last)
             except Exception as e:  # noqa: BLE001
-                if self.tmp.exists():  # not published: nothing of this save stays behind
-                    shutil.rmtree(self.tmp, ignore_errors=True)
+                if tmp.exists():  # not published: nothing of this save stays behind
+                    shutil.rmtree(tmp, ignore_errors=True)
                 err = (
                     _no_space(self.final.parent, self.need)
                     if _is_disk_full(e)
@@ -753,10 +762,10 @@ class _AsyncState:
         self.pending: AsyncCheckpoint | None = None
 
 
-class _PreStaged:
+class _PreStaged(AsyncStager):
     """An ``AsyncStager`` for a state that is already a private CPU copy (see ``_stage``)."""
 
-    should_synchronize_after_execute = False
+    _synchronize_after_execute = False  # read by should_synchronize_after_execute
 
     def stage(self, state_dict):
         return state_dict
@@ -899,6 +908,7 @@ def save_checkpoint(
         st = _ASYNC[model] = _AsyncState(group)
     save = _Save(final, model, st.group, keep_last, manifest)
     save.prepare(state)
+    assert save.tmp is not None  # prepare() created it
     staged = _stage(state, st.buffers)
     try:
         with warnings.catch_warnings():
@@ -912,6 +922,8 @@ def save_checkpoint(
             )
     except (Exception, CheckpointException) as e:
         save.fail(e)
+    # _PreStaged.stage() returns the state itself, not a future: async_save returns the upload's
+    assert isinstance(upload, concurrent.futures.Future)
 
     def finish() -> Path:
         try:
@@ -1108,7 +1120,7 @@ def load_checkpoint(
 
     new_state: dict[Any, dict] = {}
     info = manifest.get("optimizer") if optimizer is not None else None
-    if info is not None:
+    if info is not None and optimizer is not None:  # info is None without an optimizer
         for items, g in zip(_param_names(model, optimizer), optimizer.param_groups):
             fused = bool(g.get("fused") or g.get("capturable"))
             for f, slot, p in items:
@@ -1148,13 +1160,13 @@ def load_checkpoint(
 
     rng: dict[str, torch.Tensor] = {}
     if restore_rng and same_world:
-        md = None
+        rng_md: Metadata | None = None
         for k in manifest["rng"]["keys"]:
             key = f"rng/{rank}/{k}"
             if k == "cuda" and not torch.cuda.is_available():
                 continue
-            md = md or SafeFileSystemReader(folder).read_metadata()
-            item = md.state_dict_metadata.get(key)
+            rng_md = rng_md or SafeFileSystemReader(folder).read_metadata()
+            item = rng_md.state_dict_metadata.get(key)
             if not isinstance(item, TensorStorageMetadata):
                 raise CheckpointCorruptError(f"{folder}: {key} is missing from the DCP metadata")
             rng[key] = torch.empty(item.size, dtype=item.properties.dtype)
@@ -1162,7 +1174,7 @@ def load_checkpoint(
 
     dcp_load(state, folder, process_group=group)
 
-    if info is not None:
+    if info is not None and optimizer is not None:
         for p, st in new_state.items():
             optimizer.state[p] = st
         for g, saved in zip(optimizer.param_groups, info["param_groups"]):

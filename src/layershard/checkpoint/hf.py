@@ -84,6 +84,7 @@ def _hf_config_dict(kind: str, config: dict | None, dtype: torch.dtype) -> dict 
     if kind == "layershard-llama":
         from layershard.models.llama import LlamaConfig, hf_llama_config
 
+        assert config is not None, "a layershard Llama always records its (dataclass) config"
         cfg = hf_llama_config(LlamaConfig(**config))
         cfg.architectures = ["LlamaForCausalLM"]
         d = json.loads(cfg.to_json_string(use_diff=False))
@@ -175,7 +176,8 @@ def export_hf(
     rename = _namer(kind)
     cap = parse_size(max_shard_size)
 
-    err, writer = None, None
+    err: Exception | None = None
+    writer: ShardedSafetensorsWriter | None = None
     if rank == 0:
         try:
             _prepare_out(out)
@@ -188,6 +190,7 @@ def export_hf(
     for f in model.flat_params:
         buf = model.gather_flat(f)  # over the shard group (each replica holds the same)
         if rank == 0 and err is None:
+            assert writer is not None  # rank 0 created it, or _agree raised
             try:
                 for slot, t in zip(f.slots, f.views(buf)):
                     writer.add(rename(slot.name), t.to("cpu", dtype, copy=True))
@@ -195,6 +198,7 @@ def export_hf(
                 err = e
         del buf
     if rank == 0 and err is None:
+        assert writer is not None
         try:
             for key, b in _buffers(model):
                 writer.add(rename(key), b.detach().to("cpu", copy=True))
@@ -343,7 +347,8 @@ def load_hf(model, src_dir: str | os.PathLike, strict: bool = True) -> None:
     err = None
     try:
         wmap = _weight_map(src)
-        used, missing = set(), []
+        used: set[str] = set()
+        missing: list[str] = []
         for f, slot, _ in _params(model):
             names = [rename(u.name) for u in slot.uses]
             key = next((n for n in names if n in wmap), None)
