@@ -47,6 +47,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -156,7 +157,7 @@ class _Materializer:
         # names of the meta originals, for errors (a stored block's tensors are meta again)
         self.meta_names = {id(p): uses[0].name for s in specs for p, uses in s.params}
         self.blocks = {id(s.module): s for s in specs if s.is_block}
-        self.values: dict[int, torch.Tensor] = {}  # id(meta original) -> materialized tensor
+        self.values: dict[int, nn.Parameter] = {}  # id(meta original) -> materialized tensor
         self.buffers: list[tuple[str, torch.Tensor]] = []
         # Storages (data_ptr) of the materialized tensors, and those an init wrote to.
         self.watched: set[int] = set()
@@ -178,7 +179,7 @@ class _Materializer:
     def run(self) -> None:
         # On any error the model gets its meta tensors back, so that shard() can be called again
         # (with a param_init_fn, say) on the same model.
-        before = [
+        before: list[tuple[dict[str, Any], str, torch.Tensor | None]] = [
             (tensors, n, t)
             for m in self.model.modules()
             for tensors in (m._parameters, m._buffers)
@@ -227,14 +228,16 @@ class _Materializer:
     def _init(self, mod: nn.Module, owner: nn.Module) -> None:
         owns_meta = self._materialize(mod)
         name = self.names.get(id(mod)) or "<root>"
+        param_init_fn = self.param_init_fn
+        fn: Callable[[], object]
         if self.hf:
             fn = _hf_init(owner, mod, self.custom_code)
-        elif self.param_init_fn is not None:
-            fn = lambda: self.param_init_fn(mod)  # noqa: E731
+        elif param_init_fn is not None:
+            fn = lambda: param_init_fn(mod)  # noqa: E731
         elif not owns_meta:
             return
-        elif callable(getattr(mod, "reset_parameters", None)):
-            fn = mod.reset_parameters
+        elif callable(reset := getattr(mod, "reset_parameters", None)):
+            fn = reset
         else:
             raise ValueError(
                 f"shard(): module {name} ({type(mod).__name__}) is on the meta device and has no "
@@ -268,8 +271,8 @@ class _Materializer:
         for n, b in mod._buffers.items():
             if b is not None and b.is_meta:
                 found = True
-                mod._buffers[n] = self._empty(b)
-                self.buffers.append((_join(self.names.get(id(mod), ""), n), mod._buffers[n]))
+                buf = mod._buffers[n] = self._empty(b)
+                self.buffers.append((_join(self.names.get(id(mod), ""), n), buf))
         return found
 
     def _empty(self, t: torch.Tensor) -> torch.Tensor:
@@ -350,7 +353,7 @@ class _Materializer:
 
 
 def _hf_init(owner: nn.Module, mod: nn.Module, custom_code: bool) -> Callable[[], None]:
-    init = owner._initialize_weights
+    init = cast(Callable[..., None], owner._initialize_weights)  # a method, not a submodule
     if "is_custom_code" in inspect.signature(init).parameters:  # transformers >= 5
         return lambda: init(mod, custom_code)
     return lambda: init(mod)

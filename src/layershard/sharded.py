@@ -192,9 +192,9 @@ def shard(
     if compile:
         options = compile if isinstance(compile, dict) else {}
         for m in block_modules:  # the block's computation only: the unit's hooks stay outside
-            m.forward = torch.compile(m.forward, **options)  # type: ignore[method-assign]
+            m.forward = torch.compile(m.forward, **options)
     for m in block_modules[:activation_checkpointing]:
-        m.forward = partial(_checkpointed, m.forward)  # type: ignore[method-assign]
+        m.forward = partial(_checkpointed, m.forward)
 
     if dist.get_world_size(group) > 1:
         for b in _unique(t for _, t in model.named_buffers()):  # every rank starts equal

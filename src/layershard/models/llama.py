@@ -157,6 +157,9 @@ class Rotary(nn.Module):
     """cos/sin tables for RoPE as fp32, non-persistent buffers: they are derived data, so they stay
     out of checkpoints, and reset_parameters() recomputes them after a meta-device build."""
 
+    cos: torch.Tensor  # buffers (registered in __init__)
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
@@ -377,7 +380,9 @@ def hf_llama_config(cfg: LlamaConfig) -> transformers.LlamaConfig:
         num_key_value_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
         max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta,
+        # transformers 5 declares no rope_theta (it takes it through **kwargs into
+        # rope_parameters); 4.x declares it, hence unused-ignore too
+        rope_theta=cfg.rope_theta,  # type: ignore[call-arg, unused-ignore]
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
