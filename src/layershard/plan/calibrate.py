@@ -418,8 +418,8 @@ def fit(
             "communication in the same proportion, so the two cannot be told apart"
         )
         return _finish(ms, gpu, base, after, fitted, notes, latency_s)
-    x = _gauss_newton(r2, [xc, 0.0])
-    after = _apply(base, ["compute", "comm"], x)
+    xs = _gauss_newton(r2, [xc, 0.0])
+    after = _apply(base, ["compute", "comm"], xs)
     return _finish(ms, gpu, base, after, ["compute", "comm"], notes, latency_s)
 
 

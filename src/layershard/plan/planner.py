@@ -377,11 +377,11 @@ def suggest(
         return Suggestion(best, None, msg, ranking, _why(best, ranking))
 
     # Nothing fits here: more GPUs shrink the sharded states (not buffers or activations).
-    tight = replace(settings, micro_batch=1, checkpoint_layers=shape.n_layers)
+    tightest = replace(settings, micro_batch=1, checkpoint_layers=shape.n_layers)
     options = [{"strategy": "full", "offload": False}, {"strategy": "full", "offload": True}]
     found: list[tuple[int, str]] = []
     for opt in options if not keep_strategy else [settings.strategy_kwargs()]:
-        n = _gpus_needed(shape, gpu, cluster, replace(tight, **opt), headroom, max_gpus, **kw)
+        n = _gpus_needed(shape, gpu, cluster, replace(tightest, **opt), headroom, max_gpus, **kw)
         if n is not None:
             found.append((n, "with CPU offload" if opt.get("offload") else ""))
     if found:
@@ -450,8 +450,10 @@ def _why(best: Plan, ranking: list[Ranked]) -> str:
         parts[-1] += f", {t.exposed_comm_s:.3f} s of communication not hidden"
     parts[-1] += ")"
     if others:
-        runner = min(others, key=lambda r: r.plan.time.step_s)
-        ratio = runner.plan.time.step_s / t.step_s
+        runner, runner_plan = min(
+            ((r, r.plan) for r in others if r.plan is not None), key=lambda rp: rp[1].time.step_s
+        )
+        ratio = runner_plan.time.step_s / t.step_s
         parts.append(f"next: {runner.label} at {ratio:.2f}x: {runner.reason}")
     if misfits:
         parts.append(f"{len(misfits)} do not fit")
