@@ -310,9 +310,10 @@ def _parity(rank: int, world: int) -> None:
 
 CLIP = 0.5  # below every step's gradient norm here: clipping acts at every step
 # Calibrated like the parity tolerances, on DDP with no_sync and clipping in this very loop
-# (world size 4, seed 0, 10 steps): DDP 1.05e-02 (layershard full 1.05e-02, no_shard 7.0e-03,
-# hybrid 6.7e-03). Over seeds 0-3 DDP spanned 6.0e-03-1.12e-02 and every strategy stayed within
-# 1.15 x DDP.
+# (world size 4, seed 0, STRATEGY_STEPS steps): DDP 1.09e-02 (layershard full 1.09e-02, no_shard
+# 4.5e-03, hybrid 4.4e-03). Over seeds 0-3 DDP spanned 3.5e-03-1.27e-02 and every strategy stayed
+# within 1.1 x DDP (at 10 steps: 6.0e-03-1.12e-02, within 1.15 x DDP).
+STRATEGY_STEPS = 5
 STRATEGY_PARAM_TOL = 1.5e-2
 
 STRATEGY_KWARGS = [
@@ -340,7 +341,7 @@ def _strategies(rank: int, world: int) -> None:
     for name, kwargs in STRATEGY_KWARGS:
         m = ls.shard(clone(base), **kwargs)
         runs.append((name, m, ls.optim.Muon(m, **MUON, adamw=ADAMW)))
-    for step, batch in enumerate(batches(STEPS, seed=11)):
+    for step, batch in enumerate(batches(STRATEGY_STEPS, seed=11)):
         x = local(batch, rank, world)
         _, ref_norm = _train_step(reference, ref_opts, batch, clip=CLIP)
         assert ref_norm > CLIP
@@ -517,3 +518,38 @@ def test_world_1_exactly_torch_and_the_api():
 def test_world_4_parity_strategies_then_world_2_parity_and_resume(tmp_path):
     run_ranks(_world_4, 4, str(tmp_path))
     run_ranks(_world_2, 2, str(tmp_path))
+
+
+# ---- layershard train --optimizer muon ----------------------------------------------------------
+
+
+def test_train_with_muon(tmp_path, tmp_path_factory, monkeypatch):
+    import argparse
+    import json
+
+    from layershard.train import cli as train_cli
+    from layershard.train.report import read_metrics
+
+    # the tokenizer cache test_train_cli.py uses, when both run in one session
+    monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path_factory.getbasetemp() / "ls-cache"))
+    run = tmp_path / "run"
+    argv = [
+        "--nproc-per-node", "2", "--max-files", "40", "--val-fraction", "0.2",
+        "--vocab-size", "512", "--seq-len", "64", "--micro-batch", "4", "--lr", "3e-3",
+        "--warmup-steps", "3", "--model-override", "dim=64", "--model-override", "n_layers=2",
+        "--model-override", "ffn_dim=128", "--eval-sequences", "16", "--sample-tokens", "0",
+        "--steps", "6", "--eval-interval", "0", "--optimizer", "muon", "--run-dir", str(run),
+    ]  # fmt: skip
+    parser = argparse.ArgumentParser(prog="layershard train")
+    train_cli.add_arguments(parser)
+    assert train_cli.run(parser.parse_args(argv)) == 0
+    val = {r["step"]: r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r}
+    assert val[6] < val[0] - 0.1, val
+    manifest = json.loads((run / "checkpoints" / "step_000006" / "layershard.json").read_text())
+    opt = manifest["optimizer"]
+    assert opt["class"] == "layershard.optim.muon.Muon"
+    assert [g["algorithm"] for g in opt["param_groups"]] == ["muon", "adamw", "adamw"]
+    muon_group = opt["param_groups"][0]
+    assert muon_group["adjust_lr_fn"] == "match_rms_adamw" and muon_group["weight_decay"] == 0.1
+    assert opt["state"]["layers.0.mlp.w1.weight"]["momentum_buffer"]["kind"] == "sharded"
+    assert "momentum_buffer" not in opt["state"]["embed.weight"]  # AdamW's
