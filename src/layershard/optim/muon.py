@@ -362,7 +362,7 @@ class Muon(torch.optim.Optimizer):
             adjusted = _adjust_lr(g["lr"], g["adjust_lr_fn"], m.shape)
             p.mul_(1 - g["lr"] * g["weight_decay"])
             if upd.numel():
-                p.add_(upd.to(p.device, non_blocking=True), alpha=-adjusted)
+                p.add_(upd.to(p.device), alpha=-adjusted)
 
     def _owner_updates(
         self, active: list[_Matrix], hyper: dict[int, dict], device: torch.device
