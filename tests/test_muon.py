@@ -16,9 +16,12 @@ Calibration (2026-11-22, CPU, torch 2.13, gloo; this tiny Llama, lr 0.02 for Muo
 AdamW, seed 0; `max |param - reference|`, measured next to layershard in every run):
     first step's update:  DDP 2.15e-04 at world size 2 and 4 (layershard: the same figures)
     after 10 steps:       DDP 7.05e-03 at world size 2, 6.61e-03 at 4 (layershard 7.05e-03, 8.39e-03)
-Over six seeds DDP spanned 1.2e-07-3.9e-04 (first update) and 5.7e-03-1.95e-02 (10 steps);
-layershard stayed within 1.3 x DDP in every seed. Tolerances: ~40% above DDP's worst case at
-seed 0. What a wrong update gives instead (one process, same seed, measured): orthogonalizing
+    loss, worst step:     DDP 1.64e-05 (relative) at world size 2, 2.97e-05 at 4 (layershard
+                          1.64e-05, 2.39e-05)
+Tolerances: ~40% above DDP's worst case at seed 0. Over six seeds DDP spanned 1.2e-07-3.9e-04
+(first update) and 5.7e-03-1.95e-02 (10 steps); after 10 steps layershard stayed within 1.3 x
+DDP in every seed, on the first update within 1.7 x (seed 5, world size 4: 2.76e-04 against
+1.66e-04): the "no farther than 1.5 x DDP" checks hold for this seed, not for every seed. What a wrong update gives instead (one process, same seed, measured): orthogonalizing
 two row blocks separately 1.0e-02 after one step; no Nesterov 2.7e-03; momentum 0.9 3.0e-03;
 the other `adjust_lr_fn` 5.6e-03; no transposition of tall matrices 3.3e-04; no weight decay
 1.5e-04 (caught by the identical-gradient check only, like any error below the noise).
@@ -41,7 +44,7 @@ MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.1)  # torch.optim.Muon's othe
 ADAMW = dict(lr=LR)
 UPDATE_TOL = 3e-4  # first step's update (DDP: 2.15e-04)
 MUON_PARAM_TOL = 1e-2  # after 10 steps (DDP: 7.05e-03)
-MUON_LOSS_TOL = 2e-3  # relative, every step (DDP: see the calibration printout)
+MUON_LOSS_TOL = 4e-5  # relative, worst step (DDP: 2.97e-05)
 
 
 def _is_muon(name: str, p: torch.Tensor) -> bool:
@@ -56,7 +59,7 @@ def _torch_optims(model: torch.nn.Module, prefix: str = "") -> list[torch.optim.
     return [torch.optim.Muon(muon, **MUON), torch.optim.AdamW(rest, **ADAMW)]
 
 
-def _train_step(model, opts, x, clip: float | None = None, micro: int = 1) -> torch.Tensor:
+def _train_step(model, opts, x, clip: float | None = None, micro: int = 1):
     """Forward/backward on ``x`` (in ``micro`` micro-batches, the first ones without
     communication), optional clipping, step. Returns (loss, gradient norm or None)."""
     chunks = x.chunk(micro)
