@@ -490,6 +490,8 @@ def _api(rank: int, world: int) -> None:
         ("muon", 0.1),
         ("adamw", 0.0),
     ]
+    with pytest.raises(NotImplementedError, match="plans its matrices"):
+        opt.add_param_group({"params": []})
     assert all(n.endswith("norm.weight") for n, p in model.named_parameters() if id(p) in {
         id(q) for q in opt.param_groups[1]["params"]
     })  # fmt: skip

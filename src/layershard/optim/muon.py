@@ -123,10 +123,6 @@ class _Matrix:
         return b - a
 
 
-def _block_matrix(name: str, shape: torch.Size, is_block: bool) -> bool:
-    return is_block and len(shape) == 2
-
-
 class Muon(torch.optim.Optimizer):
     """Muon for the 2-D weights of a sharded model's blocks, AdamW for the rest, exactly as
     ``torch.optim.Muon`` + ``torch.optim.AdamW`` would step the unsharded model.
@@ -209,7 +205,7 @@ class Muon(torch.optim.Optimizer):
                 named.append((slot.name, p, slot.shape, u.is_block, (f, slot)))
         names = {n for n, *_ in named}
         if muon_params is None:
-            chosen = {n for n, _, shape, blk, _ in named if _block_matrix(n, shape, blk)}
+            chosen = {n for n, _, shape, is_block, _ in named if is_block and len(shape) == 2}
         elif callable(muon_params):
             chosen = {n for n, *_ in named if muon_params(n)}
         else:
@@ -272,6 +268,17 @@ class Muon(torch.optim.Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
         }
         self._stats: Counter[tuple[str, str]] = Counter()
+        self._planned = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # Owners and slices are planned once, at construction: a group added later would never
+        # be stepped, so refuse it instead.
+        if getattr(self, "_planned", False):
+            raise NotImplementedError(
+                "ls.optim.Muon plans its matrices when it is built: pass every parameter then "
+                "(muon_params=, adamw_groups=) instead of add_param_group()"
+            )
+        super().add_param_group(param_group)
 
     # -- public ----------------------------------------------------------------------------
 
