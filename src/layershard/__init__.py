@@ -23,6 +23,7 @@ __all__ = [
     "init_distributed",
     "load_checkpoint",
     "load_hf",
+    "optim",
     "save_checkpoint",
     "shard",
 ]
@@ -34,4 +35,8 @@ def __getattr__(name: str):
         from layershard import checkpoint
 
         return getattr(checkpoint, name)
+    if name == "optim":  # ls.optim.Muon; imported on first use, like the checkpoint functions
+        import layershard.optim
+
+        return layershard.optim
     raise AttributeError(f"module 'layershard' has no attribute {name!r}")

@@ -13,11 +13,15 @@ IMPLS = (
     "layershard-grad_op",
     "layershard-no_shard",
     "layershard-hybrid",
+    "layershard-muon-allgather",
     "fsdp2",
     "fsdp1",
     "ddp",
     "plain",
 )
+# With --optimizer muon, "layershard" runs ls.optim.Muon (one owner per matrix) and this one the
+# simple alternative (every rank gathers and orthogonalizes every matrix).
+MUON_ALTERNATIVE = "layershard-muon-allgather"
 STRATEGY_IMPL = {
     "full": "layershard",
     "grad_op": "layershard-grad_op",

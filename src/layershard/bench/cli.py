@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from layershard.bench import IMPLS, STRATEGY_IMPL
+from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL
 from layershard.models import hf as models_hf
 
 TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain")
@@ -83,10 +83,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--impl",
         nargs="+",
-        default=["fsdp2", "fsdp1", "ddp"],
+        default=None,
         choices=IMPLS,
         help="implementations to run besides layershard (ratios are against it); plain is the "
-        "unsharded model on each rank, with no communication",
+        "unsharded model on each rank, with no communication (default: fsdp2 fsdp1 ddp; with "
+        f"--optimizer muon: {MUON_ALTERNATIVE})",
+    )
+    r.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="muon: layershard steps with ls.optim.Muon and each run also times the optimizer "
+        f"step alone; {MUON_ALTERNATIVE} is the all-gather-everything alternative",
     )
     r.add_argument(
         "--strategy",
@@ -169,8 +177,17 @@ def run_shape(args: argparse.Namespace) -> int:
 
     device = _device_kind()
     strategies = [STRATEGY_IMPL[s] for s in args.strategy if s != "full"]
+    muon = args.optimizer == "muon"
+    chosen = args.impl or ([MUON_ALTERNATIVE] if muon else ["fsdp2", "fsdp1", "ddp"])
+    if muon and set(chosen) & set(TORCH_IMPLS):
+        print(
+            "layershard bench: --optimizer muon runs layershard only (torch's implementations "
+            f"have no sharded Muon); use --impl {MUON_ALTERNATIVE}",
+            file=sys.stderr,
+        )
+        return 2
     impls = (
-        ["layershard"] + strategies + [i for i in args.impl if i not in ("layershard", *strategies)]
+        ["layershard"] + strategies + [i for i in chosen if i not in ("layershard", *strategies)]
     )
     out = Path(args.out or f"benchmarks/{args.tag}-{device}")
     if args.out and args.shape_name:  # one folder per named shape
@@ -263,6 +280,7 @@ def _settings(args, device: str) -> dict:
         "global_batch": args.global_batch,
         "steps": args.steps,
         "warmup": args.warmup,
+        "optimizer": args.optimizer,
         "repeats": args.repeats,
         "precision": args.precision or ("bf16" if device == "cuda" else "fp32"),
         "cores": _cores(),
@@ -277,7 +295,7 @@ def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]
         "-m", "layershard.bench.worker", "--impl", impl, "--seq-len", str(args.seq_len),
         "--global-batch", str(_global_batch(args, n)), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--seed", str(args.seed), "--lr", str(args.lr),
-        "--out", str(path),
+        "--optimizer", args.optimizer, "--out", str(path),
     ]  # fmt: skip
     if args.hf_config:
         cmd += ["--hf-config", args.hf_config]

@@ -139,6 +139,20 @@ def _summarize(impl: str, runs: list[dict], ls_runs: dict, n: int) -> dict:
     s["loss_max_abs_diff_vs_layershard"] = max(diffs) if diffs else None
     s["loss_first"], s["loss_last"] = first["losses"][0], first["losses"][-1]
     s["notes"] = first.get("notes") or {}
+    if first.get("opt_step_times"):  # --optimizer muon: the optimizer step alone
+        ot = [t for r in ok for t in r["opt_step_times"]]
+        s.update(
+            opt_step_median=statistics.median(ot),
+            opt_step_p25=_quantile(ot, 0.25),
+            opt_step_p75=_quantile(ot, 0.75),
+            opt_step_min=min(ot),
+            opt_step_max=max(ot),
+            opt_step_repeat_medians=[statistics.median(r["opt_step_times"]) for r in ok],
+        )
+        comm = [p.get("optimizer_comm") or {} for p in first["per_rank"]]
+        s["opt_bytes_sent_max_rank"] = max(sum(d["sent"] for d in c.values()) for c in comm)
+        s["opt_bytes_received_max_rank"] = max(sum(d["received"] for d in c.values()) for c in comm)
+        s["opt_collectives"] = sum(d["count"] for d in comm[0].values())
     return s
 
 
@@ -196,8 +210,12 @@ def format_table(results: dict) -> str:
     for n, ws in results["world_sizes"].items():
         lines.append("")
         load = ws.get("loadavg_1min")
-        load_s = f" (machine load, 1-min average, during the runs: {load[0]:.1f}-{load[1]:.1f})"
-        lines.append(f"world size {n}" + (load_s if load else ""))
+        load_s = (  # (no load recorded when every run failed)
+            f" (machine load, 1-min average, during the runs: {load[0]:.1f}-{load[1]:.1f})"
+            if load
+            else ""
+        )
+        lines.append(f"world size {n}" + load_s)
         lines.append(hdr)
         lines.append("-" * len(hdr))
         for impl, s in ws["impls"].items():
@@ -222,6 +240,26 @@ def format_table(results: dict) -> str:
                 lines.append(f"{'':<{w}}({s['failed']} of {s['runs']} runs failed)")
             if s.get("memtracker_peak_na"):
                 lines.append(f"{'':<{w}}peak n/a: {s['memtracker_peak_na']}")
+        timed = {k: s for k, s in ws["impls"].items() if "opt_step_median" in s}
+        if timed:
+            lines.append("")
+            lines.append(
+                f"{'optimizer step':<{w}}{'median s':>9}{'p25-p75':>14}{'min-max':>14}"
+                f"{'x ls':>7}{'colls':>6}{'MiB sent':>9}{'MiB recv':>9}{'NS GFLOP':>9}"
+            )
+            base = timed.get("layershard", {}).get("opt_step_median")
+            for impl, s in timed.items():
+                flops = s["notes"].get("muon", {}).get("ns_flops_busiest_rank")
+                lines.append(
+                    f"{impl:<{w}}{s['opt_step_median']:>9.3f}"
+                    f"{s['opt_step_p25']:>7.3f}-{s['opt_step_p75']:<6.3f}"
+                    f"{s['opt_step_min']:>7.3f}-{s['opt_step_max']:<6.3f}"
+                    f"{_f(_ratio(s['opt_step_median'], base), '.3f'):>7}"
+                    f"{s['opt_collectives']:>6}"
+                    f"{s['opt_bytes_sent_max_rank'] / MiB:>9.2f}"
+                    f"{s['opt_bytes_received_max_rank'] / MiB:>9.2f}"
+                    f"{_f(flops and flops / 1e9, '.1f'):>9}"
+                )
         for name, t in ws["targets"].items():
             lines.append(
                 f"  target {name}: {t['ratio']:.3f} (limit {t['limit']}) -> "
@@ -237,6 +275,16 @@ def format_table(results: dict) -> str:
         "of one step and the bytes one rank sends (ring estimate);\nloss diff: max |loss - "
         "layershard's| over all steps of the same repeat."
     )
+    if any(
+        "opt_step_median" in s
+        for ws in results["world_sizes"].values()
+        for s in ws["impls"].values()
+    ):
+        lines.append(
+            "optimizer step: opt.step() alone (barrier before and after, slowest rank); colls, "
+            "MiB sent/recv: the optimizer's own collectives and payload per step on the busiest "
+            "rank;\nNS GFLOP: Newton-Schulz work per step on the busiest rank (from the shapes)."
+        )
     return "\n".join(lines)
 
 

@@ -29,13 +29,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from layershard.bench import IMPLS, STRATEGY_IMPL
+from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL
 
 STRATEGY_IMPLS = {impl: strategy for strategy, impl in STRATEGY_IMPL.items() if strategy != "full"}
+MUON_LR = 0.02  # Muon's lr in --optimizer muon runs (AdamW keeps --lr for the other parameters)
 
 
 def is_layershard(impl: str) -> bool:
-    return impl == "layershard" or impl in STRATEGY_IMPLS
+    return impl in ("layershard", MUON_ALTERNATIVE) or impl in STRATEGY_IMPLS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--no-mem", action="store_true", help="skip the MemTracker step")
     p.add_argument("--out", required=True, help="JSON file (written by rank 0)")
     return p.parse_args(argv)
@@ -332,6 +334,7 @@ class CountCollectives(TorchDispatchMode):
         "allreduce_": "all_reduce",
         "allreduce_coalesced_": "all_reduce",
         "broadcast_": "broadcast",
+        "alltoall_base_": "all_to_all",
         "barrier": "barrier",
     }
 
@@ -374,6 +377,27 @@ def _model_flops(desc: dict, seq_len: int, global_batch: int) -> float | None:
     return model_flops(ModelShape.from_config(cfg), seq_len * global_batch, seq_len)
 
 
+def _muon_notes(model, opt) -> dict:
+    """Mode and Newton-Schulz FLOPs per step on the busiest rank and in all (from the shapes)."""
+    from layershard.optim import newton_schulz_flops
+
+    shapes = {s.name: s.shape for f in model.flat_params for s in f.slots}
+    owners = opt.owners()
+    flops = {n: newton_schulz_flops(shapes[n], opt.param_groups[0]["ns_steps"]) for n in owners}
+    total = sum(flops[n] for n in owners)
+    loads = [0] * model.sharding.shard_size
+    for n, r in owners.items():
+        loads[r] += flops[n]
+    busiest = total if opt.mode == "all_gather" else max(loads, default=0)
+    return {
+        "mode": opt.mode,
+        "lr": MUON_LR,
+        "matrices": len(owners),
+        "ns_flops_total": total,
+        "ns_flops_busiest_rank": busiest,
+    }
+
+
 # ---- main ------------------------------------------------------------------------------------------
 
 
@@ -403,7 +427,15 @@ def main(argv=None) -> int:
     model, desc = build_model(args)
     vocab = model.config.vocab_size
     model, autocast, notes = wrap(args.impl, model, device, bf16, world)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    muon = args.optimizer == "muon"
+    if muon:
+        if not is_layershard(args.impl):
+            raise SystemExit(f"--optimizer muon: {args.impl} has no sharded Muon")
+        mode = "all_gather" if args.impl == MUON_ALTERNATIVE else "owner"
+        opt = ls.optim.Muon(model, lr=MUON_LR, adamw=dict(lr=args.lr, weight_decay=0.01), mode=mode)
+        notes["muon"] = _muon_notes(model, opt)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
     n_measure = 3  # collectives step, model-state step, memory step
     total = args.warmup + args.steps + n_measure
@@ -413,11 +445,22 @@ def main(argv=None) -> int:
         tokens = torch.randint(0, vocab, (args.global_batch, args.seq_len), generator=gen)
         batches.append(tokens[rank * local_b : (rank + 1) * local_b].to(device))
 
-    def step(x, after_opt_step=None):
+    opt_times: list[float] = []
+
+    def step(x, after_opt_step=None, time_opt=False):
         with autocast():
             loss = model(x, labels=x).loss
         loss.backward()
-        opt.step()
+        if time_opt:  # every rank enters together (no backward skew) and waits for the last
+            sync()
+            dist.barrier()
+            t = time.perf_counter()
+            opt.step()
+            sync()
+            dist.barrier()
+            opt_times.append(time.perf_counter() - t)
+        else:
+            opt.step()
         if after_opt_step is not None:
             after_opt_step()
         opt.zero_grad(set_to_none=True)
@@ -436,7 +479,7 @@ def main(argv=None) -> int:
         dist.barrier()
         sync()
         t0 = time.perf_counter()
-        losses.append(step(batches[i]))
+        losses.append(step(batches[i], time_opt=muon))
         sync()
         dist.barrier()
         times.append(time.perf_counter() - t0)
@@ -448,6 +491,8 @@ def main(argv=None) -> int:
     # Untimed: collectives of one step.
     if is_layershard(args.impl):
         model.comm_stats(reset=True)
+    if muon:
+        opt.comm_stats(reset=True)
     counter = CountCollectives()
     i = args.warmup + args.steps
     try:
@@ -463,6 +508,7 @@ def main(argv=None) -> int:
     for op, d in comm.items():
         d["sent_bytes_ring"] = ring_bytes_sent(op, d["bytes"], world)
     own_comm = model.comm_stats(reset=True) if is_layershard(args.impl) else None
+    optimizer_comm = opt.comm_stats(reset=True) if muon else None
 
     # Untimed: peak memory of one step under MemTracker (CPU; also run on CUDA as a cross-check).
     # Model state while everything exists: after the optimizer step, before zero_grad.
@@ -505,10 +551,18 @@ def main(argv=None) -> int:
     loss_t /= world
     per_rank = [None] * world
     dist.all_gather_object(
-        per_rank, {"memory": memory, "model_state": state, "mem_error": mem_error}
+        per_rank,
+        {
+            "memory": memory,
+            "model_state": state,
+            "mem_error": mem_error,
+            "optimizer_comm": optimizer_comm,
+        },
     )
     t_max = torch.tensor(times, dtype=torch.float64, device=device)  # NCCL: on the GPU
     dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
+    opt_max = torch.tensor(opt_times or [0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(opt_max, op=dist.ReduceOp.MAX)
 
     if rank == 0:
         result = {
@@ -528,6 +582,8 @@ def main(argv=None) -> int:
             "warmup": args.warmup,
             "steps": args.steps,
             "lr": args.lr,
+            "optimizer": args.optimizer,
+            "opt_step_times": opt_max.cpu().tolist()[args.warmup :] if muon else None,
             "seed": args.seed,
             "step_times": t_max.cpu().tolist()[args.warmup :],
             "warmup_times": t_max.cpu().tolist()[: args.warmup],

@@ -41,6 +41,7 @@ class TrainConfig:
     grad_accum: int | None = None  # micro-batches per step; derived from batch_tokens if unset
     batch_tokens: int | None = None  # global tokens per optimizer step
     # --- optimization -------------------------------------------------------------------------
+    optimizer: str = "adamw"  # adamw | muon (ls.optim.Muon: Muon for 2-D block weights)
     steps: int = 150
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -91,6 +92,7 @@ CHOICES = {
     "task": ("pretrain", "sft"),
     "sft_packing": ("pack", "pad"),
     "precision": ("auto", "fp32", "bf16"),
+    "optimizer": ("adamw", "muon"),
 }
 
 

@@ -128,12 +128,22 @@ class Trainer:
         )
         if cfg.init_from:  # read after sharding: each rank reads only its slices
             ls.load_hf(self.model, cfg.init_from)
-        self.opt = torch.optim.AdamW(
-            param_groups(self.model.named_parameters(), cfg),
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=1e-8,
-        )
+        if cfg.optimizer == "muon":  # AdamW's lr schedule and weight decay carry over
+            self.opt = ls.optim.Muon(
+                self.model,
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                adjust_lr_fn="match_rms_adamw",
+                adamw=dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8),
+                adamw_groups=lambda named: param_groups(named, cfg),
+            )
+        else:
+            self.opt = torch.optim.AdamW(
+                param_groups(self.model.named_parameters(), cfg),
+                lr=cfg.lr,
+                betas=(cfg.beta1, cfg.beta2),
+                eps=1e-8,
+            )
         data = self.launch["data"]
         self.loader = BatchLoader(
             TokenSplit.from_dict(data["train"]),
