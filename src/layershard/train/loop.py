@@ -128,6 +128,7 @@ class Trainer:
         )
         if cfg.init_from:  # read after sharding: each rank reads only its slices
             ls.load_hf(self.model, cfg.init_from)
+        self.opt: torch.optim.Optimizer
         if cfg.optimizer == "muon":  # AdamW's lr schedule and weight decay carry over
             self.opt = ls.optim.Muon(
                 self.model,
