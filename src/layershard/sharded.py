@@ -289,6 +289,8 @@ class ShardedModule(nn.Module):
     """What ``shard()`` returns. Calls, attributes and methods go to the wrapped model
     (``model.config``, ``model.generate(...)``); ``parameters()`` are this rank's fp32 slices."""
 
+    _schedule: Schedule  # assigned in __init__
+
     def __init__(self, module: nn.Module, schedule: Schedule, state_keys, slot_of):
         super().__init__()
         self.module = module

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL
 from layershard.models import hf as models_hf
@@ -25,7 +26,7 @@ TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain")
 
 # The default bench: the `small` preset, and a communication-heavier shape beside it (narrower,
 # shorter sequences, fewer tokens per rank: less compute per byte communicated).
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "small": {"model": "small", "overrides": [], "seq_len": 512, "global_batch": 8},
     "comm": {
         "model": "small",

@@ -23,6 +23,7 @@ import time
 import traceback
 from collections import Counter
 from functools import partial
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,8 @@ def block_list(model: nn.Module) -> nn.ModuleList:
 
 def final_norm_and_head(model: nn.Module) -> list[nn.Module]:
     """[final norm, output head] when the head's weight is not tied (FSDP2's second group)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)  # transformers' models have it
+    head = get_head() if get_head is not None else None
     head = head or getattr(model, "lm_head", None)
     norm = None
     for name in ("norm", "model.norm", "transformer.ln_f", "model.final_layernorm"):
@@ -120,7 +122,8 @@ def final_norm_and_head(model: nn.Module) -> list[nn.Module]:
             norm = model.get_submodule(name)
             break
     mods = [m for m in (norm, head) if m is not None]
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if get_emb is not None else None
     emb = emb or getattr(model, "embed", None)
     if head is not None and emb is not None and head.weight is emb.weight:
         mods = [m for m in mods if m is not head]  # a tied head stays with the root
@@ -157,17 +160,17 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
 
         model.to(device)
         mesh = init_device_mesh(device.type, (world,))
-        mp = (
+        mp_policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if bf16
             else MixedPrecisionPolicy()
         )
         for block in block_list(model):
-            fully_shard(block, mesh=mesh, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
         tail = final_norm_and_head(model)
         if tail:
-            fully_shard(tail, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(tail, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         notes["groups"] = f"{len(block_list(model))} blocks, {len(tail)}-module tail, root"
         return model, no_autocast, notes
     if impl == "fsdp1":
@@ -177,7 +180,7 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
         block_cls = type(block_list(model)[0])
-        mp = (
+        fsdp_mp = (
             FSDPMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if bf16
             else None
@@ -190,7 +193,7 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
                 ),
                 sharding_strategy=ShardingStrategy.FULL_SHARD,
                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-                mixed_precision=mp,
+                mixed_precision=fsdp_mp,
                 device_id=device,  # torch.device("cpu") makes FSDP1 run on CPU/gloo
                 use_orig_params=True,
             )
@@ -199,11 +202,11 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model.to(device)
-        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         if bf16:
             notes["precision"] = "torch.autocast(bfloat16), fp32 weights and gradients"
-            return wrapped, partial(torch.autocast, device.type, dtype=torch.bfloat16), notes
-        return wrapped, no_autocast, notes
+            return ddp, partial(torch.autocast, device.type, dtype=torch.bfloat16), notes
+        return ddp, no_autocast, notes
     raise ValueError(impl)
 
 
@@ -263,6 +266,9 @@ def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, impl: str) -
         c.add("other", t)
     out["other_resident"] = c.by_cat.get("other", 0)
     if is_layershard(impl):
+        import layershard as ls
+
+        assert isinstance(model, ls.ShardedModule)
         out["layershard_memory_report"] = model.memory_report(opt)
     return out
 
@@ -425,15 +431,19 @@ def main(argv=None) -> int:
 
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     model, desc = build_model(args)
-    vocab = model.config.vocab_size
+    vocab: int = cast(Any, model.config).vocab_size  # a LlamaConfig or a transformers config
     model, autocast, notes = wrap(args.impl, model, device, bf16, world)
     muon = args.optimizer == "muon"
+    opt: torch.optim.Optimizer
+    muon_opt: ls.optim.Muon | None = None
     if muon:
         if not is_layershard(args.impl):
             raise SystemExit(f"--optimizer muon: {args.impl} has no sharded Muon")
         mode = "all_gather" if args.impl == MUON_ALTERNATIVE else "owner"
-        opt = ls.optim.Muon(model, lr=MUON_LR, adamw=dict(lr=args.lr, weight_decay=0.01), mode=mode)
-        notes["muon"] = _muon_notes(model, opt)
+        opt = muon_opt = ls.optim.Muon(
+            model, lr=MUON_LR, adamw=dict(lr=args.lr, weight_decay=0.01), mode=mode
+        )
+        notes["muon"] = _muon_notes(model, muon_opt)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
@@ -491,14 +501,14 @@ def main(argv=None) -> int:
     # Untimed: collectives of one step.
     if is_layershard(args.impl):
         model.comm_stats(reset=True)
-    if muon:
-        opt.comm_stats(reset=True)
+    if muon_opt is not None:
+        muon_opt.comm_stats(reset=True)
     counter = CountCollectives()
     i = args.warmup + args.steps
     try:
         with counter:
             losses.append(step(batches[i]))
-        comm = {
+        comm: dict[str, dict[str, Any]] = {
             op: {"count": counter.count[op], "bytes": counter.bytes[op]} for op in counter.count
         }
         comm_error = None
@@ -508,7 +518,7 @@ def main(argv=None) -> int:
     for op, d in comm.items():
         d["sent_bytes_ring"] = ring_bytes_sent(op, d["bytes"], world)
     own_comm = model.comm_stats(reset=True) if is_layershard(args.impl) else None
-    optimizer_comm = opt.comm_stats(reset=True) if muon else None
+    optimizer_comm = muon_opt.comm_stats(reset=True) if muon_opt is not None else None
 
     # Untimed: peak memory of one step under MemTracker (CPU; also run on CUDA as a cross-check).
     # Model state while everything exists: after the optimizer step, before zero_grad.

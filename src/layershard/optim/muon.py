@@ -46,6 +46,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from layershard.sharded import ShardedModule
+
+_torch_adjust_lr: Callable[[float, str | None, torch.Size], float] | None
+_torch_zeropower: (
+    Callable[[torch.Tensor, tuple[float, float, float], int, float], torch.Tensor] | None
+)
 try:  # torch >= 2.9: use torch's own functions so that the arithmetic is the same
     from torch.optim._muon import _adjust_lr as _torch_adjust_lr
     from torch.optim._muon import _zeropower_via_newtonschulz as _torch_zeropower
@@ -152,7 +158,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ShardedModule,
         lr: float = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -331,6 +337,7 @@ class Muon(torch.optim.Optimizer):
             state["momentum_buffer"] = torch.zeros_like(p)
         buf = state["momentum_buffer"]
         grad = p.grad
+        assert grad is not None, "only matrices with a gradient are stepped"
         buf.lerp_(grad, 1 - group["momentum"])
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
