@@ -1,11 +1,12 @@
-"""How long backward waits for its gathers, on 2 gloo ranks: the measurement behind issuing the
+"""How long backward waits for its gathers, on 2 (``--nproc``) gloo ranks: the measurement behind issuing the
 gather into a freed buffer before the freed unit's reduce-scatter (issue 10, item 10).
 
     python benchmarks/backward_order.py --model small --steps 6
     PYTHONPATH=/path/to/old/src python benchmarks/backward_order.py ...   # another engine
 
-Each rank times every ``Schedule.ensure`` call in backward (the main thread blocked until the
-unit's weights are there) and the whole step. Prints one JSON line per rank: the engine's source
+Each rank times every ``Schedule.ensure`` call (the main thread blocked until the unit's weights
+are there) in backward and in forward, the whole step, and the CPU time of its main thread and of
+its other threads (gloo's). Prints one JSON line per rank: the engine's source
 path, per-step wall time and backward gather wait (medians over the timed steps).
 """
 
@@ -35,36 +36,42 @@ def worker(rank: int, world: int, port: int, args) -> None:
     from layershard.models import LlamaForCausalLM, build_config
 
     ls.init_distributed(backend="gloo")
-    waited = [0.0]
+    waited = [0.0, 0.0]  # backward, forward
     ensure = sched.Schedule.ensure
 
     def timed(self, u, phase):
         t0 = time.perf_counter()
         ensure(self, u, phase)
-        if "backward" in str(phase).lower():
-            waited[0] += time.perf_counter() - t0
+        waited[0 if "backward" in str(phase).lower() else 1] += time.perf_counter() - t0
 
     sched.Schedule.ensure = timed
     torch.manual_seed(0)
     model = ls.shard(LlamaForCausalLM(build_config(args.model, vocab_size=8192)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
-    walls, waits = [], []
+    walls, waits, fwaits, main_cpu, other_cpu = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         x = torch.randint(0, 8192, (args.batch, args.seq_len), generator=g)
         dist.barrier()
-        waited[0] = 0.0
-        t0 = time.perf_counter()
+        waited[0] = waited[1] = 0.0
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         model(x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
         if step >= args.warmup:
             walls.append(time.perf_counter() - t0)
             waits.append(waited[0])
+            fwaits.append(waited[1])
+            main = time.thread_time() - c0
+            main_cpu.append(main)
+            other_cpu.append(time.process_time() - p0 - main)  # gloo's threads
     print(json.dumps({
         "rank": rank, "engine": os.path.dirname(ls.__file__), "model": args.model,
         "step_s": round(statistics.median(walls), 4),
         "backward_gather_wait_s": round(statistics.median(waits), 4),
+        "forward_gather_wait_s": round(statistics.median(fwaits), 4),
+        "main_thread_cpu_s": round(statistics.median(main_cpu), 4),
+        "other_threads_cpu_s": round(statistics.median(other_cpu), 4),
         "load": os.getloadavg()[0],
     }), flush=True)  # fmt: skip
     dist.barrier()
@@ -79,10 +86,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--nproc", type=int, default=2)
     a = p.parse_args()
     from _dist import free_port
 
-    mp.spawn(worker, args=(2, free_port(), a), nprocs=2, join=True)
+    mp.spawn(worker, args=(a.nproc, free_port(), a), nprocs=a.nproc, join=True)
 
 
 if __name__ == "__main__":

@@ -324,6 +324,11 @@ STRATEGY_KWARGS = [
     ("no_shard", {"strategy": "no_shard"}),
     ("hybrid", {"strategy": "hybrid", "shard_size": 2}),
 ]
+IDENTICAL_ONLY_KWARGS = [
+    {"strategy": "grad_op"},
+    {"reshard_after_forward": 2},
+    {"offload": ls.CPUOffload()},
+]
 
 
 def _flat_params(model) -> torch.Tensor:
@@ -334,7 +339,8 @@ def _strategies(rank: int, world: int) -> None:
     """Every strategy, two micro-batches per step (the first under no_sync) and clipping,
     against the reference (whole batch, torch's clipping) and DDP (no_sync, clipping)."""
     base = tiny_llama()
-    for _, kwargs in STRATEGY_KWARGS[1:]:
+    # The update rule on every other layout of the shards (same groups as full for the first three).
+    for kwargs in (*IDENTICAL_ONLY_KWARGS, *(kw for _, kw in STRATEGY_KWARGS[1:])):
         _identical_gradients(base, kwargs, modes=("owner",))
     reference = clone(base)
     ref_opts = _torch_optims(reference)
