@@ -4,7 +4,6 @@ timeout."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -18,25 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
+from _train import TINY, refused_one_line, train_main
 
 import layershard as ls
-from layershard.train import cli as train_cli
 from layershard.train import status as st
 from layershard.train.faults import StopRequest
 from layershard.train.launch import DEFAULT_TIMEOUT_S, LaunchOptions, prepare, rank_env
 from layershard.train.report import read_metrics
-
-TINY = [
-    "--max-files", "40", "--val-fraction", "0.2", "--vocab-size", "512", "--seq-len", "64",
-    "--micro-batch", "4", "--model-override", "dim=64", "--model-override", "n_layers=2",
-    "--model-override", "ffn_dim=128", "--nproc-per-node", "2",
-]  # fmt: skip
-
-
-def train_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="layershard train")
-    train_cli.add_arguments(parser)
-    return train_cli.run(parser.parse_args(argv))
 
 
 @pytest.fixture(autouse=True)
@@ -44,21 +31,11 @@ def cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path_factory.getbasetemp() / "ls-cache"))
 
 
-def _refused(capsys, tmp_path, *argv: str) -> str:
-    """`layershard train ARGV` fails with exit 2, one line, and writes no run folder."""
-    run = tmp_path / "run"
-    assert train_main(["--run-dir", str(run), *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("layershard train: error: "), err
-    assert not run.exists()
-    return err
-
-
 def test_launch_options_and_models_are_refused_before_launch(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
 
     def refused(*argv):
-        return _refused(capsys, tmp_path, *TINY, *argv)
+        return refused_one_line(capsys, tmp_path, *TINY, *argv)
 
     assert "activation_checkpointing=3 is more than the model's 2 blocks; use 0 to 2" in refused(
         "--activation-checkpointing", "3"

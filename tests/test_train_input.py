@@ -4,24 +4,10 @@ data files and records."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
-
-from layershard.train import cli as train_cli
-
-TINY = [
-    "--max-files", "40", "--val-fraction", "0.2", "--vocab-size", "512", "--seq-len", "64",
-    "--micro-batch", "4", "--model-override", "dim=64", "--model-override", "n_layers=2",
-    "--model-override", "ffn_dim=128", "--nproc-per-node", "2",
-]  # fmt: skip
-
-
-def train_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="layershard train")
-    train_cli.add_arguments(parser)
-    return train_cli.run(parser.parse_args(argv))
+from _train import TINY, refused_one_line
 
 
 @pytest.fixture(autouse=True)
@@ -29,19 +15,9 @@ def cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path_factory.getbasetemp() / "ls-cache"))
 
 
-def _refused(capsys, tmp_path, *argv: str) -> str:
-    """`layershard train ARGV` fails with exit 2, one line, and writes no run folder."""
-    run = tmp_path / "run"
-    assert train_main(["--run-dir", str(run), *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("layershard train: error: "), err
-    assert not run.exists()
-    return err
-
-
 def test_bad_numbers_and_config_values_are_refused(tmp_path, capsys):
     def refused(*argv):
-        return _refused(capsys, tmp_path, *TINY, *argv)
+        return refused_one_line(capsys, tmp_path, *TINY, *argv)
 
     assert "lr must be a finite number >= 0, got -0.001" in refused("--lr=-1e-3")
     assert "lr must be a finite number >= 0, got nan" in refused("--lr", "nan")
@@ -64,14 +40,14 @@ def test_bad_numbers_and_config_values_are_refused(tmp_path, capsys):
         ("hf_config: 3\n", "hf_config must be a string, got 3"),
     ):
         y.write_text(text)
-        assert expected in _refused(capsys, tmp_path, "--config", str(y)), text
+        assert expected in refused_one_line(capsys, tmp_path, "--config", str(y)), text
 
 
 def test_bad_hf_configs_and_tokenizers_are_refused(tmp_path, capsys):
     pytest.importorskip("transformers")
 
     def refused(*argv):
-        return _refused(capsys, tmp_path, *TINY, *argv)
+        return refused_one_line(capsys, tmp_path, *TINY, *argv)
 
     novocab = tmp_path / "novocab.json"
     novocab.write_text(json.dumps({"model_type": "llama", "vocab_size": 0}))
@@ -91,7 +67,7 @@ def test_bad_hf_configs_and_tokenizers_are_refused(tmp_path, capsys):
 
 def test_bad_data_is_refused_naming_the_file_and_line(tmp_path, capsys):
     def refused(*argv):
-        return _refused(capsys, tmp_path, *TINY, *argv)
+        return refused_one_line(capsys, tmp_path, *TINY, *argv)
 
     binary = tmp_path / "blob.txt"
     binary.write_bytes(b"text\x00\x01\x02")
