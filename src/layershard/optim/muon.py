@@ -236,33 +236,7 @@ class Muon(torch.optim.Optimizer):
         ]
 
         rest = [(n, p) for n, p, *_ in named if n not in chosen]
-        groups: list[dict] = []
-        if muon:
-            groups.append(
-                {
-                    "params": [p for _, p, _, _ in muon],
-                    "algorithm": "muon",
-                    "lr": lr,
-                    "weight_decay": weight_decay,
-                    "momentum": momentum,
-                    "nesterov": nesterov,
-                    "ns_coefficients": tuple(ns_coefficients),
-                    "eps": eps,
-                    "ns_steps": ns_steps,
-                    "adjust_lr_fn": adjust_lr_fn,
-                }
-            )
-        self._adamw: torch.optim.AdamW | None = None
-        if rest:
-            ag = list(adamw_groups(rest)) if adamw_groups else [{"params": [p for _, p in rest]}]
-            ag = [g for g in ag if len(g["params"])]
-            # torch's AdamW fills its defaults into these very dicts, and steps them below
-            self._adamw = torch.optim.AdamW(ag, **(adamw or {}))
-            for g in self._adamw.param_groups:
-                g["algorithm"] = "adamw"
-            groups += self._adamw.param_groups
-        super().__init__(groups, {})
-        self.defaults = {  # what add_param_group fills in: a Muon group
+        muon_defaults = {
             "algorithm": "muon",
             "lr": lr,
             "weight_decay": weight_decay,
@@ -273,6 +247,20 @@ class Muon(torch.optim.Optimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
         }
+        groups: list[dict] = []
+        if muon:
+            groups.append({"params": [p for _, p, _, _ in muon], **muon_defaults})
+        self._adamw: torch.optim.AdamW | None = None
+        if rest:
+            ag = list(adamw_groups(rest)) if adamw_groups else [{"params": [p for _, p in rest]}]
+            ag = [g for g in ag if len(g["params"])]
+            # torch's AdamW fills its defaults into these very dicts, and steps them below
+            self._adamw = torch.optim.AdamW(ag, **(adamw or {}))
+            for g in self._adamw.param_groups:
+                g["algorithm"] = "adamw"
+            groups += self._adamw.param_groups
+        super().__init__(groups, {})
+        self.defaults = muon_defaults  # what add_param_group fills in: a Muon group
         self._stats: Counter[tuple[str, str]] = Counter()
         self._planned = True
 
