@@ -233,6 +233,20 @@ def _engine_paths(rank: int, world: int) -> None:
         assert "layershard::all_gather[layers.1]" in names
         assert "layershard::reduce_scatter[layers.1]" in names
 
+    # 10. On gloo a reduce-scatter is one all-to-all (it was an all_reduce, which sends twice
+    #     the bytes), and each gradient slot receives into its own scratch.
+    from layershard.bench.worker import CountCollectives
+
+    model = ls.shard(clone(base))
+    lm_loss(model, x).backward()  # the first backward learns the order
+    model.comm_stats(reset=True)
+    with CountCollectives() as cc:
+        lm_loss(model, x).backward()
+    n_rs = model.comm_stats()["reduce_scatter"]["count"]
+    assert cc.count["all_to_all"] == n_rs == len(model.units), (cc.count, n_rs, len(model.units))
+    assert cc.count["all_reduce"] == 0 and cc.count["reduce_scatter"] == 0, cc.count
+    _two_reduce_scatters_in_flight(rank, world, "all_to_all_single")
+
 
 def _freeze_first(m):
     m.embed.requires_grad_(False)
@@ -286,33 +300,37 @@ def test_reduction_scaling_rounds_only_in_fp32():
 
 
 # ---- the LAYERSHARD_GLOO_NATIVE path (the CUDA path's buffer logic) -------------------------------
-def _native(rank: int, world: int) -> None:
-    os.environ["LAYERSHARD_GLOO_NATIVE"] = "1"
-    from test_parity import _llama_parity
-
-    # Two reduce-scatters in flight, waited for in the other order: each must read its own
-    # chunk (they shared one scratch, and the first one's gradients became the second's). The
-    # backend here finishes each collective before anyone waits, as a fast one may.
+def _two_reduce_scatters_in_flight(rank: int, world: int, collective: str) -> None:
+    """Two reduce-scatters in flight, waited for in the other order: each must read its own
+    chunk (they once shared one scratch, and the first one's gradients became the second's).
+    The backend here finishes each collective before anyone waits, as a fast one may.
+    ``collective``: the ``layershard.collectives`` function the reduce-scatter runs on."""
     import layershard.collectives as collectives
+
+    owner = collectives if collective.startswith("_") else collectives.dist
+    real = getattr(owner, collective)
 
     class Finished:
         def wait(self):
             return True
 
-    def eager(out, inp, group=None, async_op=False):
-        native(out, inp, group=group)
+    def eager(out, inp, *args, group=None, async_op=False):
+        real(out, inp, *args, group=group)
         return Finished()
 
-    native, collectives._reduce_scatter = collectives._reduce_scatter, eager
-    model = ls.shard(_tiny())
-    s = model._schedule
-    units = [u for u in model.units if u.name in ("layers.0", "layers.1")]
-    torch.manual_seed(rank)
-    grads = [[torch.randn(slot.shape) for slot in u.trainable.slots] for u in units]
-    for u, g in zip(units, grads):
-        s.reduce(u, tuple(g))
-    for gs in reversed(s.grad_slots):
-        gs.wait()
+    setattr(owner, collective, eager)
+    try:
+        model = ls.shard(_tiny())
+        s = model._schedule
+        units = [u for u in model.units if u.name in ("layers.0", "layers.1")]
+        torch.manual_seed(rank)
+        grads = [[torch.randn(slot.shape) for slot in u.trainable.slots] for u in units]
+        for u, g in zip(units, grads):
+            s.reduce(u, tuple(g))
+        for gs in reversed(s.grad_slots):
+            gs.wait()
+    finally:
+        setattr(owner, collective, real)
     for u, g in zip(units, grads):
         f = u.trainable
         for slot, p, mine in zip(f.slots, f.shard_params, g):
@@ -320,8 +338,13 @@ def _native(rank: int, world: int) -> None:
             dist.all_reduce(mean)
             a, b = f.local_param_range(slot)
             torch.testing.assert_close(p.grad, mean.reshape(-1)[a:b] / world, msg=slot.name)
-    collectives._reduce_scatter = native
 
+
+def _native(rank: int, world: int) -> None:
+    os.environ["LAYERSHARD_GLOO_NATIVE"] = "1"
+    from test_parity import _llama_parity
+
+    _two_reduce_scatters_in_flight(rank, world, "_reduce_scatter")
     _llama_parity(rank, world)
 
 

@@ -14,8 +14,9 @@ version counter, so refilling the buffer does not trip autograd's checks.
 
 A gradient slot holds one unit's unsharded gradients (cast to the reduce dtype) from the end of
 the unit's backward until its reduce-scatter has read them; ``pending`` is that reduce-scatter,
-which leaves this rank's chunk of the sum in the slot's own ``scratch`` (on gloo, in the buffer
-itself) and then adds it into the fp32 gradient slices. Each slot has its own scratch: a
+which leaves this rank's chunk of the sum in the slot's own ``scratch`` (on gloo, the scratch
+receives every rank's chunk and their sum goes into the buffer's own chunk) and then adds it into
+the fp32 gradient slices. Each slot has its own scratch: a
 reduce-scatter completes (and its chunk is read) only when its slot is waited for, which can be
 after the other slot's reduce-scatter has started. The two gradient slots are taken in turn, in
 the order units finish their backward, so a reduce-scatter has the next unit's whole backward to
@@ -82,12 +83,14 @@ class GradSlot:
         dtype: torch.dtype,
         device: torch.device,
         shard_numel: int,
+        scratch_numel: int,
         host: torch.device | None = None,
     ):
         self.numel, self.dtype, self.device = numel, dtype, device  # numel: the largest unit's
-        self.shard_numel = shard_numel  # the scratch: the largest unit's shard
+        self.shard_numel = shard_numel  # the largest unit's shard (host staging)
+        self.scratch_numel = scratch_numel  # see Comm.scratch_numel (0: none)
         self.data: torch.Tensor | None = None  # exists only during backward (see the note)
-        self.scratch: torch.Tensor | None = None  # allocated when the backend needs one
+        self.scratch: torch.Tensor | None = None
         self.host = host  # CPU offload: reduced chunks are staged in (pinned) host memory
         self.staging: torch.Tensor | None = None
         self.pending: list[Pending] = []
@@ -107,7 +110,7 @@ class GradSlot:
 
     def get_scratch(self) -> torch.Tensor:
         if self.scratch is None:
-            self.scratch = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+            self.scratch = torch.empty(self.scratch_numel, dtype=self.dtype, device=self.device)
         return self.scratch
 
     def get_staging(self) -> torch.Tensor:
@@ -128,6 +131,10 @@ class GradSlot:
     def capacity(self) -> int:
         """Bytes the slot can take during a backward (sized for the largest unit)."""
         return self.numel * self.dtype.itemsize
+
+    @property
+    def scratch_capacity(self) -> int:
+        return self.scratch_numel * self.dtype.itemsize
 
 
 def nbytes(t: torch.Tensor | None) -> int:

@@ -477,7 +477,7 @@ class Schedule:
             host_post = partial(scale_into, grad, staging, post_factor, fresh)
         else:
             post = lambda chunk: scale_into(grad, chunk, post_factor, fresh)  # noqa: E731
-        scratch = gs.get_scratch() if self.comm.needs_scratch else None
+        scratch = gs.get_scratch() if gs.scratch_numel else None
         gs.pending.append(
             self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
         )

@@ -163,7 +163,14 @@ def shard(
     grad_numel = max((f.padded_numel for f in trainable), default=0)
     shard_numel = max((f.shard_numel for f in trainable), default=0)
     grad_slots = [
-        GradSlot(grad_numel, rdtype, device, shard_numel, host if offload else None)
+        GradSlot(
+            grad_numel,
+            rdtype,
+            device,
+            shard_numel,
+            comm.scratch_numel(grad_numel, shard_numel),
+            host if offload else None,
+        )
         for _ in range(2 if trainable else 0)
     ]
     units = [
@@ -590,11 +597,10 @@ class ShardedModule(nn.Module):
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds, by category (unique storages; includes optimizer state when an
         optimizer is given). ``grad_buffers`` and ``reduce_scratch`` are what the gradient slots
-        take during backward (each slot's unsharded gradients and its reduce-scatter output, the
+        take during backward (each slot's unsharded gradients and its reduce-scatter scratch, the
         latter only where the backend needs one): they are freed between backwards."""
         s = self._schedule
         flats = self.flat_params
-        scratch = s.comm.needs_scratch
         shards = {f.shard.untyped_storage().data_ptr() for f in flats}
         weights = [u.slot.data for u in self.units] + [
             t for u in self.units for t in (u.secondary or [])
@@ -606,9 +612,7 @@ class ShardedModule(nn.Module):
                 nbytes(t) for t in _unique(weights) if t.untyped_storage().data_ptr() not in shards
             ),
             "grad_buffers": sum(g.capacity for g in s.grad_slots),
-            "reduce_scratch": sum(g.shard_numel * g.dtype.itemsize for g in s.grad_slots)
-            if scratch
-            else 0,
+            "reduce_scratch": sum(g.scratch_capacity for g in s.grad_slots),
             "module_buffers": sum(
                 {
                     b.untyped_storage().data_ptr(): nbytes(b)

@@ -15,8 +15,9 @@ gradient slots), ``c`` = bytes per element of the compute (param) dtype, ``r`` =
     gather_buffers  c (U_0 + U_1 + R)   two gather slots, each sized for the units that take turns
                                         in it (unit i uses slot i % 2), + the root unit's buffer
     grad_buffers    2 r G_max           two gradient slots taken in turn (held during backward only)
-    reduce_scratch  2 r max_u S_u       each gradient slot's reduce-scatter output (NCCL; gloo
-                                        reduces in place); held during backward only
+    reduce_scratch  2 r max_u S_u       each gradient slot's reduce-scatter output (NCCL); on gloo
+                    (2 r G_max)         each slot's all-to-all receive buffer; held during
+                                        backward only
     module_buffers  4 * 2 T hd          Rotary's fp32 cos/sin tables (T = max_seq_len)
     no_sync         4 sum_u N S_u       unsharded fp32 accumulators, only if ``no_sync()`` was used
 
@@ -162,8 +163,8 @@ def predict_memory(
     accumulators that ``ShardedModule.no_sync()`` allocates. ``rank`` (global) matters only for
     the optimizer state, which is per parameter view and so skips the padding on the last ranks
     of a shard group. Activations are not included (see ``predict_activations``).
-    ``backend="gloo"`` (CPU) has no ``reduce_scratch``: there the engine reduce-scatters through
-    an in-place all_reduce.
+    ``backend="gloo"`` (CPU) reduce-scatters through an all-to-all: its ``reduce_scratch``
+    receives whole units, not shards.
 
     ``strategy``: ``full`` (ZeRO-3; ``reshard_after_forward=K`` adds each unit's 1/K kept for
     the backward), ``grad_op`` (ZeRO-2: a gather buffer per unit, the whole model in the compute
@@ -215,8 +216,10 @@ def predict_memory(
         "gather_buffers": c * (gathered + root),
         "grad_buffers": 2 * r * max(u.padded_numel(s_n) for u in us),
         "reduce_scratch": 0
-        if backend == "gloo" or s_n == 1
-        else 2 * r * max(u.shard_numel(s_n) for u in us),
+        if s_n == 1
+        else 2
+        * r
+        * max(u.padded_numel(s_n) if backend == "gloo" else u.shard_numel(s_n) for u in us),
         "module_buffers": 4 * shape.rope_buffer_numel,
         "no_sync": 4 * sum(u.padded_numel(s_n) for u in us) if no_sync else 0,
     }
