@@ -1,0 +1,95 @@
+"""Per-thread CPU per step for layershard, DDP and the plain model, on N gloo ranks (CPU).
+
+    python benchmarks/thread_cpu.py --impl ls|ddp|plain [--seq-len 256 --batch 4] [--profile]
+
+Each rank trains the ``small`` preset (vocab 8192) and prints one JSON line: medians over the
+timed steps of the step's wall time, its main thread's CPU time, the other threads' (gloo's) CPU
+time and the optimizer step's wall time. ``plain`` is the unsharded model with no communication
+(two side-by-side processes: the compute floor). ``--profile`` prints rank 0's
+``torch.profiler`` table (self CPU) of one more step. Recorded: ``benchmarks/gloo-reduce-scatter/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def worker(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import layershard as ls
+    from layershard.models import LlamaForCausalLM, build_config
+
+    ls.init_distributed(backend="gloo")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(build_config("small", vocab_size=8192))
+    if args.impl == "ls":
+        model = ls.shard(model)
+    elif args.impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+
+    def step() -> None:
+        x = torch.randint(0, 8192, (args.batch, args.seq_len), generator=g)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    res: dict[str, list[float]] = {k: [] for k in ("wall", "main", "other")}
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+        step()
+        if i >= args.warmup:
+            res["wall"].append(time.perf_counter() - t0)
+            main = time.thread_time() - c0
+            res["main"].append(main)
+            res["other"].append(time.process_time() - p0 - main)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], enabled=rank == 0) as prof:
+            step()
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    medians = {k: round(statistics.median(v), 4) for k, v in res.items()}
+    print(json.dumps({"impl": args.impl, "rank": rank, **medians, "load": os.getloadavg()[0]}),
+          flush=True)  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--impl", choices=("ls", "ddp", "plain"), default="ls")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    from _dist import free_port
+
+    mp.spawn(worker, args=(a.nproc, free_port(), a), nprocs=a.nproc, join=True)
+
+
+if __name__ == "__main__":
+    main()
