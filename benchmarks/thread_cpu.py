@@ -22,18 +22,18 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 def worker(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    torch.set_num_threads(1)
+    from _ranks import init_gloo_rank
+
+    init_gloo_rank(rank, world, port)
     import torch.distributed as dist
 
     import layershard as ls
     from layershard.models import LlamaForCausalLM, build_config
 
-    ls.init_distributed(backend="gloo")
     torch.manual_seed(0)
     model = LlamaForCausalLM(build_config("small", vocab_size=8192))
     if args.impl == "ls":
