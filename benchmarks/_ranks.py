@@ -15,3 +15,18 @@ def init_gloo_rank(rank: int, world: int, port: int) -> None:
     import layershard as ls
 
     ls.init_distributed(backend="gloo")
+
+
+def apply_shape(args) -> None:
+    """``--shape NAME``: the model, overrides, sequence length and per-rank batch of that
+    ``layershard bench`` shape (sets ``args.model``, ``args.overrides``, ``args.seq_len``,
+    ``args.batch``)."""
+    args.overrides = {}
+    if getattr(args, "shape", None) is None:
+        return
+    from layershard.bench.cli import SHAPES
+
+    shape = SHAPES[args.shape]
+    args.model, args.seq_len = shape["model"], shape["seq_len"]
+    args.batch = shape.get("micro_batch") or shape["global_batch"] // args.nproc
+    args.overrides = {k: int(v) for k, v in (o.split("=") for o in shape["overrides"])}

@@ -1,6 +1,7 @@
 """Per-thread CPU per step for layershard, DDP and the plain model, on N gloo ranks (CPU).
 
     python benchmarks/thread_cpu.py --impl ls|ddp|plain [--seq-len 256 --batch 4] [--profile]
+    python benchmarks/thread_cpu.py --impl ls --shape comm       # a `layershard bench` shape
 
 Each rank trains the ``small`` preset (vocab 8192) and prints one JSON line: medians over the
 timed steps of the step's wall time, its main thread's CPU time, the other threads' (gloo's) CPU
@@ -35,7 +36,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
     from layershard.models import LlamaForCausalLM, build_config
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(build_config("small", vocab_size=8192))
+    model = LlamaForCausalLM(build_config(args.model, vocab_size=8192, **args.overrides))
     if args.impl == "ls":
         model = ls.shard(model)
     elif args.impl == "ddp":
@@ -85,8 +86,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--model", default="small")
+    p.add_argument("--shape", choices=["small", "comm"], help="a `layershard bench` shape")
     a = p.parse_args()
     from _dist import free_port
+    from _ranks import apply_shape
+
+    apply_shape(a)
 
     mp.spawn(worker, args=(a.nproc, free_port(), a), nprocs=a.nproc, join=True)
 

@@ -206,11 +206,16 @@ def _engine_paths(rank: int, world: int) -> None:
         return rs(inp, scratch, phase, label, *args)
 
     comm.all_gather, comm.reduce_scatter = log_ag, log_rs
+    model.layers[2].register_forward_pre_hook(lambda *_: issued.append(("FWD", "layers.2", "")))
     lm_loss(model, x).backward()
     backward = [(op, name) for op, name, phase in issued if phase == "backward"]
-    # forward order: embed, layers.0-2, norm, lm_head; backward re-gathers layers.2..0
-    for i, name in enumerate(["lm_head", "norm", "layers.2"]):  # frees the slot of layers.{2-i}
-        assert backward.index(("AG", f"layers.{2 - i}")) < backward.index(("RS", name)), backward
+    # forward order: embed, layers.0-2, norm, lm_head; backward re-gathers layers.1 and 0 (the
+    # last block stays gathered: norm, too small to take turns, has a slot of its own)
+    assert [n for op, n in backward if op == "AG"] == ["layers.1", "layers.0"], backward
+    for freed, name in [("lm_head", "layers.1"), ("layers.2", "layers.0")]:
+        assert backward.index(("AG", name)) < backward.index(("RS", freed)), backward
+    # 7b. The head's gather overlaps the last block's forward (it waited behind the norm alone).
+    assert issued.index(("AG", "lm_head", "forward")) < issued.index(("FWD", "layers.2", ""))
 
     # 8. Taking a gather buffer that a busy unit owns raises (it silently overwrote weights).
     torch.manual_seed(0)
@@ -379,3 +384,23 @@ def test_cuda_device_choice(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     with pytest.raises(RuntimeError, match="LOCAL_RANK=3 but this process sees 2 GPUs"):
         distributed.local_cuda_index()
+
+
+def test_gather_slot_assignment():
+    from layershard.gather_slots import assign_gather_slots, slot_numels
+
+    # An untied Llama: embed, 8 blocks, final norm, head. The norm (1/64 of a block or less)
+    # takes a slot of its own; embed shares slot 0 with layers.0 so that head and embed share the
+    # larger slot, and layers.7 and head are in different slots (the head's gather overlaps
+    # layers.7, both stay gathered into backward).
+    e, b, n, h = 3000, 2000, 30, 3000
+    which = assign_gather_slots([e] + [b] * 8 + [n, h], first_is_lookup=True)
+    assert which == [0, 0, 1, 0, 1, 0, 1, 0, 1, 2, 0], which
+    assert slot_numels(which, [e] + [b] * 8 + [n, h]) == {0: 3000, 1: 2000, 2: 30}
+    # Odd block count: plain alternation already puts embed and head together.
+    assert assign_gather_slots([e] + [b] * 7 + [n, h], True) == [0, 1, 0, 1, 0, 1, 0, 1, 2, 0]
+    # A first unit that is not a lookup never shares: two blocks would stop overlapping.
+    assert assign_gather_slots([168, 168, 24]) == [0, 1, 0]
+    assert assign_gather_slots([168, 168, 24], first_is_lookup=False) == [0, 1, 0]
+    # Tied embeddings (a root unit outside the slots): blocks alternate, the norm has its own.
+    assert assign_gather_slots([b] * 4 + [n]) == [0, 1, 0, 1, 2]

@@ -67,8 +67,12 @@ def _expected_counts(model, sync_first: bool, name: str) -> dict:
     """Collectives of one step (two micro-batches and a clip), by op and group."""
     units = [u for u in model.units if u.module is not None]  # forward order here
     gathered = sum(len(u.flats) for u in model.units)
-    # backward re-gathers all but the last two units of the forward (still gathered)
-    regathered = sum(len(u.flats) for u in units[:-2] if u.gather_in_backward)
+    # backward re-gathers all but the last unit of the forward in each gather slot (still
+    # gathered; the norm, in a slot of its own, is one of them)
+    resident = list({id(u.slot): u for u in units}.values())
+    regathered = sum(
+        len(u.flats) for u in units if u.gather_in_backward and all(u is not r for r in resident)
+    )
     trainable = sum(1 for u in model.units if u.trainable is not None)
     reductions = trainable * (2 if sync_first else 1)
     out: dict = {}

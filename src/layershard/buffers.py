@@ -1,8 +1,12 @@
 """The buffers units take turns in: gather slots (preallocated at ``shard()``, never freed) and
 gradient slots (held during backward only).
 
-Note: buffer ownership. Units are assigned a gather slot once, alternating (unit i uses slot
-i % 2), so that one unit can be gathered while the other computes. A gather slot holds one unit's
+Note: buffer ownership. Units are assigned a gather slot once (``gather_slots.assign_gather_slots``), taking
+two slots in turn so that one unit can be gathered while the other computes. A small unit (a final
+norm: at most 1/64 of the largest) gets a slot of its own instead: in the alternation it would sit
+between two large units (last block, head) with almost no compute to hide the head's gather behind,
+and would push the last block out of its slot before backward. Out of the alternation, the head's
+gather overlaps the last block and the last block stays gathered into backward. A gather slot holds one unit's
 weights at a time: ``owner`` is the unit whose weights are in it (or on their way: ``pending``),
 ``busy`` says the owner is computing with them. A gather into a slot is issued only when its
 owner is no longer busy (``take`` raises otherwise: that would overwrite weights in use); a

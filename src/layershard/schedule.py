@@ -1,12 +1,13 @@
 """The hooks that move a unit's weights and gradients around its forward and backward.
 
-One training step, for units 0..n-1 in forward order (slot = i % 2, two slots):
+One training step, for units 0..n-1 in forward order (two slots taken in turn, slot = i % 2;
+a small unit has a slot of its own and is left out of the count, see buffers.py):
 
     forward   start:   issue AG(0), AG(1)                          (both slots are free)
               pre(i):  wait AG(i); bind weights
               post(i): unbind; release slot(i); issue AG(i+2) into it
-    backward  pre(i):  wait AG(i) (the last two units of the forward are still gathered; an
-                       embedding, whose backward needs no weights, is never re-gathered)
+    backward  pre(i):  wait AG(i) (the last unit of each slot in the forward is still gathered;
+                       an embedding, whose backward needs no weights, is never re-gathered)
               post(i): release slot(i); issue AG(i-2) into it; then grads -> grad slot, RS(i)
     end of backward:   wait every collective still in flight (gathers included: a prefetch for
                        a unit whose backward never runs); free the grad slots
@@ -252,8 +253,13 @@ class Schedule:
             self._issue_gather(self.root, Phase.FORWARD)
             self.root.slot.wait()
             self._bind(self.root)
-        for u in self.order[:2]:  # both slots are free: start the first two units' gathers
-            self.gather(u, Phase.FORWARD)
+        first: list[Unit] = []  # every slot is free: start the gathers of the first two units
+        for u in self.order:  # that take different slots
+            if len(first) == 2:
+                break
+            if all(v.slot is not u.slot for v in first):
+                first.append(u)
+                self.gather(u, Phase.FORWARD)
 
     def root_post_forward(self) -> None:
         # Without grad no backward follows; with grad the root stays bound (its graph tensors
@@ -380,14 +386,24 @@ class Schedule:
             self.gather(nxt, phase)
 
     def refill(self, u: Unit, step: dict[int, Unit], phase: Phase) -> None:
-        """``u`` released its slot: start the gather of the unit after next if its slot is free
-        or is the one ``u`` released (never evicting weights a sooner unit waits for)."""
-        nxt = self._step(self._step(u, step, phase), step, phase)
-        if nxt is None:
-            return
-        s = nxt.slot  # u's slot (two alternating slots) or nxt's own (grad_op, no_shard)
-        if s.owner is nxt or (not s.busy and s.owner in (None, u)):
-            self.gather(nxt, phase)
+        """``u`` released its slot: start the gathers of the next unit that takes that slot and
+        of the unit after next if its slot is free (its own slot: grad_op, no_shard, a small
+        unit), never evicting weights a sooner unit waits for."""
+        after = self._step(self._step(u, step, phase), step, phase)
+        if after is not None and after.slot is not u.slot:
+            s = after.slot
+            if s.owner is after or (not s.busy and s.owner is None):
+                self.gather(after, phase)
+        # The slot's next user: usually the unit after next; further when a small unit with a
+        # slot of its own comes between (last block, norm, head: the head's gather overlaps the
+        # last block) or when the first two units share a slot.
+        nxt = self._step(u, step, phase)
+        while nxt is not None and nxt.slot is not u.slot:
+            nxt = self._step(nxt, step, phase)
+        if nxt is not None:
+            s = nxt.slot
+            if s.owner is nxt or (not s.busy and s.owner in (None, u)):
+                self.gather(nxt, phase)
 
     def release(self, u: Unit) -> None:
         s = u.slot

@@ -23,6 +23,7 @@ from layershard.buffers import GatherSlot, GradSlot, nbytes
 from layershard.collectives import Comm
 from layershard.distributed import default_device
 from layershard.flat import FlatParam, ParamSlot, layout
+from layershard.gather_slots import assign_gather_slots, slot_numels
 from layershard.init import fill_shards
 from layershard.precision import FULL_PRECISION, MixedPrecision
 from layershard.schedule import Phase, Schedule, Unit
@@ -156,9 +157,11 @@ def shard(
     unit_numel = [sum(f.padded_numel for f in fl) for _, fl, _ in others]
     if sharding.keep_gathered:  # weights stay gathered until the backward: a slot per unit
         slots = [GatherSlot(n, cdtype, device, buf) for n, (_, _, buf) in zip(unit_numel, others)]
-    else:  # two slots taken in turn, each sized for the units that use it (i % 2)
-        pair = [GatherSlot(max(unit_numel[k::2], default=0), cdtype, device) for k in range(2)]
-        slots = [pair[i % 2] for i in range(len(others))]
+    else:  # two slots taken in turn, and one of its own per small unit (see buffers.py)
+        lookup = bool(others) and not backward_needs_weights(others[0][0])
+        which = assign_gather_slots(unit_numel, first_is_lookup=lookup)
+        pool = {k: GatherSlot(n, cdtype, device) for k, n in slot_numels(which, unit_numel).items()}
+        slots = [pool[k] for k in which]
     trainable = [f for fl in flats_of for f in fl if f.requires_grad]
     grad_numel = max((f.padded_numel for f in trainable), default=0)
     shard_numel = max((f.shard_numel for f in trainable), default=0)

@@ -12,8 +12,9 @@ gradient slots), ``c`` = bytes per element of the compute (param) dtype, ``r`` =
     optimizer       K_opt S' + 4 n_t    AdamW: exp_avg + exp_avg_sq per parameter view = 8 S'
                                         (S' = S without the padding) + a 4-byte ``step`` per
                                         parameter tensor (n_t of them)
-    gather_buffers  c (U_0 + U_1 + R)   two gather slots, each sized for the units that take turns
-                                        in it (unit i uses slot i % 2), + the root unit's buffer
+    gather_buffers  c (U_0 + U_1 + S + R)  two gather slots, each sized for the units that take
+                                        turns in it, a slot per small unit (S: their sum; the
+                                        engine's buffers.assign_gather_slots), + the root unit's
     grad_buffers    2 r G_max           two gradient slots taken in turn (held during backward only)
     reduce_scratch  2 r max_u S_u       each gradient slot's reduce-scatter output (NCCL); on gloo
                     (2 r G_max)         each slot's all-to-all receive buffer; held during
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from layershard.gather_slots import assign_gather_slots, slot_numels
 from layershard.plan.model import ModelShape, units
 
 GB = 10**9  # the ZeRO paper's GB
@@ -198,8 +200,10 @@ def predict_memory(
     others = [u.padded_numel(s_n) for u in us if not u.persistent]
     if strategy in ("grad_op", "no_shard"):  # every unit keeps its own buffer
         gathered = 0 if in_place else sum(others)
-    else:  # two slots taken in turn: slot i % 2 takes unit i
-        gathered = max(others[0::2], default=0) + max(others[1::2], default=0)
+    else:  # two slots taken in turn, a slot of its own per small unit (the engine's own rule)
+        sharded = [u for u in us if not u.persistent]
+        lookup = bool(sharded) and not sharded[0].needs_weights_in_backward
+        gathered = sum(slot_numels(assign_gather_slots(others, lookup), others).values())
     k = (
         1
         if reshard_after_forward is True or reshard_after_forward is False

@@ -67,6 +67,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from layershard.gather_slots import assign_gather_slots
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.memory import dtype_bytes, strategy_name
 from layershard.plan.model import ModelShape, Unit, units
@@ -277,7 +278,10 @@ def build_stages(
     by_name = {s.name: s for s in stages}
     us = units(shape)
     sharded = [u for u in us if not u.persistent]
-    resident = {u.name for u in sharded[-2:]}  # still gathered when backward starts
+    # Still gathered when backward starts: the last unit of each gather slot (buffers.py).
+    lookup = bool(sharded) and not sharded[0].needs_weights_in_backward
+    which = assign_gather_slots([u.padded_numel(layout.shard) for u in sharded], lookup)
+    resident = {u.name for u in dict(zip(which, sharded)).values()}
     root = None
     for u in us:
         regather = u.needs_weights_in_backward and not u.persistent and u.name not in resident
