@@ -369,6 +369,16 @@ def test_time_comm_bound_limit():
     assert t.comm_s == pytest.approx(t.step_s, rel=1e-6)
 
 
+def test_forward_time_small_unit_window():
+    from layershard.plan.timing import forward_time
+
+    # embed, block, block, norm (a slot of its own), head: the head's gather (3) overlaps the
+    # last block (5) and the norm; before, it overlapped the norm alone and showed (22).
+    cf, ag = [0.0, 5.0, 5.0, 0.0, 5.0], [1.0, 3.0, 3.0, 0.1, 3.0]
+    assert forward_time(cf, ag, [False] * 5) == 1 + 3 + 5 + 5 + 3 + 5
+    assert forward_time(cf, ag, [False, False, False, True, False]) == 1 + 3 + 5 + 5 + 5
+
+
 def test_time_overlap_between_limits():
     gpu = get_gpu("h100")
     for n, g in [(8, 8), (64, 8)]:

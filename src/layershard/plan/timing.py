@@ -54,6 +54,8 @@ and RS the time of everything a unit's gather / backward gather / reduction puts
 stream (PCIe copies and hybrid's second stage included):
 
     forward   = t(AG root) + t(AG first unit) + sum_i max(C_fwd[i], t(AG[i+1]))
+                (a small unit with a gather slot of its own, the final norm, joins the window
+                of the unit before it: the head's gather overlaps the last block)
     backward  = sum_i max(C_bwd[i], t(AG_bwd[i-1]) + t(RS[i+1])) + t(RS first unit) + t(RS root)
     step      = sum over micro-batches (forward + backward) + optimizer
     optimizer = B_opt bytes per shard element / HBM bandwidth (AdamW: reads p, g, m, v and
@@ -206,6 +208,7 @@ class Stage:
     local_copy: int = 0  # bytes through HBM on the compute stream per forward (no_shard casts)
     local_h2d: int = 0  # bytes over PCIe on the compute stream per forward (no_shard offload)
     local_d2h: int = 0  # ... per backward (offload on one rank: nothing to reduce, a copy)
+    own_slot: bool = False  # a small unit out of the alternation (gather_slots.py)
 
 
 def _unit_transfers(
@@ -282,6 +285,9 @@ def build_stages(
     lookup = bool(sharded) and not sharded[0].needs_weights_in_backward
     which = assign_gather_slots([u.padded_numel(layout.shard) for u in sharded], lookup)
     resident = {u.name for u in dict(zip(which, sharded)).values()}
+    if not layout.keep_gathered:
+        for u, k in zip(sharded, which):
+            by_name[u.name].own_slot = k >= 2
     root = None
     for u in us:
         regather = u.needs_weights_in_backward and not u.persistent and u.name not in resident
@@ -458,6 +464,20 @@ def group_label(t: Transfer, cluster: Cluster) -> str:
     return f"{t.group} {t.size}/" + ("node" if nodes == 1 else f"{nodes} nodes")
 
 
+def forward_time(cf: list[float], ag: list[float], own_slot: list[bool]) -> float:
+    """The forward of one micro-batch: the first gather, then each unit's compute against the
+    next unit's gather (issued a unit earlier). A small unit in a gather slot of its own computes
+    in its predecessor's window, and the next unit's gather overlaps that whole window."""
+    f, i, m = (ag[0] if ag else 0.0), 0, len(cf)
+    while i < m:
+        j = i + 1
+        while j < m and own_slot[j]:
+            j += 1
+        f += max(sum(cf[i:j]), sum(ag[i + 1 : j + 1]))
+        i = j
+    return f
+
+
 def predict_time(
     config: Any,
     gpu: GPU,
@@ -542,9 +562,7 @@ def predict_time(
     for j in range(grad_accum):
         reduce_now = not no_sync or j == grad_accum - 1
         red = rs if reduce_now else [0.0] * m
-        f = root_copy + t_ag_root + ag[0]
-        for i in range(m):
-            f += max(cf[i], ag[i + 1] if i + 1 < m else 0.0)
+        f = root_copy + t_ag_root + forward_time(cf, ag, [s.own_slot for s in stages])
         b = 0.0
         for i in reversed(range(m)):
             b += max(cb[i], (agb[i - 1] if i > 0 else 0.0) + (red[i + 1] if i + 1 < m else 0.0))
