@@ -204,6 +204,16 @@ class Schedule:
     def _link(self) -> None:
         self._next = {id(a): b for a, b in zip(self.order, self.order[1:])}
         self._prev = {id(b): a for a, b in zip(self.order, self.order[1:])}
+        # The next unit, in each phase's order, to take the same gather slot (see refill).
+        self._slot_next: dict[Phase, dict[int, Unit | None]] = {}
+        for phase, seq in ((Phase.FORWARD, self.order[::-1]), (Phase.BACKWARD, self.order)):
+            later: dict[int, Unit] = {}  # id(slot) -> its next user after the unit at hand
+            nxt: dict[int, Unit | None] = {}
+            for u in seq:
+                nxt[id(u)] = later.get(id(u.slot))
+                if phase is Phase.FORWARD or u.gather_in_backward:
+                    later[id(u.slot)] = u
+            self._slot_next[phase] = nxt
 
     def all_units(self) -> list[Unit]:
         return ([self.root] if self.root else []) + self.units
@@ -397,9 +407,7 @@ class Schedule:
         # The slot's next user: usually the unit after next; further when a small unit with a
         # slot of its own comes between (last block, norm, head: the head's gather overlaps the
         # last block) or when the first two units share a slot.
-        nxt = self._step(u, step, phase)
-        while nxt is not None and nxt.slot is not u.slot:
-            nxt = self._step(nxt, step, phase)
+        nxt = self._slot_next[phase].get(id(u))
         if nxt is not None:
             s = nxt.slot
             if s.owner is nxt or (not s.busy and s.owner in (None, u)):
