@@ -109,7 +109,7 @@ class Pending:
         event=None,
         post: Callable[[], None] | None = None,
         timer: tuple[dict[str, float], str] | None = None,
-        host_post: Callable[[], None] | None = None,
+        host_post: Callable[[], object] | None = None,
         host_sync: bool = False,
     ):
         self._works = work if isinstance(work, list) else [work] if work is not None else []
@@ -228,6 +228,19 @@ class Comm:
             event.record(self.stream)
         return Pending(event=event, host_post=host_post, host_sync=self.host_sync)
 
+    def _copied_locally(self, host_post: Callable[[], object] | None = None) -> Pending:
+        """No collective, but a copy between host and device memory was queued on the current
+        stream (CPU offload on one rank): on CUDA the CPU must wait for it before it reads the
+        copy's result (``host_post``) or writes what it reads (the optimizer steps the host
+        shards), as after a collective. On CPU the copy is done."""
+        if self.stream is None:
+            if host_post is not None:
+                host_post()
+            return DONE
+        event = torch.cuda.Event()
+        event.record()
+        return Pending(event=event, host_post=host_post, host_sync=True)
+
     def all_gather(
         self, out: torch.Tensor, src: torch.Tensor, phase: str, label: str, over: str = "shard"
     ) -> Pending:
@@ -240,6 +253,8 @@ class Comm:
         if group is None or not (world > 1 or force_comm()):
             if own.data_ptr() != src.data_ptr():  # no_shard in fp32: the buffer is the shard
                 _copy_in(own, src)
+                if src.device != own.device:  # from host memory (CPU offload)
+                    return self._copied_locally()
             return DONE
         self.stats.record("all_gather", phase, out.numel() * out.element_size(), over)
         with record_function(f"layershard::all_gather[{label}]"):
@@ -305,7 +320,7 @@ class Comm:
             if first is None and second is None:
                 post(chunk)
                 if host_post is not None:
-                    host_post()
+                    return self._copied_locally(host_post)
                 return DONE
             if first is None or second is None:  # one collective
                 only = first or second

@@ -40,7 +40,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from layershard.buffers import GatherSlot, GradSlot
-from layershard.collectives import Comm
+from layershard.collectives import Comm, Pending
 from layershard.flat import FlatParam, ParamSlot
 from layershard.precision import MixedPrecision
 
@@ -199,7 +199,14 @@ class Schedule:
         self.full_weights_open = False  # inside ShardedModule.full_weights(): no forward
         self._n_reduced = 0  # reduce-scatters issued this backward: picks the next gradient slot
         self._callback_queued = False
-        self._bw_seen: set[int] = set()
+        # A unit may run more than once before one backward (shared weights, or two forwards
+        # before one backward): each run is a "use", numbered in forward order. Its weights are
+        # gathered again for each use's backward, and its gradients reduced once per use.
+        self._uses = 0
+        self._use_of: dict[int, int] = {}  # id(unit) -> its current use (pre- to post-forward)
+        self._bw_uses: set[int] = set()  # uses whose backward began (this backward)
+        self._bw_units: set[int] = set()  # ids of units with a use whose backward began
+        self._reduced: dict[int, Pending] = {}  # id(flat) -> its last reduction this backward
 
     def _link(self) -> None:
         self._next = {id(a): b for a, b in zip(self.order, self.order[1:])}
@@ -258,7 +265,8 @@ class Schedule:
             if u.trainable is not None and torch.is_grad_enabled():
                 u.trainable.release_grad()
         self.phase, self._callback_queued = Phase.FORWARD, False
-        self._bw_seen.clear()
+        self._bw_uses.clear()
+        self._bw_units.clear()
         if self.root is not None:
             self._issue_gather(self.root, Phase.FORWARD)
             self.root.slot.wait()
@@ -274,8 +282,13 @@ class Schedule:
     def root_post_forward(self) -> None:
         # Without grad no backward follows; with grad the root stays bound (its graph tensors
         # are what checkpointed blocks see when recomputed) until the end of backward.
-        if self.root is not None and not self._in_backward() and not torch.is_grad_enabled():
-            self.root.unbind()
+        if not self._in_backward() and not torch.is_grad_enabled():
+            if self.root is not None:
+                self.root.unbind()
+            # No gather may still read a shard once forward returns: the caller may write the
+            # shards next (a load, an edit). On CUDA this is a stream wait.
+            for u in self.all_units():
+                u.slot.wait()
         if not self._in_backward():
             self.phase = Phase.IDLE
 
@@ -287,6 +300,8 @@ class Schedule:
             return
         if self._recorded is not None:
             self._recorded.append(u)
+        self._uses += 1
+        self._use_of[id(u)] = self._uses
         u.open_span("forward")
         self.ensure(u, Phase.FORWARD)
         self._bind(u)
@@ -294,7 +309,9 @@ class Schedule:
 
     def post_forward(self, u: Unit, out):
         u.unbind()
+        use: int | None = None  # a checkpoint's recompute: part of a use already in backward
         if not self._in_backward():
+            use = self._use_of.get(id(u))
             u.close_span()
             if u.secondary is not None and torch.is_grad_enabled():
                 self._keep_secondary(u)
@@ -303,14 +320,18 @@ class Schedule:
         if torch.is_grad_enabled():
             for t in _tensors(out):
                 if t.requires_grad:
-                    t.register_hook(lambda g, u=u: self.pre_backward(u))
+                    t.register_hook(lambda g, u=u, use=use: self.pre_backward(u, use))
         return None
 
-    def pre_backward(self, u: Unit) -> None:
+    def pre_backward(self, u: Unit, use: int | None) -> None:
+        """The first gradient of one of ``u``'s outputs in ``use`` arrived: the use's backward
+        begins (its other outputs' gradients come later or not at all)."""
         self._enter_backward()
-        if id(u) in self._bw_seen:
+        if use in self._bw_uses or (use is None and id(u) in self._bw_units):
             return
-        self._bw_seen.add(id(u))
+        if use is not None:
+            self._bw_uses.add(use)
+        self._bw_units.add(id(u))
         u.open_span("backward")
         if u.gather_in_backward:
             self.ensure(u, Phase.BACKWARD)
@@ -348,7 +369,8 @@ class Schedule:
         self._free_grad_slots()
         self.phase = Phase.IDLE
         self._callback_queued = False
-        self._bw_seen.clear()
+        self._bw_uses.clear()
+        self._bw_units.clear()
 
     # ---- gather ----------------------------------------------------------------------------------
 
@@ -362,7 +384,7 @@ class Schedule:
         """Block the compute stream until ``u``'s weights are in its slot; mark it busy."""
         s = u.slot
         if s.owner is not u:
-            if s.busy and phase is Phase.BACKWARD and id(s.owner) in self._bw_seen:
+            if s.busy and phase is Phase.BACKWARD and id(s.owner) in self._bw_units:
                 # The owner's backward began and ``u``'s comes later, so it is over: autograd
                 # runs a unit's post-backward before any op of an earlier unit, and a unit
                 # without trainable weights (frozen) has no post-backward to release its slot.
@@ -471,6 +493,9 @@ class Schedule:
             f.acc_dirty = True
             if self.no_sync:
                 return
+        earlier = self._reduced.get(id(f))
+        if earlier is not None:  # f's second use: its gradient is added, after the first's
+            earlier.wait()  # (on gloo a reduction's post runs at its wait, in any slot order)
         gs = self.grad_slots[self._n_reduced % len(self.grad_slots)]
         self._n_reduced += 1
         buf = gs.acquire(f.padded_numel)
@@ -502,15 +527,16 @@ class Schedule:
         else:
             post = lambda chunk: scale_into(grad, chunk, post_factor, fresh)  # noqa: E731
         scratch = gs.get_scratch() if gs.scratch_numel else None
-        gs.pending.append(
-            self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
-        )
+        pending = self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
+        gs.pending.append(pending)
+        self._reduced[id(f)] = pending
 
     def _free_grad_slots(self) -> None:
         """Wait for every reduce-scatter, then free the gradient slots until the next backward."""
         for gs in self.grad_slots:
             gs.release()
         self._n_reduced = 0
+        self._reduced.clear()
 
     def _accumulator(self, f: FlatParam) -> torch.Tensor:
         if f.acc is None:  # beside the gradients it sums (the device, also under CPU offload)

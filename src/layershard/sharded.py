@@ -437,7 +437,8 @@ class ShardedModule(nn.Module):
     def gather_flat(self, f: FlatParam, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``f`` whole (``padded_numel`` elements, in ``dtype``) on every rank. Collective: every
         rank calls it for the same flat parameter. ``f.views(...)`` splits it by parameter."""
-        out = torch.empty(f.padded_numel, dtype=dtype, device=f.shard.device)
+        # on the device collectives run on (NCCL: not the host, where CPU offload keeps shards)
+        out = torch.empty(f.padded_numel, dtype=dtype, device=self._schedule.comm.device)
         self._schedule.comm.all_gather(out, f.shard, "state_dict", "gather_flat").wait()
         return out
 
@@ -511,7 +512,9 @@ class ShardedModule(nn.Module):
         comm, world = self._schedule.comm, self._schedule.world_size
         group = self.process_group
         rank = dist.get_rank(group)
-        device = self.flat_params[0].shard.device  # NCCL reduces device tensors only
+        device = comm.device  # NCCL reduces device tensors only (CPU offload: shards on host)
+        for u in self._schedule.all_units():
+            u.slot.wait()  # no gather still in flight reads a shard this overwrites
         has = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64, device=device)
         if world > 1:
             dist.all_reduce(has, group=group)
@@ -548,7 +551,7 @@ class ShardedModule(nn.Module):
                     value = state_dict[by_slot[id(slot)]]
                     f.copy_from_full(slot, value.to(f.shard.device, torch.float32))
                 continue
-            buf = torch.zeros(f.padded_numel, dtype=torch.float32, device=f.shard.device)
+            buf = torch.zeros(f.padded_numel, dtype=torch.float32, device=device)
             if state_dict is not None:  # rank 0
                 for slot, view in zip(f.slots, f.views(buf)):
                     if id(slot) in by_slot:
