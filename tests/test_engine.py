@@ -252,6 +252,7 @@ def _engine_paths(rank: int, world: int) -> None:
     assert cc.count["all_reduce"] == 0 and cc.count["reduce_scatter"] == 0, cc.count
     _two_reduce_scatters_in_flight(rank, world, "all_to_all_single")
     _units_used_twice(rank, world, base)
+    _after_backward(rank, world)
 
 
 # ---- a unit used more than once before one backward ---------------------------------------------
@@ -468,3 +469,46 @@ def test_gather_slot_assignment():
     assert assign_gather_slots([168, 168, 24], first_is_lookup=False) == [0, 1, 0]
     # Tied embeddings (a root unit outside the slots): blocks alternate, the norm has its own.
     assert assign_gather_slots([b] * 4 + [n]) == [0, 1, 0, 1, 2]
+
+
+def _after_backward(rank: int, world: int) -> None:
+    """12. A second backward through one graph works as in torch (it raised "engine bug": a
+    frozen unit's slot stayed busy after the first); the full state dict is a copy that later
+    training does not change (persistent buffers aliased the live ones on CPU); and
+    ``requires_grad`` changed after ``shard()`` raises instead of being ignored."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    reference = Reuse([0, 1, 2, 3], frozen=(1,))
+    model = ls.shard(clone(reference))
+    loss, ref = model(local(x, rank, world)).pow(2).mean(), reference(x).pow(2).mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref.backward(retain_graph=True)
+    ref.backward()
+    assert _grad_error(model, reference) < 1e-5
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    xin = local(x, rank, world).requires_grad_()
+    loss = model(xin).pow(2).mean()
+    (g,) = torch.autograd.grad(loss, xin, retain_graph=True)  # the input's gradient alone
+    xref = x.clone().requires_grad_()
+    ref = reference(xref).pow(2).mean()
+    (gref,) = torch.autograd.grad(ref, xref, retain_graph=True)
+    torch.testing.assert_close(g, world * local(gref, rank, world), rtol=1e-5, atol=1e-7)
+    loss.backward()
+    ref.backward()
+    assert _grad_error(model, reference) < 1e-5
+
+    torch.manual_seed(0)
+    stats = Reuse([0, 1])
+    stats.layers[0].register_buffer("seen", torch.zeros(8))
+    model = ls.shard(stats)
+    saved = model.full_state_dict(rank0_only=False)
+    model.module.layers[0].seen.add_(1.0)
+    assert torch.equal(saved["layers.0.seen"], torch.zeros(8))
+
+    for start in ((), (0,)):  # freeze a trainable block, unfreeze a frozen one
+        model = ls.shard(Reuse([0, 1], frozen=start))
+        model.module.layers[0].requires_grad_(bool(start))
+        with pytest.raises(RuntimeError, match="layers.0.0.weight.*before ls.shard"):
+            model(x)

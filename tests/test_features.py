@@ -126,12 +126,15 @@ class ReentrantLlama(LlamaForCausalLM):
 def _train_variant(rank, world, variant: str) -> None:
     base = tiny_llama()
     reference = clone(base)
-    if variant == "reentrant":
+    if variant.startswith("reentrant"):
         sharded = ReentrantLlama(base.config)
         sharded.load_state_dict(base.state_dict())
     else:
         sharded = clone(base)
-    model = ls.shard(sharded, activation_checkpointing=2 if variant == "checkpoint" else 0)
+    # reentrant_hpz: the reentrant forward runs under no_grad, and the 1/K copy for backward was
+    # kept only under grad (garbage gradients for every block gathered again)
+    hpz = {"reshard_after_forward": 1} if variant == "reentrant_hpz" else {}
+    model = ls.shard(sharded, activation_checkpointing=2 if variant == "checkpoint" else 0, **hpz)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     for step, batch in enumerate(batches(6)):
@@ -176,7 +179,8 @@ def _train_variant(rank, world, variant: str) -> None:
 
 
 def _variants(rank, world):
-    for v in ("checkpoint", "reentrant", "accumulate", "no_sync", "clip_2", "clip_inf"):
+    for v in ("checkpoint", "reentrant", "reentrant_hpz", "accumulate", "no_sync", "clip_2",
+              "clip_inf"):  # fmt: skip
         _train_variant(rank, world, v)
 
 

@@ -256,6 +256,8 @@ class Schedule:
                 "holds the full weights in place of the sharded ones)"
             )
         self._learn_order()
+        if torch.is_grad_enabled():
+            self._check_requires_grad()
         # A new forward: weights may have changed since the last one, and a backward that raised
         # may have left state behind.
         self._free_grad_slots()
@@ -278,6 +280,20 @@ class Schedule:
             if all(v.slot is not u.slot for v in first):
                 first.append(u)
                 self.gather(u, Phase.FORWARD)
+
+    def _check_requires_grad(self) -> None:
+        """``shard()`` split each unit into trainable and frozen shards; a flag changed since
+        then would be ignored (a frozen slice still trained, or an unfrozen one never)."""
+        for u in self.all_units():
+            for f in u.flats:
+                for slot, p in zip(f.slots, f.shard_params):
+                    if p.requires_grad != f.requires_grad:
+                        raise RuntimeError(
+                            f"layershard: {slot.name}.requires_grad changed to "
+                            f"{p.requires_grad} after shard(): freeze or unfreeze parameters "
+                            "before ls.shard(), which splits each unit into trainable and "
+                            "frozen shards (to change it later, shard the model again)"
+                        )
 
     def root_post_forward(self) -> None:
         # Without grad no backward follows; with grad the root stays bound (its graph tensors
@@ -313,7 +329,7 @@ class Schedule:
         if not self._in_backward():
             use = self._use_of.get(id(u))
             u.close_span()
-            if u.secondary is not None and torch.is_grad_enabled():
+            if u.secondary is not None:  # also under no_grad: a reentrant checkpoint's forward
                 self._keep_secondary(u)
             self.release(u)
             self.refill(u, self._next, Phase.FORWARD)
@@ -364,6 +380,10 @@ class Schedule:
         checkpoint see the final gradient slices and no gather still reads a shard."""
         for u in self.all_units():
             u.slot.wait()
+            # Nothing computes any more. A frozen unit (no post-backward) or a backward that
+            # needed no weight gradients (autograd.grad of an input) left its slot busy, which
+            # a second backward through the same graph (retain_graph) would trip over.
+            u.slot.busy, u.slot.deferred = False, None
             u.close_span()
             u.unbind()
         self._free_grad_slots()

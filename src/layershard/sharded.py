@@ -462,7 +462,8 @@ class ShardedModule(nn.Module):
                 out[key] = full[id(ref[1])]
             else:
                 b = getattr(ref[0], ref[1])
-                out[key] = b.detach().to("cpu") if cpu else b.detach().clone()
+                # a copy, also on CPU: the live buffer changes as training goes on
+                out[key] = b.detach().to("cpu", copy=True) if cpu else b.detach().clone()
         return out
 
     @contextlib.contextmanager
