@@ -86,6 +86,8 @@ def _expected_counts(model, sync_first: bool, name: str) -> dict:
         out["all_reduce"] = {"shard": 1}  # clip_grad_norm_
     if name in ("hybrid", "no_shard"):
         out.setdefault("all_reduce", {})["replicate"] = reductions
+    if not sync_first:  # after no_sync: which units hold accumulated gradients (one flag each)
+        out.setdefault("all_reduce", {})["all"] = 1
     return out
 
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
@@ -196,6 +197,7 @@ class Schedule:
         self._link()
         self.phase = Phase.IDLE
         self.no_sync = False
+        self.accumulated = False  # a backward ran under no_sync since the last synced one
         self.full_weights_open = False  # inside ShardedModule.full_weights(): no forward
         self._n_reduced = 0  # reduce-scatters issued this backward: picks the next gradient slot
         self._callback_queued = False
@@ -370,6 +372,7 @@ class Schedule:
             self.reduce(u, grads)
 
     def _enter_backward(self) -> None:
+        self.accumulated |= self.no_sync
         self.phase = Phase.BACKWARD
         if not self._callback_queued:
             self._callback_queued = True
@@ -378,6 +381,8 @@ class Schedule:
     def end_backward(self) -> None:
         """Nothing is in flight once backward returns: the optimizer, ``clip_grad_norm_`` and a
         checkpoint see the final gradient slices and no gather still reads a shard."""
+        if self.accumulated and not self.no_sync:
+            self._reduce_accumulated()
         for u in self.all_units():
             u.slot.wait()
             # Nothing computes any more. A frozen unit (no post-backward) or a backward that
@@ -550,6 +555,21 @@ class Schedule:
         pending = self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
         gs.pending.append(pending)
         self._reduced[id(f)] = pending
+
+    def _reduce_accumulated(self) -> None:
+        """Reduce what ``no_sync`` accumulated for units this synced backward did not reach (a
+        task's head when the last micro-batch is another task's): it belongs to this step. A
+        unit counts if it did on any rank (a rank's micro-batches may not use it); every rank
+        entered no_sync, so every rank takes part."""
+        self.accumulated = False
+        units = [(u, f) for u in self.all_units() if (f := u.trainable) is not None]
+        left = torch.tensor([float(f.acc_dirty) for _, f in units], device=self.comm.device)
+        if dist.get_world_size(self.comm.full) > 1:
+            self.comm.stats.record("all_reduce", "backward", left.numel() * 4, "all")
+            dist.all_reduce(left, op=dist.ReduceOp.MAX, group=self.comm.full)
+        for (u, _), flag in zip(units, left.tolist()):
+            if flag:
+                self.reduce(u, ())
 
     def _free_grad_slots(self) -> None:
         """Wait for every reduce-scatter, then free the gradient slots until the next backward."""
