@@ -301,7 +301,11 @@ def build_stages(
 
 
 def step_transfers(
-    stages: list[Stage], root: Stage | None, grad_accum: int, no_sync: bool
+    stages: list[Stage],
+    root: Stage | None,
+    grad_accum: int,
+    no_sync: bool,
+    world_size: int = 1,
 ) -> list[Transfer]:
     """Every transfer of one optimizer step, in issue order per micro-batch."""
     everything = ([root] if root else []) + stages
@@ -314,6 +318,11 @@ def step_transfers(
             out += s.gather_bwd
             if reduce_now:
                 out += s.reduce
+    if no_sync and grad_accum > 1 and world_size > 1:
+        # After no_sync: which units hold accumulated gradients (a float flag per trainable
+        # unit, over every rank; Schedule._reduce_accumulated)
+        n = sum(1 for s in everything if s.reduce)
+        out.append(Transfer("all_reduce", "backward", "all", world_size, 1, 4 * n))
     return out
 
 
@@ -349,7 +358,7 @@ def _step_transfers_for(
     )
     c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     stages, root = build_stages(shape, layout, 1, 1, 0, c, r)
-    return step_transfers(stages, root, grad_accum, no_sync)
+    return step_transfers(stages, root, grad_accum, no_sync, world_size)
 
 
 def collectives_per_step(
