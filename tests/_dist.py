@@ -1,19 +1,43 @@
-"""Run a test function on N local gloo ranks (127.0.0.1), each a fresh spawned process.
+"""Run test code on N local gloo ranks (127.0.0.1), each a fresh spawned process.
 
-Checks run inside the ranks and raise on failure; the exception and its traceback reach pytest
-through ``torch.multiprocessing.spawn``. Spawning costs ~1 s per rank here, so put several checks
-into one function rather than one spawn per assertion.
+Two ways in:
+
+- ``run_ranks(fn, world_size, *args)``: one function, its exception and traceback reach pytest
+  through ``torch.multiprocessing.spawn``.
+- ``RankChecks``: named checks that share one spawn (spawning costs ~1 s per rank here), each its
+  own pytest test, as torch's FSDP tests name one behaviour per test. A failing check names what
+  broke and does not hide the checks after it::
+
+      checks = RankChecks(world_size=2)
+
+      @checks.check
+      def alignment(rank: int, world: int) -> None:
+          ...
+
+      checks.collect(globals())  # test_alignment, ... for pytest
+
+  The first of a group's tests to run spawns the ranks once for every check of the group that the
+  session selected; each rank runs them in order and records a verdict per check. When the ranks
+  disagree about a check (one raised, another passed: it may be waiting in a collective that will
+  never come), the checks after it are not run and say so.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import socket
 import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+TIMEOUT_S = "120"  # every collective of a test fails after this instead of hanging
 
 
 def free_port() -> int:
@@ -22,7 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+def _setup(rank: int, world_size: int, port: int) -> None:
     faulthandler.enable(all_threads=True)  # a native abort still shows the Python stacks
     os.environ.update(
         RANK=str(rank),
@@ -31,15 +55,17 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        LAYERSHARD_TIMEOUT_S="120",
+        LAYERSHARD_TIMEOUT_S=os.environ.get("LAYERSHARD_TEST_TIMEOUT_S", TIMEOUT_S),
     )
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
     import layershard as ls
 
     ls.init_distributed(backend="gloo")
-    fn(rank, world_size, *args)
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+
     # Every rank's last collective must be complete before any rank closes its sockets: gloo
     # aborts a peer whose connection closes with data in flight ("terminate called ...").
     dist.barrier()
@@ -52,6 +78,133 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     os._exit(0)
 
 
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    _setup(rank, world_size, port)
+    fn(rank, world_size, *args)
+    _teardown()
+
+
 def run_ranks(fn, world_size: int, *args) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise any failure."""
     mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+# ---- named checks in one spawn ---------------------------------------------------------------------
+
+
+def shared_tmp(name: str = "") -> Path:
+    """A folder every rank of the running check sees (the check's own, empty at its start)."""
+    root = Path(os.environ["LAYERSHARD_TEST_TMP"])
+    path = root / name if name else root
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _run_checks(
+    rank: int, world: int, port: int, module: str, names: list[str], out: str, tmp: str
+) -> None:
+    _setup(rank, world, port)
+    import importlib
+
+    import torch.distributed as dist
+
+    checks = importlib.import_module(module)
+    verdicts: dict[str, str | None] = {}
+    for i, name in enumerate(names):
+        os.environ["LAYERSHARD_TEST_TMP"] = str(Path(tmp) / name)
+        try:
+            getattr(checks, f"_check_{name}")(rank, world)
+            verdicts[name] = None
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001 - pytest.fail's exception is a BaseException
+            verdicts[name] = traceback.format_exc()
+        Path(f"{out}.{rank}").write_text(json.dumps(verdicts))
+        failed = [None] * world
+        try:
+            dist.all_gather_object(failed, verdicts[name] is not None)
+        except Exception:  # noqa: BLE001 - the ranks are out of step: nothing after can run
+            failed = [True, False]
+        if any(failed) and not all(failed):
+            for later in names[i + 1 :]:
+                verdicts[later] = f"not run: the ranks disagreed about the check {name!r}"
+            Path(f"{out}.{rank}").write_text(json.dumps(verdicts))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # a peer may be stuck in a collective: no barrier
+    _teardown()
+
+
+class RankChecks:
+    """Named checks on ``world_size`` gloo ranks, run in one spawn, each a pytest test."""
+
+    def __init__(self, world_size: int, suffix: str = "") -> None:
+        self.world_size, self.suffix = world_size, suffix
+        self.names: list[str] = []
+        self.docs: dict[str, str] = {}
+        self._verdicts: dict[str, list[str | None]] | None = None
+        self._module: str | None = None
+
+    def check(self, fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        name = fn.__name__.lstrip("_")
+        self.names.append(name)
+        self.docs[name] = fn.__doc__ or ""
+        self._module = fn.__module__
+        fn.__globals__[f"_check_{name}"] = fn
+        return fn
+
+    def collect(self, namespace: dict) -> None:
+        """Add ``test_<name><suffix>`` to the test module for every check."""
+        for name in self.names:
+            namespace[f"test_{name}{self.suffix}"] = self._test(name)
+
+    def _test(self, name: str):
+        def test(request) -> None:
+            verdicts = self._results(request)
+            errors = [
+                f"rank {r}: {v}" for r, v in enumerate(verdicts.get(name, [None])) if v is not None
+            ]
+            if name not in verdicts:
+                errors = ["not run (the ranks ended before it)"]
+            if errors:
+                raise AssertionError(f"check {name!r} failed\n" + "\n".join(errors))
+
+        test.__name__ = f"test_{name}{self.suffix}"
+        test.__doc__ = self.docs[name]
+        return test
+
+    def _results(self, request) -> dict[str, list[str | None]]:
+        if self._verdicts is None:
+            selected = {item.name for item in request.session.items}
+            names = [n for n in self.names if f"test_{n}{self.suffix}" in selected]
+            self._verdicts = self._spawn(names)
+        return self._verdicts
+
+    def _spawn(self, names: list[str]) -> dict[str, list[str | None]]:
+        assert self._module is not None
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "verdicts")
+            crash = None
+            try:
+                mp.spawn(
+                    _run_checks,
+                    args=(self.world_size, free_port(), self._module, names, out, tmp),
+                    nprocs=self.world_size,
+                    join=True,
+                )
+            except Exception as e:  # noqa: BLE001 - a rank died: its checks say so
+                crash = f"a rank died: {e}"
+            per_rank = []
+            for r in range(self.world_size):
+                path = Path(f"{out}.{r}")
+                per_rank.append(json.loads(path.read_text()) if path.exists() else {})
+        verdicts: dict[str, list[str | None]] = {}
+        for name in names:
+            if all(name in v for v in per_rank):
+                verdicts[name] = [v[name] for v in per_rank]
+            elif crash is not None and any(name in v for v in per_rank):
+                verdicts[name] = [v.get(name, crash) for v in per_rank]
+            elif crash is not None and not verdicts.get(name):
+                verdicts[name] = [crash]
+                break
+        return verdicts

@@ -312,11 +312,13 @@ def test_collectives_by_hand():
             "backward": 2,
         },
         "reduce_scatter": {"count": 5, "bytes": 4 * 504, "backward": 5},
+        "all_reduce": {"count": 1, "bytes": 24 * 5, "backward": 1},  # the agreement
     }
     # Tied: root 72 (gathered once in forward, never in backward), blocks, norm 24.
     assert collectives_per_step(toy(tie_embeddings=True), 3, "bf16", "fp32") == {
         "all_gather": {"count": 5, "bytes": 2 * 432 + 2 * 168, "forward": 4, "backward": 1},
         "reduce_scatter": {"count": 4, "bytes": 4 * 432, "backward": 4},
+        "all_reduce": {"count": 1, "bytes": 24 * 4, "backward": 1},
     }
     ga = collectives_per_step(toy(), 3, "bf16", "fp32", grad_accum=4, no_sync=True)
     assert ga["all_gather"]["count"] == 28 and ga["reduce_scatter"]["count"] == 5
@@ -412,23 +414,28 @@ def test_collectives_per_strategy_by_hand():
         return collectives_per_step(toy(), 4, "bf16", "fp32", **STRATEGY_KW[name], **kw)
 
     rs = {"count": 5, "bytes": 4 * 480, "backward": 5}
+    # every backward starts with the ranks' agreement on the units it reaches: 3 int64 flags
+    # per trainable unit (5 here)
+    agree = {"count": 1, "bytes": 24 * 5, "backward": 1}
     assert coll("full") == {
         "all_gather": {"count": 7, "bytes": 2 * 480 + 2 * 320, "forward": 5, "backward": 2},
         "reduce_scatter": rs,
+        "all_reduce": agree,
     }
     # ZeRO-2: weights stay gathered from forward to backward
     assert coll("grad_op") == {
         "all_gather": {"count": 5, "bytes": 2 * 480, "forward": 5},
         "reduce_scatter": rs,
+        "all_reduce": agree,
     }
     # DDP-like: one all-reduce per unit of the whole (fp32) gradient, nothing gathered
-    assert coll("no_shard") == {"all_reduce": {"count": 5, "bytes": 4 * 456, "backward": 5}}
+    assert coll("no_shard") == {"all_reduce": {"count": 6, "bytes": 4 * 456 + 120, "backward": 6}}
     # HSDP 2 x 2: gather and reduce-scatter over the 2 ranks of a shard group (N = 2 layout),
     # then an all-reduce of each rank's slice (232 elements in all) across the 2 groups
     assert coll("hybrid") == {
         "all_gather": {"count": 7, "bytes": 2 * 464 + 2 * 320, "forward": 5, "backward": 2},
         "reduce_scatter": {"count": 5, "bytes": 4 * 464, "backward": 5},
-        "all_reduce": {"count": 5, "bytes": 4 * 232, "backward": 5},
+        "all_reduce": {"count": 6, "bytes": 4 * 232 + 120, "backward": 6},
     }
     # hpZ: the same bytes as full; only the backward gathers' group changes (below)
     assert coll("hpz") == coll("full")
@@ -437,20 +444,30 @@ def test_collectives_per_strategy_by_hand():
     # two micro-batches, the first under no_sync(): gathers twice, reductions once
     ga = coll("hybrid", grad_accum=2, no_sync=True)
     assert ga["all_gather"]["count"] == 14 and ga["reduce_scatter"]["count"] == 5
-    assert ga["all_reduce"]["count"] == 5 + 1  # + the flags of what no_sync accumulated
-    assert coll("no_shard", grad_accum=2)["all_reduce"]["count"] == 10
+    assert ga["all_reduce"]["count"] == 5 + 2  # + one agreement per backward (both gather)
+    assert coll("no_shard", grad_accum=2)["all_reduce"]["count"] == 10 + 2
+    # no_shard under no_sync: the first backward communicates nothing, not even the agreement
+    assert coll("no_shard", grad_accum=2, no_sync=True)["all_reduce"]["count"] == 5 + 1
 
     def groups(name):
         return collectives_by_group(toy(), 4, **STRATEGY_KW[name])
 
-    assert groups("full") == {"all_gather": {"shard": 7}, "reduce_scatter": {"shard": 5}}
-    assert groups("hpz") == {"all_gather": {"shard": 5, "hpz": 2}, "reduce_scatter": {"shard": 5}}
+    assert groups("full") == {
+        "all_gather": {"shard": 7},
+        "reduce_scatter": {"shard": 5},
+        "all_reduce": {"all": 1},
+    }
+    assert groups("hpz") == {
+        "all_gather": {"shard": 5, "hpz": 2},
+        "reduce_scatter": {"shard": 5},
+        "all_reduce": {"all": 1},
+    }
     assert groups("hybrid") == {
         "all_gather": {"shard": 7},  # never across groups
         "reduce_scatter": {"shard": 5},
-        "all_reduce": {"replicate": 5},
+        "all_reduce": {"replicate": 5, "all": 1},
     }
-    assert groups("no_shard") == {"all_reduce": {"replicate": 5}}
+    assert groups("no_shard") == {"all_reduce": {"replicate": 5, "all": 1}}
 
 
 def test_links_per_strategy_by_hand():
@@ -465,23 +482,33 @@ def test_links_per_strategy_by_hand():
     def row(nv, net, pcie=0.0):
         return {"nvlink": nv, "network": net, "pcie": pcie}
 
-    # full: 3/4 of 960 (AG fwd), 640 (AG bwd), 1920 (RS)
-    assert links("full") == {
-        ("all_gather_fwd", "shard", 4): row(360, 360),
-        ("all_gather_bwd", "shard", 4): row(240, 240),
-        ("reduce_scatter", "shard", 4): row(720, 720),
-    }
+    # full: 3/4 of 960 (AG fwd), 640 (AG bwd), 1920 (RS); the agreement (120 B over all 4
+    # ranks) sends 2 x 3/4 of 120
+    agree = {("all_reduce", "all", 4): row(90, 90)}
+    assert (
+        links("full")
+        == {
+            ("all_gather_fwd", "shard", 4): row(360, 360),
+            ("all_gather_bwd", "shard", 4): row(240, 240),
+            ("reduce_scatter", "shard", 4): row(720, 720),
+        }
+        | agree
+    )
     # hybrid: 1/2 of 928, 640, 1856 in the node; the all-reduce sends 2 x 1/2 of 928
-    assert links("hybrid") == {
-        ("all_gather_fwd", "shard", 2): row(464, 0),
-        ("all_gather_bwd", "shard", 2): row(320, 0),
-        ("reduce_scatter", "shard", 2): row(928, 0),
-        ("all_reduce", "replicate", 2): row(0, 928),
-    }
+    assert (
+        links("hybrid")
+        == {
+            ("all_gather_fwd", "shard", 2): row(464, 0),
+            ("all_gather_bwd", "shard", 2): row(320, 0),
+            ("reduce_scatter", "shard", 2): row(928, 0),
+            ("all_reduce", "replicate", 2): row(0, 928),
+        }
+        | agree
+    )
     # hpZ: the backward gathers stay in the node (1/2 of 640)
     assert links("hpz")[("all_gather_bwd", "hpz", 2)] == row(320, 0)
     # no_shard: 2 x 3/4 of 1824
-    assert links("no_shard") == {("all_reduce", "replicate", 4): row(1368, 1368)}
+    assert links("no_shard") == {("all_reduce", "replicate", 4): row(1368, 1368)} | agree
     # offload: each gather first copies the bf16 shard (120 elements: 240 B; the two blocks'
     # 80 in backward: 160 B) to the device, each reduction its fp32 chunk (120: 480 B) back
     off = links("full", offload=True)

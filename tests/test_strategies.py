@@ -86,8 +86,10 @@ def _expected_counts(model, sync_first: bool, name: str) -> dict:
         out["all_reduce"] = {"shard": 1}  # clip_grad_norm_
     if name in ("hybrid", "no_shard"):
         out.setdefault("all_reduce", {})["replicate"] = reductions
-    if not sync_first:  # after no_sync: which units hold accumulated gradients (one flag each)
-        out.setdefault("all_reduce", {})["all"] = 1
+    # the ranks' agreement on the units each backward reaches (docs/engine.md): every synced
+    # backward, and a no_sync one whose strategy gathers in backward
+    gathers = name in ("full", "offload", "compile", "hybrid", "hpz")
+    out.setdefault("all_reduce", {})["all"] = 1 + (1 if sync_first or gathers else 0)
     return out
 
 

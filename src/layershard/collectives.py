@@ -118,9 +118,10 @@ class Pending:
         self.done = False
 
     def wait(self) -> None:
+        """Wait once; ``done`` only after everything finished, so a wait that raised (a
+        timeout) raises again rather than letting a later wait read an unfinished buffer."""
         if self.done:
             return
-        self.done = True
         if self._works:
             t0 = time.perf_counter()
             for work in self._works:
@@ -136,10 +137,16 @@ class Pending:
             torch.cuda.current_stream().wait_event(self._event)
         if self._host_post is not None:
             self._host_post()
+        self.done = True
+        self._works, self._post, self._host_post = [], None, None  # let buffers go
 
 
 DONE = Pending()
 DONE.done = True
+
+
+def _nothing() -> Pending:
+    return DONE
 
 
 class _TwoStage(Pending):
@@ -161,10 +168,11 @@ class _TwoStage(Pending):
     def wait(self) -> None:
         if self.done:
             return
-        self.done = True
         self.start_second()
         assert self.issued is not None
         self.issued.wait()
+        self.done = True
+        self.first, self.second = DONE, _nothing  # the closures hold the gradient slot
 
 
 def _copy_in(own: torch.Tensor, src: torch.Tensor) -> None:
@@ -200,6 +208,13 @@ class Comm:
         )
         self.host_sync = False  # CPU offload: waits also synchronize the CPU (see Pending)
         self._two_stage: list[_TwoStage] = []
+        # Small agreements between ranks (which units a backward reaches) run on the CPU: on
+        # gloo the model's own group; under NCCL a gloo group of the same ranks, made at
+        # shard() (collective), so that no agreement waits for the GPU.
+        self.control = full_group
+        if self.backend != "gloo" and dist.get_world_size(full_group) > 1:
+            self.control = dist.new_group(dist.get_process_group_ranks(full_group), backend="gloo")
+        self.control_size = dist.get_world_size(full_group)
 
     def scratch_numel(self, numel: int, shard_numel: int) -> int:
         """Elements of the scratch a reduce-scatter of a ``numel`` buffer needs (``shard_numel``
@@ -349,6 +364,13 @@ class Comm:
         for p in self._two_stage:
             p.start_second()
         self._two_stage = []
+
+    def finish(self) -> None:
+        """Wait for every two-stage reduction (end of backward): the list no longer holds them,
+        or the gradient slots their closures read (a slot outlived its backward)."""
+        two_stage, self._two_stage = self._two_stage, []
+        for p in two_stage:
+            p.wait()
 
     def all_reduce(self, t: torch.Tensor, op, phase: str) -> torch.Tensor:
         """All-reduce ``t`` over the shard group (a quantity every shard holds a part of, such as

@@ -32,12 +32,16 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import saved_tensors_hooks
 from torch.profiler import record_function
 
 from layershard.buffers import GatherSlot, GradSlot
@@ -88,6 +92,7 @@ class Unit:
         # the forward to the backward, which gathers within the K ranks (see strategy.py)
         self.secondary: list[torch.Tensor] | None = None
         self.bound = False
+        self.private_views: list[torch.Tensor] | None = None  # see Schedule._gather_private
         self.span: record_function | None = None  # profiler label of the compute in progress
 
     def __repr__(self) -> str:
@@ -125,8 +130,8 @@ class _BindUnit(torch.autograd.Function):
     """Forward: the unit's gathered weights as graph tensors. Backward: the unit's post-backward."""
 
     @staticmethod
-    def forward(ctx, schedule: Schedule, unit: Unit, anchor: torch.Tensor, *views):
-        ctx.schedule, ctx.unit = schedule, unit
+    def forward(ctx, schedule: Schedule, unit: Unit, use: int | None, anchor: torch.Tensor, *views):
+        ctx.schedule, ctx.unit, ctx.use = schedule, unit, use
         outs = tuple(v.view_as(v) for v in views)
         frozen = [o for o, s in zip(outs, unit.param_slots) if not s.requires_grad]
         if frozen:
@@ -135,22 +140,72 @@ class _BindUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.schedule.post_backward(ctx.unit, grads)
-        return (None, None, None) + (None,) * len(grads)
+        ctx.schedule.post_backward(ctx.unit, ctx.use, grads)
+        return (None, None, None, None) + (None,) * len(grads)
 
 
-def _tensors(out) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            yield from _tensors(o)
-    elif isinstance(out, dict):
-        for o in out.values():
-            yield from _tensors(o)
-    elif hasattr(out, "__dataclass_fields__"):
-        for name in out.__dataclass_fields__:
-            yield from _tensors(getattr(out, name, None))
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def _tensors(out, limit: int = 4096) -> list[torch.Tensor]:
+    """The tensors in a unit's output, whatever holds them: containers, dataclasses, and objects
+    of any class with a ``__dict__`` or ``__slots__`` (a small class holding tensors), each
+    object once, at most ``limit`` objects. A tensor hidden where no walk finds it (a closure)
+    is still covered: see ``Schedule._saved_tensor_hooks``."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [out]
+    while stack and len(seen) < limit:
+        o = stack.pop()
+        if isinstance(o, _ATOMS) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, nn.Module):
+            continue  # a module's weights are not its output
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (tuple, list, set, frozenset)):
+            stack.extend(o)
+        else:
+            fields = getattr(o, "__dict__", None)
+            if isinstance(fields, dict):
+                stack.extend(fields.values())
+            for cls in type(o).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    stack.append(getattr(o, name, None))
+    return found
+
+
+@dataclass(frozen=True)
+class _WeightView:
+    """What a unit's forward saved of its gathered weights: where, not the tensor (see
+    ``Schedule._push_saved_tensor_hooks``)."""
+
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclass
+class _Use:
+    """One forward run of a unit before its backward. ``nodes``: autograd nodes whose execution
+    means the use's backward runs (its weights' ``_BindUnit`` node; the Python nodes that
+    produced its outputs, such as a reentrant checkpoint's), as weak references."""
+
+    unit: Unit
+    nodes: list[weakref.ref] = field(default_factory=list)
+
+    def reached(self) -> bool:
+        """Will the backward pass in progress run this use's post-backward? (Called in it.)"""
+        if not self.nodes:
+            # Nothing recorded: a forward under no_grad inside a grad forward (checkpointed
+            # from outside the unit's hooks), whose backward is a recompute the engine cannot
+            # see coming. Count it as reached, as every rank does.
+            return True
+        alive = [n for n in (r() for r in self.nodes) if n is not None]  # gone: not reached
+        return any(torch._C._will_engine_execute_node(n) for n in alive)
 
 
 def reduce_factors(dtype: torch.dtype, world_size: int) -> tuple[float, float]:
@@ -197,7 +252,6 @@ class Schedule:
         self._link()
         self.phase = Phase.IDLE
         self.no_sync = False
-        self.accumulated = False  # a backward ran under no_sync since the last synced one
         self.full_weights_open = False  # inside ShardedModule.full_weights(): no forward
         self._n_reduced = 0  # reduce-scatters issued this backward: picks the next gradient slot
         self._callback_queued = False
@@ -206,9 +260,20 @@ class Schedule:
         # gathered again for each use's backward, and its gradients reduced once per use.
         self._uses = 0
         self._use_of: dict[int, int] = {}  # id(unit) -> its current use (pre- to post-forward)
+        self._forward_uses: dict[int, _Use] = {}  # uses since the last backward (grad forwards)
         self._bw_uses: set[int] = set()  # uses whose backward began (this backward)
         self._bw_units: set[int] = set()  # ids of units with a use whose backward began
         self._reduced: dict[int, Pending] = {}  # id(flat) -> its last reduction this backward
+        # This backward's plan (see _plan_backward): units reduced at its end, in unit order, on
+        # every rank (reached on some ranks only, or left in the no_sync accumulator), and the
+        # units some ranks reach and others do not, whose weights are gathered at its start
+        # into a buffer of their own: id(unit) -> (buffer, its gathers in flight).
+        self._deferred: list[Unit] = []
+        self._deferred_ids: set[int] = set()
+        self._private: dict[int, tuple[torch.Tensor, list[Pending]]] = {}
+        self._unreached: set[int] = set()
+        self._hooks: list[tuple[Unit, saved_tensors_hooks]] = []  # pushed at pre-forward
+        self._grad_forward = False  # the model's forward in progress records autograd graphs
 
     def _link(self) -> None:
         self._next = {id(a): b for a, b in zip(self.order, self.order[1:])}
@@ -242,12 +307,21 @@ class Schedule:
             handles.append(
                 u.module.register_forward_hook(lambda m, a, out, u=u: self.post_forward(u, out))
             )
+            # A forward that raised ran no post-forward: leave its saved-tensor hooks anyway,
+            # or they would outlive it and see every later forward, of any model.
+            handles.append(
+                u.module.register_forward_hook(
+                    lambda m, a, out, u=u: self._pop_saved_tensor_hooks(u), always_call=True
+                )
+            )
         return handles
 
     @staticmethod
-    def _in_backward() -> bool:
+    def in_backward() -> bool:
         """Is autograd executing a backward pass (a forward now is a checkpoint's recompute)?"""
         return torch._C._current_graph_task_id() != -1
+
+    _in_backward = in_backward
 
     def root_pre_forward(self) -> None:
         if self._in_backward():
@@ -260,8 +334,9 @@ class Schedule:
         self._learn_order()
         if torch.is_grad_enabled():
             self._check_requires_grad()
-        # A new forward: weights may have changed since the last one, and a backward that raised
-        # may have left state behind.
+        # A new forward: weights may have changed since the last one, and a forward or backward
+        # that raised may have left state behind.
+        self._pop_saved_tensor_hooks()
         self._free_grad_slots()
         for u in self.all_units():
             u.unbind()
@@ -269,12 +344,13 @@ class Schedule:
             if u.trainable is not None and torch.is_grad_enabled():
                 u.trainable.release_grad()
         self.phase, self._callback_queued = Phase.FORWARD, False
+        self._grad_forward = torch.is_grad_enabled()
         self._bw_uses.clear()
         self._bw_units.clear()
         if self.root is not None:
             self._issue_gather(self.root, Phase.FORWARD)
             self.root.slot.wait()
-            self._bind(self.root)
+            self._bind(self.root, None)
         first: list[Unit] = []  # every slot is free: start the gathers of the first two units
         for u in self.order:  # that take different slots
             if len(first) == 2:
@@ -305,45 +381,120 @@ class Schedule:
                 self.root.unbind()
             # No gather may still read a shard once forward returns: the caller may write the
             # shards next (a load, an edit). On CUDA this is a stream wait.
-            for u in self.all_units():
-                u.slot.wait()
+            self.quiesce()
         if not self._in_backward():
             self.phase = Phase.IDLE
 
+    def quiesce(self) -> None:
+        """Wait for every collective in flight that reads or writes a shard or a buffer. Every
+        writer of shards (loads, ``full_weights(writeback=True)``) calls it first: on CUDA a
+        gather's cast of the shard is queued on the comm stream and may not have run yet."""
+        for u in self.all_units():
+            u.slot.wait()
+        for gs in self.grad_slots:
+            gs.wait()
+
     def pre_forward(self, u: Unit) -> None:
-        if self._in_backward():  # recompute under activation checkpointing
+        if self._in_backward():  # a recompute of a checkpoint that calls the module itself
             self._enter_backward()
-            self.ensure(u, Phase.BACKWARD)
-            self._bind(u)
+            self._bw_units.add(id(u))
+            self._ensure_for_backward(u)
+            self._bind(u, None)
             return
         if self._recorded is not None:
             self._recorded.append(u)
         self._uses += 1
-        self._use_of[id(u)] = self._uses
+        use = self._use_of[id(u)] = self._uses
+        grad = torch.is_grad_enabled()
+        if self._grad_forward:  # a backward may follow (a no-grad unit inside: a checkpoint's)
+            self._forward_uses[use] = _Use(u)
         u.open_span("forward")
         self.ensure(u, Phase.FORWARD)
-        self._bind(u)
+        self._bind(u, use)
         self.gather_next(u, self._next, Phase.FORWARD)
+        if grad and u.gather_in_backward:
+            self._push_saved_tensor_hooks(u, use)
 
     def post_forward(self, u: Unit, out):
-        u.unbind()
         use: int | None = None  # a checkpoint's recompute: part of a use already in backward
         if not self._in_backward():
+            self._pop_saved_tensor_hooks(u)
             use = self._use_of.get(id(u))
+        u.unbind()
+        if use is not None:
             u.close_span()
             if u.secondary is not None:  # also under no_grad: a reentrant checkpoint's forward
                 self._keep_secondary(u)
             self.release(u)
             self.refill(u, self._next, Phase.FORWARD)
         if torch.is_grad_enabled():
+            record = self._forward_uses.get(use) if use is not None else None
             for t in _tensors(out):
                 if t.requires_grad:
-                    t.register_hook(lambda g, u=u, use=use: self.pre_backward(u, use))
+                    t.register_hook(lambda g, u=u, use=use: self.begin_backward_use(u, use))
+                    if record is not None and isinstance(t.grad_fn, BackwardCFunction):
+                        record.nodes.append(weakref.ref(t.grad_fn))  # a checkpoint's, say
         return None
 
-    def pre_backward(self, u: Unit, use: int | None) -> None:
-        """The first gradient of one of ``u``'s outputs in ``use`` arrived: the use's backward
-        begins (its other outputs' gradients come later or not at all)."""
+    # Note: what starts a unit's backward. Its weights must be in its slot before any of its
+    # backward ops reads them, whatever its forward returned. Three triggers, whichever fires
+    # first (``begin_backward_use`` runs once per use and backward):
+    #   1. the gradient of any tensor in its output (``_tensors`` walks containers and objects);
+    #   2. the first tensor its forward saved for backward being unpacked (``saved_tensors_hooks``
+    #      around the forward): every weight a backward op reads is such a tensor, so this one
+    #      fires before the first read even when no output tensor was found;
+    #   3. a checkpoint's recompute of its forward (``checkpoint_forward`` and ``pre_forward``).
+    # post_backward checks that it happened: a miss raises instead of computing with the weights
+    # of whichever unit took the slot since.
+
+    def _push_saved_tensor_hooks(self, u: Unit, use: int) -> None:
+        if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
+            return  # disabled by the caller (functorch transforms): triggers 1 and 3 remain
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+        slot_storage = u.slot.alias.untyped_storage().data_ptr()
+
+        def pack(t: torch.Tensor):
+            if t.untyped_storage().data_ptr() == slot_storage:  # a view of the unit's weights
+                return _WeightView(int(t.storage_offset()), t.shape, t.stride())
+            return t if outer_pack is None else outer_pack(t)
+
+        def unpack(x):
+            if self._in_backward() and use not in self._bw_uses:
+                self.begin_backward_use(u, use)
+            if isinstance(x, _WeightView):
+                return self._backward_weights(u).as_strided(x.shape, x.stride, x.offset)
+            return x if outer_unpack is None else outer_unpack(x)
+
+        hooks = saved_tensors_hooks(pack, unpack)
+        hooks.__enter__()
+        self._hooks.append((u, hooks))
+
+    def _pop_saved_tensor_hooks(self, u: Unit | None = None) -> None:
+        """Leave the hooks of ``u``'s forward (None: of every forward a raise left open)."""
+        while self._hooks and (u is None or self._hooks[-1][0] is u):
+            _, hooks = self._hooks.pop()
+            hooks.__exit__(None, None, None)
+            if u is not None:
+                return
+
+    def checkpoint_forward(self, u: Unit, forward: Callable, *args, **kwargs):
+        """``forward`` under non-reentrant activation checkpointing; its recompute in backward
+        begins the use's backward (trigger 3 above)."""
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        use = self._use_of.get(id(u))
+
+        def run(*a, **kw):
+            if self._in_backward():
+                self.begin_backward_use(u, use)
+            return forward(*a, **kw)
+
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    def begin_backward_use(self, u: Unit, use: int | None) -> None:
+        """The backward of ``u``'s ``use`` begins: gather its weights into its slot (they were
+        resharded after its forward) and prefetch the next unit's."""
         self._enter_backward()
         if use in self._bw_uses or (use is None and id(u) in self._bw_units):
             return
@@ -352,37 +503,134 @@ class Schedule:
         self._bw_units.add(id(u))
         u.open_span("backward")
         if u.gather_in_backward:
-            self.ensure(u, Phase.BACKWARD)
+            self._ensure_for_backward(u)
             # Bound for the unit's backward: a checkpointed forward recomputed now reads its
             # weights from the attributes (HF checkpoints ``forward``, outside the hooks). Under
             # grad, so that a reentrant recompute's graph ends in a _BindUnit (post-backward).
             with torch.enable_grad():
-                self._bind(u)
-        self.gather_next(u, self._prev, Phase.BACKWARD)
+                self._bind(u, use)
+        if id(u) not in self._private:  # a divergent unit's events issue no collective
+            self.gather_next(u, self._prev, Phase.BACKWARD)
 
-    def post_backward(self, u: Unit, grads: tuple) -> None:
+    pre_backward = begin_backward_use  # the name the engine's docs and profiles use
+
+    def _ensure_for_backward(self, u: Unit) -> None:
+        if id(u) in self._private:  # gathered at the start of backward, on every rank
+            for p in self._private[id(u)][1]:
+                p.wait()
+        else:
+            self.ensure(u, Phase.BACKWARD)
+
+    def _backward_weights(self, u: Unit) -> torch.Tensor:
+        """The buffer holding ``u``'s gathered weights in this backward (laid out as in its
+        slot): its slot, or its own buffer when only some ranks reach it."""
+        private = self._private.get(id(u))
+        return u.slot.alias if private is None else private[0]
+
+    def post_backward(self, u: Unit, use: int | None, grads: tuple) -> None:
         self._enter_backward()
+        # The root unit stays gathered from the model's forward to the end of its backward.
+        began = u is self.root or (
+            use in self._bw_uses if use is not None else id(u) in self._bw_units
+        )
+        private = id(u) in self._private
+        if u.gather_in_backward and not (began and (private or u.slot.owner is u)):
+            raise RuntimeError(
+                f"layershard: {u.name}: its backward ran without its weights gathered again for "
+                "it (no hook saw this unit's backward begin), so its gradients would be wrong; "
+                "please report it with the type of the unit's forward output"
+            )
         u.close_span()
         u.unbind()
-        # The unit's weights are no longer needed: the gather that will use its slot next goes
-        # first, the reduce-scatter (needed only at the end of backward) after it.
-        self.release(u)
-        self.refill(u, self._prev, Phase.BACKWARD)
+        if not private:
+            # The unit's weights are no longer needed: the gather that will use its slot next
+            # goes first, the reduce-scatter (needed only at the end of backward) after it.
+            self.release(u)
+            self.refill(u, self._prev, Phase.BACKWARD)
         with record_function(f"layershard::reduce[{u.name}]"):
             self.reduce(u, grads)
 
     def _enter_backward(self) -> None:
-        self.accumulated |= self.no_sync
         self.phase = Phase.BACKWARD
         if not self._callback_queued:
             self._callback_queued = True
+            self._plan_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    # Note: every rank issues the same collectives in the same order. A unit's backward gather
+    # and reduction are collectives, issued from its backward's hooks, which run on the ranks
+    # whose loss depends on the unit: not always every rank (an auxiliary head in one rank's
+    # loss). So at the start of each synchronized backward the ranks agree, with one small
+    # all-reduce, on how many uses of each unit every rank's backward will reach (autograd
+    # knows which nodes the pass in progress will execute). Units reached as often everywhere
+    # are gathered and reduced by their hooks, as always. For the others ("divergent"), every
+    # rank gathers the weights right away, in unit order, into a buffer of their own (the
+    # unpack hook points the weights their forward saved at it), their hooks issue no
+    # collective and touch no slot, and their gradients accumulate and are reduced at the end
+    # of backward, in unit order, with zeros from the ranks that did not reach them. Gradients
+    # a no_sync backward left in the accumulator of a unit this backward does not reach go the
+    # same way. So every collective is issued either by an event every rank sees, or at the
+    # start or end of backward.
+
+    def _plan_backward(self) -> None:
+        self._deferred, self._deferred_ids, self._private, self._unreached = [], set(), {}, set()
+        gathers = not self.comm.sharding.keep_gathered
+        if self.no_sync and not gathers:  # no collective in this backward
+            return
+        units = [u for u in self.all_units() if u.trainable is not None]
+        reached = dict.fromkeys((id(u) for u in units), 0)
+        for record in self._forward_uses.values():
+            if id(record.unit) in reached and record.reached():
+                reached[id(record.unit)] += 1
+        flags = torch.tensor(
+            [[reached[id(u)], -reached[id(u)], int(u.trainable.acc_dirty)] for u in units],  # type: ignore[union-attr]
+            dtype=torch.int64,
+        ).reshape(-1, 3)
+        if self.comm.control_size > 1 and units:
+            self.comm.stats.record("all_reduce", "backward", flags.numel() * 8, "all")
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.comm.control)
+        for u, (most, least, dirty) in zip(units, flags.tolist()):
+            divergent = most != -least
+            if not self.no_sync and (divergent or (most == 0 and dirty)):
+                self._deferred.append(u)
+                self._deferred_ids.add(id(u))
+            if divergent and u.gather_in_backward and gathers and u is not self.root:
+                self._gather_private(u)
+            if most == 0:  # no rank's backward reaches it: nothing to prefetch for it
+                self._unreached.add(id(u))
+
+    def _gather_private(self, u: Unit) -> None:
+        """All-gather ``u``'s weights for its backward into a buffer of its own (every rank)."""
+        buf = torch.empty(u.gather_numel, dtype=u.slot.data.dtype, device=u.slot.data.device)
+        pending = []
+        for i, (f, off) in enumerate(zip(u.flats, u.flat_offsets)):
+            out = buf[off : off + f.padded_numel]
+            if u.secondary is not None:  # within the K ranks of reshard_after_forward=K
+                pending.append(
+                    self.comm.all_gather(out, u.secondary[i], "backward", u.name, over="hpz")
+                )
+            else:
+                pending.append(self.comm.all_gather(out, f.shard, "backward", u.name))
+        self._private[id(u)] = (buf, pending)
+        u.private_views = [
+            v
+            for f, o in zip(u.flats, u.flat_offsets)
+            for v in f.views(buf.data[o : o + f.padded_numel])
+        ]
 
     def end_backward(self) -> None:
         """Nothing is in flight once backward returns: the optimizer, ``clip_grad_norm_`` and a
         checkpoint see the final gradient slices and no gather still reads a shard."""
-        if self.accumulated and not self.no_sync:
-            self._reduce_accumulated()
+        deferred, self._deferred, self._deferred_ids = self._deferred, [], set()
+        self._unreached = set()
+        for u in deferred:  # every rank, in unit order (see _plan_backward)
+            self._reduce_now(u, [])
+        for _, pending in self._private.values():
+            for p in pending:
+                p.wait()
+        for u in self.all_units():
+            u.private_views = None
+        self._private = {}
         for u in self.all_units():
             u.slot.wait()
             # Nothing computes any more. A frozen unit (no post-backward) or a backward that
@@ -396,14 +644,20 @@ class Schedule:
         self._callback_queued = False
         self._bw_uses.clear()
         self._bw_units.clear()
+        self._forward_uses.clear()
 
     # ---- gather ----------------------------------------------------------------------------------
 
-    def _bind(self, u: Unit) -> None:
+    def _bind(self, u: Unit, use: int | None) -> None:
+        full_views = u.private_views if u.private_views is not None else u.full_views
         if torch.is_grad_enabled() and u.trainable is not None:
-            u.bind(_BindUnit.apply(self, u, u.anchor, *u.full_views))
+            views = _BindUnit.apply(self, u, use, u.anchor, *full_views)
+            record = self._forward_uses.get(use) if use is not None else None
+            if record is not None and views and views[0].grad_fn is not None:
+                record.nodes.append(weakref.ref(views[0].grad_fn))
+            u.bind(views)
         else:
-            u.bind(u.full_views)
+            u.bind(full_views)
 
     def ensure(self, u: Unit, phase: Phase) -> None:
         """Block the compute stream until ``u``'s weights are in its slot; mark it busy."""
@@ -432,9 +686,13 @@ class Schedule:
         """The unit after ``u`` in execution order (``step``: ``_next`` in forward, ``_prev`` in
         backward), past units that are not gathered for their backward."""
         nxt = step.get(id(u)) if u is not None else None
-        while nxt is not None and phase is Phase.BACKWARD and not nxt.gather_in_backward:
+        while nxt is not None and phase is Phase.BACKWARD and not self._slot_user(nxt):
             nxt = step.get(id(nxt))
         return nxt
+
+    def _slot_user(self, u: Unit) -> bool:
+        """Does ``u``'s backward take its gather slot? (Not an embedding, nor a divergent unit.)"""
+        return u.gather_in_backward and id(u) not in self._private and id(u) not in self._unreached
 
     def gather_next(self, u: Unit, step: dict[int, Unit], phase: Phase) -> None:
         """Make sure the next unit's gather is on its way (normally issued a unit earlier)."""
@@ -455,6 +713,8 @@ class Schedule:
         # slot of its own comes between (last block, norm, head: the head's gather overlaps the
         # last block) or when the first two units share a slot.
         nxt = self._slot_next[phase].get(id(u))
+        while nxt is not None and phase is Phase.BACKWARD and not self._slot_user(nxt):
+            nxt = self._slot_next[phase].get(id(nxt))
         if nxt is not None:
             s = nxt.slot
             if s.owner is nxt or (not s.busy and s.owner in (None, u)):
@@ -503,21 +763,33 @@ class Schedule:
     # ---- reduce ----------------------------------------------------------------------------------
 
     def reduce(self, u: Unit, grads: tuple) -> None:
+        """``u``'s backward ended with ``grads`` (one per parameter, None where it got none):
+        reduce them now, or add them to the fp32 accumulator (``no_sync``, or a unit this
+        backward reduces at its end)."""
         f = u.trainable
         if f is None:
             return
-        pairs = [  # (flat view, gradient) of the trainable slots, which come first
+        pairs = [  # (flat offset, numel, gradient) of the trainable slots, which come first
             (s.offset, s.numel, g.reshape(-1))
             for s, g in zip(f.slots, grads[: len(f.slots)])
             if g is not None
         ]
-        if self.no_sync or f.acc_dirty:  # accumulate in fp32 (see no_sync())
+        deferred = self.no_sync or id(u) in self._deferred_ids
+        if deferred or f.acc_dirty:
             acc = self._accumulator(f)
             if pairs:
                 torch._foreach_add_([acc[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs])
             f.acc_dirty = True
-            if self.no_sync:
+            if deferred:
                 return
+            pairs = []  # the accumulator holds them (and what no_sync backwards left)
+        self._reduce_now(u, pairs)
+
+    def _reduce_now(self, u: Unit, pairs: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Reduce ``pairs``, or the accumulator when it holds something (a deferred unit that
+        this rank did not reach: zeros, as every rank takes part)."""
+        f = u.trainable
+        assert f is not None
         earlier = self._reduced.get(id(f))
         if earlier is not None:  # f's second use: its gradient is added, after the first's
             earlier.wait()  # (on gloo a reduction's post runs at its wait, in any slot order)
@@ -556,23 +828,9 @@ class Schedule:
         gs.pending.append(pending)
         self._reduced[id(f)] = pending
 
-    def _reduce_accumulated(self) -> None:
-        """Reduce what ``no_sync`` accumulated for units this synced backward did not reach (a
-        task's head when the last micro-batch is another task's): it belongs to this step. A
-        unit counts if it did on any rank (a rank's micro-batches may not use it); every rank
-        entered no_sync, so every rank takes part."""
-        self.accumulated = False
-        units = [(u, f) for u in self.all_units() if (f := u.trainable) is not None]
-        left = torch.tensor([float(f.acc_dirty) for _, f in units], device=self.comm.device)
-        if dist.get_world_size(self.comm.full) > 1:
-            self.comm.stats.record("all_reduce", "backward", left.numel() * 4, "all")
-            dist.all_reduce(left, op=dist.ReduceOp.MAX, group=self.comm.full)
-        for (u, _), flag in zip(units, left.tolist()):
-            if flag:
-                self.reduce(u, ())
-
     def _free_grad_slots(self) -> None:
         """Wait for every reduce-scatter, then free the gradient slots until the next backward."""
+        self.comm.finish()
         for gs in self.grad_slots:
             gs.release()
         self._n_reduced = 0

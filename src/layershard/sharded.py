@@ -19,6 +19,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from layershard.agreement import agreed
 from layershard.buffers import GatherSlot, GradSlot, nbytes
 from layershard.collectives import Comm
 from layershard.distributed import default_device
@@ -203,8 +204,9 @@ def shard(
         options = compile if isinstance(compile, dict) else {}
         for m in block_modules:  # the block's computation only: the unit's hooks stay outside
             m.forward = torch.compile(m.forward, **options)
-    for m in block_modules[:activation_checkpointing]:
-        m.forward = partial(_checkpointed, m.forward)
+    for u in blocks[:activation_checkpointing]:
+        assert u.module is not None
+        u.module.forward = partial(schedule.checkpoint_forward, u, u.module.forward)
 
     if dist.get_world_size(group) > 1:
         for b in _unique(t for _, t in model.named_buffers()):  # every rank starts equal
@@ -212,12 +214,6 @@ def shard(
     comm.stats.reset()
     _install_optimizer_guard()
     return ShardedModule(model, schedule, state_keys, slot_of)
-
-
-def _checkpointed(forward, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _check_devices(model: nn.Module) -> None:
@@ -483,8 +479,8 @@ class ShardedModule(nn.Module):
         if s.phase is Phase.BACKWARD:
             raise RuntimeError("model.full_weights(): not available during backward")
         full = []
+        s.quiesce()  # nothing in flight reads a shard while it may be written back
         for u in self.units:
-            u.slot.wait()  # nothing in flight reads a shard while it may be written back
             tensors = [v for f in u.flats for v in f.views(self.gather_flat(f))]
             full.append((u, tensors))
             u.bind(tensors)
@@ -510,26 +506,24 @@ class ShardedModule(nn.Module):
         ``strict=False`` parameters and buffers missing from the dict keep their values and
         unexpected keys are ignored, as in torch. Every rank agrees on an error before any
         collective that moves data, so a bad dict raises everywhere instead of hanging."""
-        comm, world = self._schedule.comm, self._schedule.world_size
-        group = self.process_group
-        rank = dist.get_rank(group)
+        comm, group = self._schedule.comm, self.process_group
+        world = dist.get_world_size(group)  # every rank of the model, replicas included
         device = comm.device  # NCCL reduces device tensors only (CPU offload: shards on host)
-        for u in self._schedule.all_units():
-            u.slot.wait()  # no gather still in flight reads a shard this overwrites
-        has = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64, device=device)
+        self._schedule.quiesce()  # no gather still in flight reads a shard this overwrites
+        has = [state_dict is not None]
         if world > 1:
-            dist.all_reduce(has, group=group)
-        everyone = int(has) == world
-        if int(has) == 0 or (not everyone and rank == 0 and state_dict is None):
-            raise ValueError("load_full_state_dict(): rank 0 must pass a state dict")
-        error = self._validate(state_dict, strict) if state_dict is not None else ""
-        errors = [error]
-        if world > 1:  # every rank learns every rank's verdict before any data moves
-            errors = [""] * world
-            dist.all_gather_object(errors, error, group=group)
-        for r, e in enumerate(errors):
-            if e:
-                raise ValueError(e if r == rank or world == 1 else f"{e} (on rank {r})")
+            has = [False] * world
+            dist.all_gather_object(has, state_dict is not None, group=group)
+        if not has[0]:  # every rank sees rank 0's flag: every rank raises
+            raise ValueError(
+                "load_full_state_dict(): rank 0 must pass a state dict (the other ranks may "
+                "pass the same dict or None)"
+            )
+        everyone = all(has)
+        with agreed(group):  # every rank learns every rank's verdict before any data moves
+            error = self._validate(state_dict, strict) if state_dict is not None else ""
+            if error:
+                raise ValueError(error)
         present = (
             None if state_dict is None else [k for k, _, _ in self._entries if k in state_dict]
         )

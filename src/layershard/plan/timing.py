@@ -306,23 +306,25 @@ def step_transfers(
     grad_accum: int,
     no_sync: bool,
     world_size: int = 1,
+    gathers_in_backward: bool = True,
 ) -> list[Transfer]:
     """Every transfer of one optimizer step, in issue order per micro-batch."""
     everything = ([root] if root else []) + stages
+    n_trainable = sum(1 for s in everything if s.reduce)
     out: list[Transfer] = []
     for j in range(grad_accum):
         reduce_now = not no_sync or j == grad_accum - 1
+        if world_size > 1 and (reduce_now or gathers_in_backward):
+            # The ranks' agreement on the units this backward reaches: three int64 flags per
+            # trainable unit over every rank, at the start of each backward that communicates
+            # (Schedule._plan_backward, docs/engine.md)
+            out.append(Transfer("all_reduce", "backward", "all", world_size, 1, 24 * n_trainable))
         for s in everything:
             out += s.gather_fwd
         for s in reversed(everything):
             out += s.gather_bwd
             if reduce_now:
                 out += s.reduce
-    if no_sync and grad_accum > 1 and world_size > 1:
-        # After no_sync: which units hold accumulated gradients (a float flag per trainable
-        # unit, over every rank; Schedule._reduce_accumulated)
-        n = sum(1 for s in everything if s.reduce)
-        out.append(Transfer("all_reduce", "backward", "all", world_size, 1, 4 * n))
     return out
 
 
@@ -358,7 +360,7 @@ def _step_transfers_for(
     )
     c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     stages, root = build_stages(shape, layout, 1, 1, 0, c, r)
-    return step_transfers(stages, root, grad_accum, no_sync, world_size)
+    return step_transfers(stages, root, grad_accum, no_sync, world_size, not layout.keep_gathered)
 
 
 def collectives_per_step(
