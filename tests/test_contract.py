@@ -6,6 +6,7 @@ is held but what the plan counts. Each check failed on the engine before its fix
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -184,35 +185,37 @@ def _unit_reached_on_some_ranks(rank: int, world: int) -> None:
     it was not reached), so nobody hangs, and the gradients equal the single-process ones over
     the same global batch. With ``no_sync`` micro-batches too. Before: rank 0 issued a
     reduce-scatter the others never did, and the job hung until the timeout."""
-    for strategy in ("full", "grad_op", "no_shard"):
-        for micro in (1, 2):
-            torch.manual_seed(0)
-            reference = AuxHead()
-            model = ls.shard(copy.deepcopy(reference), strategy=strategy)
-            g = torch.Generator().manual_seed(1)
-            for step in range(3):
-                x = torch.randn(4 * world * micro, 8, generator=g)
-                parts = _rows(x, rank, world).chunk(micro)
-                for m, xm in enumerate(parts):
-                    # the aux loss: rank 0's first micro-batch (and, at step 2, nobody's)
-                    use = rank == 0 and m == 0 and step != 2
-                    if m < micro - 1:
-                        with model.no_sync():
-                            (_aux_loss(*model(xm), use) / micro).backward()
-                    else:
+    cases = [(s, m, False) for s in ("full", "grad_op", "no_shard") for m in (1, 2)]
+    cases += [("full", 1, True), ("full", 2, True)]  # a frozen head: gathered, never reduced
+    for strategy, micro, frozen in cases:
+        torch.manual_seed(0)
+        reference = AuxHead()
+        reference.aux.requires_grad_(not frozen)
+        model = ls.shard(copy.deepcopy(reference), strategy=strategy)
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            x = torch.randn(4 * world * micro, 8, generator=g)
+            parts = _rows(x, rank, world).chunk(micro)
+            for m, xm in enumerate(parts):
+                # the aux loss: rank 0's first micro-batch (and, at step 2, nobody's)
+                use = rank == 0 and m == 0 and step != 2
+                if m < micro - 1:
+                    with model.no_sync():
                         (_aux_loss(*model(xm), use) / micro).backward()
-                _nothing_in_flight(model)
-                for r in range(world):  # the reference: every rank's losses, averaged
-                    for m, xm in enumerate(_rows(x, r, world).chunk(micro)):
-                        use = r == 0 and m == 0 and step != 2
-                        (_aux_loss(*reference(xm), use) / micro / world).backward()
-                err = _grad_error(model, reference)
-                assert err < 1e-5, (strategy, micro, step, err)
-                aux_grads = [p.grad for n, p in model.named_parameters() if n.startswith("aux")]
-                if step == 2:  # reached on no rank: no gradient, as in torch
-                    assert all(gr is None for gr in aux_grads), strategy
-                model.zero_grad(set_to_none=True)
-                reference.zero_grad(set_to_none=True)
+                else:
+                    (_aux_loss(*model(xm), use) / micro).backward()
+            _nothing_in_flight(model)
+            for r in range(world):  # the reference: every rank's losses, averaged
+                for m, xm in enumerate(_rows(x, r, world).chunk(micro)):
+                    use = r == 0 and m == 0 and step != 2
+                    (_aux_loss(*reference(xm), use) / micro / world).backward()
+            err = _grad_error(model, reference)
+            assert err < 1e-5, (strategy, micro, step, err)
+            aux_grads = [p.grad for n, p in model.named_parameters() if n.startswith("aux")]
+            if step == 2 or frozen:  # reached on no rank: no gradient, as in torch
+                assert all(gr is None for gr in aux_grads), strategy
+            model.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
 
 
 checks.check(_unit_reached_on_some_ranks)
@@ -229,6 +232,235 @@ def _load_full_state_dict_rank0_without_dict(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="rank 0 must pass"):
         model.load_full_state_dict(None if rank == 0 else base.state_dict())
     model.load_full_state_dict(base.state_dict() if rank == 0 else None)  # still usable
+
+
+# ---- 4. one rank's failure in a checkpoint load raises on every rank ------------------------------
+def _drop_rng_entry(folder, key: str) -> None:
+    """Remove one rank's RNG entry from a checkpoint's DCP metadata (a crafted or damaged file)."""
+    import pickle
+
+    from layershard.checkpoint.dcp import read_dcp_metadata
+
+    md = read_dcp_metadata(folder)
+    del md.state_dict_metadata[key]
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+@checks.check
+def _checkpoint_load_fails_on_every_rank(rank: int, world: int) -> None:
+    """A failure that only one rank sees raises on every rank instead of leaving the others in
+    the next collective until the timeout: rank 1's RNG entry missing from the metadata (each
+    rank checked its own key, then rank 0 went on into DCP's load), rank 1's RNG state failing to
+    restore after the load, and an ``OSError`` reading the HF index on rank 1 (``load_hf`` only
+    agreed on its own error types)."""
+    import random
+    from unittest import mock
+
+    from _dist import shared_tmp
+
+    from layershard.checkpoint.errors import CheckpointCorruptError
+
+    torch.manual_seed(0)
+    model = ls.shard(AuxHead())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8))[0].sum().backward()
+    opt.step()
+    root = shared_tmp()
+    saved = ls.save_checkpoint(root / "ckpt", model, opt, step=1)
+    dist.barrier()
+    if rank == 0:
+        _drop_rng_entry(saved, "rng/1/torch")
+    dist.barrier()
+    with pytest.raises(CheckpointCorruptError, match="rng/1/torch is missing"):
+        ls.load_checkpoint(saved, model, opt, verify=False)
+
+    ok = ls.save_checkpoint(root / "ok", model, opt, step=1)
+    broken = mock.patch.object(random, "setstate", side_effect=ValueError("corrupt state"))
+    with broken if rank == 1 else contextlib.nullcontext():
+        with pytest.raises(ValueError, match="corrupt state"):
+            ls.load_checkpoint(ok, model, opt)
+
+    hf = root / "hf"
+    ls.export_hf(model, hf, dtype=torch.float32, max_shard_size=200)  # several files: an index
+    dist.barrier()
+    real = type(hf).read_text
+
+    def unreadable(self, *args, **kwargs):
+        if self.name.endswith(".index.json"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    denied = mock.patch.object(type(hf), "read_text", unreadable)
+    with denied if rank == 1 else contextlib.nullcontext():
+        with pytest.raises(PermissionError):
+            ls.load_hf(model, hf)
+    ls.load_hf(model, hf)  # and the ranks are still in step
+
+
+# ---- 5. whether a checkpoint was already written is decided once -------------------------------
+@checks.check
+def _save_decision_is_rank0s(rank: int, world: int) -> None:
+    """``layershard train`` skips a checkpoint that exists already (stop-at and final at one
+    step). Each rank asked its own file system, and a network file system may show a folder on
+    one node before another: rank 0 returned while rank 1 went on to save alone. Rank 0 decides."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from _dist import shared_tmp
+
+    from layershard.train.loop import Trainer
+
+    run = shared_tmp()
+    ckpt = run / "checkpoints" / "step_000005"
+    if rank == 0:
+        ckpt.mkdir(parents=True)
+    dist.barrier()  # rank 1's view of the file system: not there yet
+
+    def saving(what):
+        raise AssertionError(f"rank {rank} went on to save {what}")
+
+    fake = SimpleNamespace(
+        run_dir=run, step=5, wait_for_checkpoint=lambda: None, _refuse_non_finite=saving
+    )
+    real = type(ckpt).exists
+    lagging = mock.patch.object(  # rank 1's network file system has not seen the folder yet
+        type(ckpt), "exists", lambda self: False if self == ckpt else real(self)
+    )
+    with lagging if rank == 1 else contextlib.nullcontext():
+        assert Trainer.checkpoint(fake) == ckpt
+
+
+# ---- 7. writers of shards wait for the gathers that read them -----------------------------------
+@checks.check
+def _shard_writers_quiesce(rank: int, world: int) -> None:
+    """Every writer of shards waits for the collectives in flight first (on CUDA a gather's cast
+    of the shard runs on the comm stream): ``load_checkpoint``, ``load_hf``,
+    ``load_full_state_dict`` and ``full_weights(writeback=True)``; after each, nothing is in
+    flight. (On CPU the gathers are done by then; the CUDA ordering is unverified here.)"""
+    from _dist import shared_tmp
+
+    torch.manual_seed(0)
+    base = AuxHead()
+    model = ls.shard(copy.deepcopy(base))
+    root = shared_tmp()
+    saved = ls.save_checkpoint(root / "ckpt", model)
+    ls.export_hf(model, root / "hf", dtype=torch.float32)
+    calls = []
+    real = model._schedule.quiesce
+    model._schedule.quiesce = lambda: (calls.append(1), real())[1]
+    writers = {
+        "load_checkpoint": lambda: ls.load_checkpoint(saved, model),
+        "load_hf": lambda: ls.load_hf(model, root / "hf"),
+        "load_full_state_dict": lambda: model.load_full_state_dict(base.state_dict()),
+    }
+    for name, write in writers.items():
+        model(torch.randn(4, 8))  # a forward under grad, never followed by a backward
+        before = len(calls)
+        write()
+        assert len(calls) > before, name
+        _nothing_in_flight(model)
+    before = len(calls)
+    with model.full_weights(writeback=True):
+        pass
+    assert len(calls) > before, "full_weights"
+
+
+# ---- 8. the smaller ones -----------------------------------------------------------------------
+@checks.check
+def _async_save_group_is_destroyed(rank: int, world: int) -> None:
+    """The gloo group made for asynchronous saves goes when its model goes (it was never
+    destroyed: its sockets and threads outlived every model that saved asynchronously)."""
+    from _dist import shared_tmp
+    from torch.distributed.distributed_c10d import _world
+
+    torch.manual_seed(0)
+    groups = len(_world.pg_map)
+    model = ls.shard(AuxHead())
+    ls.save_checkpoint(shared_tmp() / "a", model, async_save=True).wait()
+    assert len(_world.pg_map) == groups + 1
+    del model
+    gc.collect()
+    assert len(_world.pg_map) == groups, "the async-save group outlived its model"
+
+
+@checks.check
+def _optimizer_guard_checks_later_groups(rank: int, world: int) -> None:
+    """An optimizer is checked again when param groups are added: a group holding a parameter
+    that ``shard()`` emptied raises at the next step (it was checked once, at its first step)."""
+    torch.manual_seed(0)
+    plain = AuxHead()
+    head = plain.head.weight
+    model = ls.shard(plain)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8))[0].sum().backward()
+    opt.step()
+    opt.add_param_group({"params": [head]})
+    with pytest.raises(RuntimeError, match="built before shard"):
+        opt.step()
+
+
+@checks.check
+def _stall_reports_name_the_wait(rank: int, world: int) -> None:
+    """The watchdog says what a rank waits for from labels the waiting code sets, not from a
+    table of other modules' function names (three of whose entries were already stale): the
+    forward and backward all-gathers, the reduce-scatters, the gradient norm, the agreement on
+    the units a backward reaches, ``load_full_state_dict`` and a checkpoint save."""
+    import threading
+    import time
+
+    from _dist import shared_tmp
+
+    from layershard.train.faults import describe_stack, main_thread_stack
+
+    torch.manual_seed(0)
+    base = AuxHead()
+    model = ls.shard(copy.deepcopy(base))
+    x = torch.randn(4, 8)
+    model(x)[0].sum().backward()  # learns the order
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(describe_stack(main_thread_stack()))
+            time.sleep(0.005)
+
+    def backward():  # the forward's collectives first, on every rank; then the wait
+        loss = model(x)[0].sum()
+        dist.barrier()
+        return loss.backward
+
+    steps = {
+        "forward": lambda: model(x),
+        "backward": backward,
+        "clip": lambda: model.clip_grad_norm_(1.0),
+        "load": lambda: model.load_full_state_dict(base.state_dict() if rank == 0 else None),
+        "save": lambda: ls.save_checkpoint(shared_tmp() / "c", model),
+    }
+    wanted = {
+        "forward": r"^all-gather of unit (layers\.\d|head|aux) \(forward\)",
+        "backward": r"^agreement on the units this backward reaches",
+        "clip": r"^all-reduce of the gradient norm",
+        "load": r"^(broadcast from rank 0 \(state_dict\)|agreement of the ranks)",
+        "save": r"during checkpoint save",
+    }
+    import re
+
+    for name, step in steps.items():
+        seen.clear()
+        then = step() if name == "backward" else None
+        if rank == 1:
+            time.sleep(0.3)  # rank 0 waits for rank 1 in the step's first collective
+            then() if then else step()
+            continue
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        then() if then else step()
+        stop.set()
+        watcher.join()
+        stop.clear()
+        assert any(re.search(wanted[name], w) for w in seen), (name, sorted(set(seen)))
 
 
 # ---- 6. after backward nothing is held but what the plan counts ----------------------------------
@@ -285,6 +517,22 @@ def _hybrid_frees_gradient_slots(rank: int, world: int) -> None:
 
 checks.collect(globals())
 checks4.collect(globals())
+
+
+def test_pending_wait_raises_until_done():
+    """A wait that raised (a timeout) is not "done": waiting again raises again instead of
+    returning as if the collective had finished (it was marked done before waiting)."""
+    from layershard.collectives import Pending
+
+    class Stuck:
+        def wait(self):
+            raise RuntimeError("timed out")
+
+    p = Pending(work=Stuck())
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="timed out"):
+            p.wait()
+    assert not p.done
 
 
 def test_grad_slots_helper_is_exact():

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch.distributed as dist
+
+from layershard.waits import waiting
+
+T = TypeVar("T")
 
 
 class RankError(RuntimeError):
@@ -61,10 +66,26 @@ def agreed(group: dist.ProcessGroup | None = None) -> Iterator[None]:
     verdicts: list = [None if error is None else _describe(error)]
     if world > 1:
         verdicts = [None] * world
-        dist.all_gather_object(verdicts, None if error is None else _describe(error), group=group)
+        mine = None if error is None else _describe(error)
+        with waiting("agreement of the ranks on a step that can fail on one of them"):
+            dist.all_gather_object(verdicts, mine, group=group)
     if error is not None:
         raise error
     for rank, verdict in enumerate(verdicts):
         if verdict is not None:
             module, qualname, message = verdict
             raise _rebuild(module, qualname, message, rank)
+
+
+def rank0_decides(decide: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
+    """Rank 0's answer to ``decide()``, on every rank (what it sees of a shared file system, say,
+    which a network file system may show other ranks differently or later). Collective."""
+    value: T | None = None
+    with agreed(group):
+        if not dist.is_initialized() or dist.get_rank(group) == 0:
+            value = decide()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        box = [value]
+        dist.broadcast_object_list(box, group_src=0, group=group)
+        value = box[0]
+    return value  # type: ignore[return-value]

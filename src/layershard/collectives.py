@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from layershard.waits import waiting
+
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -111,7 +113,9 @@ class Pending:
         timer: tuple[dict[str, float], str] | None = None,
         host_post: Callable[[], object] | None = None,
         host_sync: bool = False,
+        what: str = "collective",
     ):
+        self.what = what  # for a stall report: "all-gather of unit layers.3 (backward)"
         self._works = work if isinstance(work, list) else [work] if work is not None else []
         self._event, self._post, self._timer = event, post, timer
         self._host_post, self._host_sync = host_post, host_sync
@@ -124,8 +128,9 @@ class Pending:
             return
         if self._works:
             t0 = time.perf_counter()
-            for work in self._works:
-                work.wait()
+            with waiting(self.what):
+                for work in self._works:
+                    work.wait()
             if self._timer is not None:
                 waits, phase = self._timer
                 waits[phase] = waits.get(phase, 0.0) + time.perf_counter() - t0
@@ -230,10 +235,12 @@ class Comm:
             return None, 0, 1
         return g, dist.get_rank(g), dist.get_world_size(g)
 
-    def _issue(self, run: Callable[[bool], object], post, phase: str, host_post=None) -> Pending:
+    def _issue(
+        self, run: Callable[[bool], object], post, phase: str, host_post=None, what: str = ""
+    ) -> Pending:
         timer = (self.stats.wait_s, phase)
         if self.stream is None:  # CPU: async gloo work, post-processing at wait()
-            return Pending(work=run(True), post=post, timer=timer, host_post=host_post)
+            return Pending(work=run(True), post=post, timer=timer, host_post=host_post, what=what)
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             run(False)  # synchronous w.r.t. the comm stream, asynchronous for the CPU
@@ -241,7 +248,7 @@ class Comm:
                 post()
             event = torch.cuda.Event()
             event.record(self.stream)
-        return Pending(event=event, host_post=host_post, host_sync=self.host_sync)
+        return Pending(event=event, host_post=host_post, host_sync=self.host_sync, what=what)
 
     def _copied_locally(self, host_post: Callable[[], object] | None = None) -> Pending:
         """No collective, but a copy between host and device memory was queued on the current
@@ -263,6 +270,7 @@ class Comm:
         casting to ``out``'s dtype: this rank's ``src`` is written into its own chunk of ``out``,
         which is then gathered in place (no separate input buffer)."""
         group, rank, world = self._members(over)
+        what = f"all-gather of unit {label} ({phase})"
         n = src.numel()
         own = out[rank * n : (rank + 1) * n]
         if group is None or not (world > 1 or force_comm()):
@@ -281,14 +289,14 @@ class Comm:
                     )
                     for r, c in enumerate(out.split(n))
                 ]
-                return Pending(work=works, timer=(self.stats.wait_s, phase))
+                return Pending(work=works, timer=(self.stats.wait_s, phase), what=what)
 
             def run(async_op: bool):
                 # on the comm stream: after the optimizer step that wrote the shard
                 _copy_in(own, src)
                 return _all_gather(out, own, group=group, async_op=async_op)
 
-            return self._issue(run, None, phase)
+            return self._issue(run, None, phase, what=what)
 
     def reduce_scatter(
         self,
@@ -304,6 +312,7 @@ class Comm:
         ``host_post()`` on the CPU. ``scratch`` (``scratch_numel`` elements) is where the chunk
         is reduced into or the other ranks' chunks are received."""
         n = inp.numel() // self.world_size
+        what = f"reduce-scatter of unit {label} ({phase})"
         first: Callable[[bool], object] | None = None
         combine: Callable[[], object] | None = None  # after ``first``, before the replicas'
         if not self.active:
@@ -340,7 +349,7 @@ class Comm:
             if first is None or second is None:  # one collective
                 only = first or second
                 assert only is not None
-                return self._issue(only, finish, phase, host_post)
+                return self._issue(only, finish, phase, host_post, what)
             if self.stream is not None:  # both in order on the comm stream
 
                 def run(async_op: bool) -> None:
@@ -349,12 +358,12 @@ class Comm:
                         combine()
                     second(False)
 
-                return self._issue(run, lambda: post(chunk), phase, host_post)
+                return self._issue(run, lambda: post(chunk), phase, host_post, what)
             # gloo with replicas: the all-reduce waits for the reduce-scatter (see _TwoStage)
             self.advance()
             p = _TwoStage(
-                self._issue(first, combine, phase),
-                lambda: self._issue(second, lambda: post(chunk), phase, host_post),
+                self._issue(first, combine, phase, what=what),
+                lambda: self._issue(second, lambda: post(chunk), phase, host_post, what),
             )
             self._two_stage.append(p)
             return p
@@ -372,7 +381,7 @@ class Comm:
         for p in two_stage:
             p.wait()
 
-    def all_reduce(self, t: torch.Tensor, op, phase: str) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op, phase: str, what: str = "") -> torch.Tensor:
         """All-reduce ``t`` over the shard group (a quantity every shard holds a part of, such as
         a gradient norm; replicas hold the same parts). Returns the result (``t`` itself unless
         ``t`` had to travel to the comm device)."""
@@ -380,10 +389,12 @@ class Comm:
             return t
         self.stats.record("all_reduce", phase, t.numel() * t.element_size())
         moved = t.to(self.device) if self.backend == "nccl" and t.device != self.device else t
-        dist.all_reduce(moved, op=op, group=self.group)
+        with waiting(what or f"all-reduce ({phase})"):
+            dist.all_reduce(moved, op=op, group=self.group)
         return moved.to(t.device) if moved is not t else t
 
     def broadcast(self, t: torch.Tensor, phase: str) -> None:
         """From the model's first rank to all of its ranks (replicas included)."""
         self.stats.record("broadcast", phase, t.numel() * t.element_size(), "all")
-        dist.broadcast(t, src=dist.get_global_rank(self.full, 0), group=self.full)
+        with waiting(f"broadcast from rank 0 ({phase})"):
+            dist.broadcast(t, src=dist.get_global_rank(self.full, 0), group=self.full)

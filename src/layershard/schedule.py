@@ -48,6 +48,7 @@ from layershard.buffers import GatherSlot, GradSlot
 from layershard.collectives import Comm, Pending
 from layershard.flat import FlatParam, ParamSlot
 from layershard.precision import MixedPrecision
+from layershard.waits import waiting
 
 log = logging.getLogger("layershard")
 
@@ -144,6 +145,18 @@ class _BindUnit(torch.autograd.Function):
         return (None, None, None, None) + (None,) * len(grads)
 
 
+class _Reached(torch.autograd.Function):
+    """Identity; its node marks a path into a frozen unit (see ``Schedule._mark_inputs``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 
 
@@ -176,6 +189,10 @@ def _tensors(out, limit: int = 4096) -> list[torch.Tensor]:
                 for name in getattr(cls, "__slots__", ()):
                     stack.append(getattr(o, name, None))
     return found
+
+
+def _dirty(u: Unit) -> bool:
+    return u.trainable is not None and u.trainable.acc_dirty
 
 
 @dataclass(frozen=True)
@@ -302,7 +319,9 @@ class Schedule:
         for u in self.units:
             assert u.module is not None  # only the root unit has no module
             handles.append(
-                u.module.register_forward_pre_hook(lambda m, a, u=u: self.pre_forward(u))
+                u.module.register_forward_pre_hook(
+                    lambda m, a, kw, u=u: self.pre_forward(u, a, kw), with_kwargs=True
+                )
             )
             handles.append(
                 u.module.register_forward_hook(lambda m, a, out, u=u: self.post_forward(u, out))
@@ -394,7 +413,7 @@ class Schedule:
         for gs in self.grad_slots:
             gs.wait()
 
-    def pre_forward(self, u: Unit) -> None:
+    def pre_forward(self, u: Unit, args: tuple = (), kwargs: dict | None = None):
         if self._in_backward():  # a recompute of a checkpoint that calls the module itself
             self._enter_backward()
             self._bw_units.add(id(u))
@@ -414,6 +433,29 @@ class Schedule:
         self.gather_next(u, self._next, Phase.FORWARD)
         if grad and u.gather_in_backward:
             self._push_saved_tensor_hooks(u, use)
+        if grad and u.trainable is None and use in self._forward_uses:
+            return self._mark_inputs(self._forward_uses[use], args, kwargs or {})
+        return None
+
+    @staticmethod
+    def _mark_inputs(record: _Use, args: tuple, kwargs: dict):
+        """A frozen unit has no ``_BindUnit`` node that tells whether a backward reaches it:
+        pass the input tensors that require grad through an identity node instead, which the
+        backward executes exactly when it reaches the unit (its gradients flow to its inputs)."""
+        marked = False
+
+        def mark(x):
+            nonlocal marked
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                y = _Reached.apply(x)
+                record.nodes.append(weakref.ref(y.grad_fn))
+                marked = True
+                return y
+            return x
+
+        new_args = tuple(mark(a) for a in args)
+        new_kwargs = {k: mark(v) for k, v in kwargs.items()}
+        return (new_args, new_kwargs) if marked else None
 
     def post_forward(self, u: Unit, out):
         use: int | None = None  # a checkpoint's recompute: part of a use already in backward
@@ -577,21 +619,30 @@ class Schedule:
         gathers = not self.comm.sharding.keep_gathered
         if self.no_sync and not gathers:  # no collective in this backward
             return
-        units = [u for u in self.all_units() if u.trainable is not None]
+        units = [
+            u
+            for u in self.all_units()
+            if u.trainable is not None or (u.gather_in_backward and gathers and u is not self.root)
+        ]
         reached = dict.fromkeys((id(u) for u in units), 0)
         for record in self._forward_uses.values():
             if id(record.unit) in reached and record.reached():
                 reached[id(record.unit)] += 1
         flags = torch.tensor(
-            [[reached[id(u)], -reached[id(u)], int(u.trainable.acc_dirty)] for u in units],  # type: ignore[union-attr]
+            [[reached[id(u)], -reached[id(u)], int(_dirty(u))] for u in units],
             dtype=torch.int64,
         ).reshape(-1, 3)
         if self.comm.control_size > 1 and units:
             self.comm.stats.record("all_reduce", "backward", flags.numel() * 8, "all")
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.comm.control)
+            with waiting("agreement on the units this backward reaches"):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.comm.control)
         for u, (most, least, dirty) in zip(units, flags.tolist()):
             divergent = most != -least
-            if not self.no_sync and (divergent or (most == 0 and dirty)):
+            if (
+                u.trainable is not None
+                and not self.no_sync
+                and (divergent or (most == 0 and dirty))
+            ):
                 self._deferred.append(u)
                 self._deferred_ids.add(id(u))
             if divergent and u.gather_in_backward and gathers and u is not self.root:

@@ -32,6 +32,7 @@ from layershard.strategy import CPUOffload, Sharding
 from layershard.strategy import resolve as resolve_strategy
 from layershard.units import UnitSpec, backward_needs_weights, find_units
 
+CLIP = "all-reduce of the gradient norm"
 _sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # their hooks are installed
 # original parameters that shard() emptied, by id (tensors compare elementwise: no WeakSet)
 _sharded_away: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
@@ -264,22 +265,24 @@ def _unique(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 # ---- optimizer guard -----------------------------------------------------------------------------
 
-_checked_optimizers: weakref.WeakSet = weakref.WeakSet()
+# optimizer -> how many of its parameters were checked (param groups can be added later)
+_checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _guard_handle = None
 
 
 def _optimizer_guard(optimizer, args, kwargs) -> None:
-    if optimizer in _checked_optimizers:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    checked = _checked_optimizers.get(optimizer, 0)
+    if checked == len(params):
         return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if _sharded_away.get(id(p)) is p:
-                raise RuntimeError(
-                    "This optimizer holds parameters of a model that ls.shard() has since sharded: "
-                    "it was built before shard() and would update nothing. Build it after: "
-                    "model = ls.shard(model); opt = torch.optim.AdamW(model.parameters(), ...)"
-                )
-    _checked_optimizers.add(optimizer)
+    for p in params[checked:] if checked < len(params) else params:
+        if _sharded_away.get(id(p)) is p:
+            raise RuntimeError(
+                "This optimizer holds parameters of a model that ls.shard() has since sharded: "
+                "it was built before shard() and would update nothing. Build it after: "
+                "model = ls.shard(model); opt = torch.optim.AdamW(model.parameters(), ...)"
+            )
+    _checked_optimizers[optimizer] = len(params)
 
 
 def _install_optimizer_guard() -> None:
@@ -379,6 +382,12 @@ class ShardedModule(nn.Module):
     def __repr__(self) -> str:
         return f"ShardedModule(units={len(self.units)}, world_size={self._schedule.world_size},\n  {self.module!r})"
 
+    def quiesce(self) -> None:
+        """Wait for every collective in flight that reads the shards (on CUDA a gather casts
+        them on the comm stream). Call before writing shards by other means than the optimizer
+        (``load_*`` call it)."""
+        self._schedule.quiesce()
+
     # -- training --
 
     @contextlib.contextmanager
@@ -408,10 +417,10 @@ class ShardedModule(nn.Module):
         local = torch.stack(norms) if norms else torch.zeros(1, device=device)
         comm = self._schedule.comm  # over the shard group: replicas hold the same slices
         if math.isinf(norm_type):
-            total = comm.all_reduce(local.max().reshape(1), dist.ReduceOp.MAX, "clip")
+            total = comm.all_reduce(local.max().reshape(1), dist.ReduceOp.MAX, "clip", CLIP)
         else:
             total = comm.all_reduce(
-                local.pow(norm_type).sum().reshape(1), dist.ReduceOp.SUM, "clip"
+                local.pow(norm_type).sum().reshape(1), dist.ReduceOp.SUM, "clip", CLIP
             )
             total = total.pow(1.0 / norm_type)
         total = total[0]

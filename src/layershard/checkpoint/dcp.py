@@ -22,6 +22,7 @@ an unpickler that admits only DCP's own metadata classes, everything else is JSO
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import json
@@ -52,26 +53,18 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from layershard.agreement import agreed
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
-    CheckpointNotFoundError,
 )
+from layershard.waits import waiting
 
 log = logging.getLogger("layershard")
 
 _DCP_METADATA = ".metadata"
-_ERRORS = {
-    c.__name__: c
-    for c in (
-        CheckpointError,
-        CheckpointCorruptError,
-        CheckpointMismatchError,
-        CheckpointNotFoundError,
-    )
-}
 
 
 # ---- reading DCP metadata without unpickling arbitrary objects ----------------------------------
@@ -345,23 +338,6 @@ def dtype_from_name(name: Any, where: str) -> torch.dtype:
     return dtype
 
 
-def _agree(group, error: BaseException | None) -> None:
-    """Raise on every rank if any rank failed (so no rank waits in a collective that never comes)."""
-    world = dist.get_world_size(group)
-    mine = None if error is None else (type(error).__name__, str(error))
-    if world == 1:
-        errors = [mine]
-    else:
-        errors = [None] * world
-        dist.all_gather_object(errors, mine, group=group)
-    for r, e in enumerate(errors):
-        if e is not None:
-            if error is not None and mine == e:
-                raise error
-            cls = _ERRORS.get(e[0], CheckpointError)
-            raise cls(e[1] if world == 1 else f"{e[1]} (on rank {r})")
-
-
 def _broadcast(group, obj):
     if dist.get_world_size(group) == 1:
         return obj
@@ -542,6 +518,22 @@ def _rng_restore(tensors: dict[str, torch.Tensor], rank: int) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def _rng_entries(folder: Path, manifest: dict, rank: int) -> dict[str, torch.Tensor]:
+    """Empty tensors for this rank's RNG states, as the DCP metadata declares them."""
+    out: dict[str, torch.Tensor] = {}
+    rng_md: Metadata | None = None
+    for k in manifest["rng"]["keys"]:
+        key = f"rng/{rank}/{k}"
+        if k == "cuda" and not torch.cuda.is_available():
+            continue
+        rng_md = rng_md or SafeFileSystemReader(folder).read_metadata()
+        item = rng_md.state_dict_metadata.get(key)
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointCorruptError(f"{folder}: {key} is missing from the DCP metadata")
+        out[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    return out
+
+
 def _reseed(step: int | None, rank: int) -> int:
     seed = (0x6C73 + 1_000_003 * (step or 0) + 7919 * rank) % (2**63)
     torch.manual_seed(seed)
@@ -625,34 +617,37 @@ class _Save:
     def prepare(self, state: dict[str, Any]) -> None:
         """Collective: free space, then the temporary folder (rank 0), agreed by every rank."""
         self.need = _sum_over_ranks(self.group, _nbytes(state)) + (1 << 20)  # + metadata
-        err, tmp = None, None
-        if self.rank == 0:
-            final = self.final
-            try:
-                if (
-                    final.exists()
-                    and not (final / pub.MANIFEST).is_file()
-                    and (not final.is_dir() or any(final.iterdir()))
-                ):
-                    raise CheckpointError(
-                        f"save_checkpoint: {final} exists and is not a layershard checkpoint; "
-                        "refusing to replace it"
-                    )
-                final.parent.mkdir(parents=True, exist_ok=True)
-                if shutil.disk_usage(final.parent).free < self.need:
-                    raise _no_space(final.parent, self.need)
-                tmp = pub.tmp_name(final)
-                tmp.mkdir()
-            except CheckpointError as e:
-                err = e
-            except OSError as e:
-                err = (
-                    _no_space(final.parent, self.need)
-                    if _is_disk_full(e)
-                    else CheckpointError(f"save_checkpoint: cannot create {final.parent}: {e}")
-                )
-        _agree(self.group, err)
+        tmp = None
+        with agreed(self.group):
+            if self.rank == 0:
+                tmp = self._make_tmp()
         self.tmp = Path(_broadcast(self.group, str(tmp)))
+
+    def _make_tmp(self) -> Path:
+        """Rank 0: check the destination and the free space, create the temporary folder."""
+        final = self.final
+        try:
+            if (
+                final.exists()
+                and not (final / pub.MANIFEST).is_file()
+                and (not final.is_dir() or any(final.iterdir()))
+            ):
+                raise CheckpointError(
+                    f"save_checkpoint: {final} exists and is not a layershard checkpoint; "
+                    "refusing to replace it"
+                )
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(final.parent).free < self.need:
+                raise _no_space(final.parent, self.need)
+            tmp = pub.tmp_name(final)
+            tmp.mkdir()
+            return tmp
+        except OSError as e:
+            raise (
+                _no_space(final.parent, self.need)
+                if _is_disk_full(e)
+                else CheckpointError(f"save_checkpoint: cannot create {final.parent}: {e}")
+            ) from None
 
     def write(self, state: dict[str, Any]) -> None:
         """Collective (on ``self.group``): DCP writes every rank's slices into the folder."""
@@ -685,16 +680,16 @@ class _Save:
         group, rank, world, tmp = self.group, self.rank, self.world, self.tmp
         assert tmp is not None, "prepare() creates the folder first"
         t_write = time.perf_counter() - self.t0
-        err, digests = None, {}
+        digests: dict[str, dict[str, Any]] = {}
         try:
-            names = pub.data_files(tmp)
-            for name in names[rank::world]:
-                size, sha = pub.file_digest(tmp / name)
-                digests[name] = {"bytes": size, "sha256": sha}
-        except OSError as e:
-            err = CheckpointError(f"save_checkpoint: cannot read back {tmp}: {e}")
-        try:
-            _agree(group, err)
+            with agreed(group):
+                try:
+                    names = pub.data_files(tmp)
+                    for name in names[rank::world]:
+                        size, sha = pub.file_digest(tmp / name)
+                        digests[name] = {"bytes": size, "sha256": sha}
+                except OSError as e:
+                    raise CheckpointError(f"save_checkpoint: cannot read back {tmp}: {e}") from None
         except CheckpointError as e:
             self.fail(e)
         parts: list[dict[str, Any]] = [digests]
@@ -703,27 +698,30 @@ class _Save:
             dist.all_gather_object(gathered, digests, group=group)
             parts = gathered
 
-        err = None
-        if rank == 0:
-            try:
-                files = {k: v for part in parts for k, v in sorted(part.items())}
-                manifest = dict(self.manifest)
-                manifest["files"] = dict(sorted(files.items()))
-                manifest["total_bytes"] = sum(v["bytes"] for v in files.values())
-                manifest["write_seconds"] = round(t_write, 3)
-                pub.write_atomic(tmp / pub.MANIFEST, pub.dumps(manifest))
-                pub.publish(tmp, self.final, self.keep_last)
-            except Exception as e:  # noqa: BLE001
-                if tmp.exists():  # not published: nothing of this save stays behind
-                    shutil.rmtree(tmp, ignore_errors=True)
-                err = (
-                    _no_space(self.final.parent, self.need)
-                    if _is_disk_full(e)
-                    else CheckpointError(f"save_checkpoint: publishing {self.final} failed: {e}")
-                )
-        _agree(group, err)
+        with agreed(group):
+            if rank == 0:
+                self._publish(tmp, parts, t_write)
         log.info("layershard: saved %s in %.2f s", self.final, time.perf_counter() - self.t0)
         return self.final
+
+    def _publish(self, tmp: Path, parts: list[dict[str, Any]], t_write: float) -> None:
+        """Rank 0: write the manifest and publish; on failure nothing of this save stays."""
+        try:
+            files = {k: v for part in parts for k, v in sorted(part.items())}
+            manifest = dict(self.manifest)
+            manifest["files"] = dict(sorted(files.items()))
+            manifest["total_bytes"] = sum(v["bytes"] for v in files.values())
+            manifest["write_seconds"] = round(t_write, 3)
+            pub.write_atomic(tmp / pub.MANIFEST, pub.dumps(manifest))
+            pub.publish(tmp, self.final, self.keep_last)
+        except Exception as e:  # noqa: BLE001
+            if tmp.exists():  # not published: nothing of this save stays behind
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise (
+                _no_space(self.final.parent, self.need)
+                if _is_disk_full(e)
+                else CheckpointError(f"save_checkpoint: publishing {self.final} failed: {e}")
+            ) from None
 
 
 class AsyncCheckpoint:
@@ -760,6 +758,23 @@ class _AsyncState:
         self.executor = concurrent.futures.ThreadPoolExecutor(1, "layershard-ckpt")
         self.buffers: dict[str, torch.Tensor] = {}
         self.pending: AsyncCheckpoint | None = None
+
+    @staticmethod
+    def close(group, executor: concurrent.futures.ThreadPoolExecutor) -> None:
+        """When the model is gone: finish the last save, then destroy the group (its sockets
+        and threads). Every rank drops its model, so every rank destroys its end."""
+        executor.shutdown(wait=True)
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # the default group may already be gone
+                dist.destroy_process_group(group)
+
+
+def _async_state(model, group) -> _AsyncState:
+    st = _ASYNC.get(model)
+    if st is None:
+        st = _ASYNC[model] = _AsyncState(group)
+        weakref.finalize(model, _AsyncState.close, st.group, st.executor)
+    return st
 
 
 class _PreStaged(AsyncStager):
@@ -814,6 +829,7 @@ def wait_for_pending_save(model) -> Path | None:
 
 
 @torch.no_grad()
+@waiting("checkpoint save")
 def save_checkpoint(
     path: str | os.PathLike,
     model,
@@ -857,9 +873,10 @@ def save_checkpoint(
     run_config = _jsonable(run_config, "save_checkpoint(run_config=...)")
     wait_for_pending_save(model)
 
-    # Every part that can fail on one rank only is followed by an agreement, so no rank hangs.
-    err, state, optim_info = None, {}, None
-    try:
+    # Every part that can fail on one rank only runs under an agreement, so no rank hangs.
+    state: dict[str, Any] = {}
+    optim_info = None
+    with agreed(group):
         for f, slot, p in _params(model):
             state[f"model/{slot.name}"] = _sharded_1d(
                 model, p.detach(), slot.numel, slot_ranges(f, slot), save=True
@@ -870,9 +887,6 @@ def save_checkpoint(
             tensors, optim_info = _optim_save(model, optimizer)
             state.update(tensors)
         state.update(_rng_save(rank))
-    except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
-        err = e
-    _agree(group, err)
     kinds = [optim_info["state"] if optim_info else None]
     if world > 1:
         kinds = [None] * world
@@ -903,9 +917,7 @@ def save_checkpoint(
         save.write(state)
         return save.finalize()
 
-    st = _ASYNC.get(model)
-    if st is None:
-        st = _ASYNC[model] = _AsyncState(group)
+    st = _async_state(model, group)
     save = _Save(final, model, st.group, keep_last, manifest)
     save.prepare(state)
     assert save.tmp is not None  # prepare() created it
@@ -1051,7 +1063,30 @@ def _validate(model, optimizer, folder: Path, manifest: dict, md: Metadata, stri
                 raise CheckpointCorruptError(msg)
 
 
+def _check_on_rank0(path, model, optimizer, strict: bool, verify: bool) -> tuple[Path, dict]:
+    """Rank 0: find the checkpoint, read its manifest, check everything that needs no data."""
+    try:
+        folder = pub.resolve(path)
+        manifest = pub.read_manifest(folder)
+        if "model" not in manifest or "files" not in manifest:
+            raise CheckpointCorruptError(f"{folder / pub.MANIFEST}: incomplete manifest")
+        if verify:  # sizes first (cheap): a truncated file is named before anything is parsed
+            msg = pub.verify_files(folder, manifest, digest=False)
+            if msg:
+                raise CheckpointCorruptError(msg)
+        md = read_dcp_metadata(folder)
+        _validate(model, optimizer, folder, manifest, md, strict)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:  # a manifest of the wrong structure
+        raise CheckpointCorruptError(
+            f"{path}: malformed manifest ({type(e).__name__}: {e})"
+        ) from None
+    return folder, manifest
+
+
 @torch.no_grad()
+@waiting("checkpoint load")
 def load_checkpoint(
     path: str | os.PathLike,
     model,
@@ -1075,37 +1110,23 @@ def load_checkpoint(
     t0 = time.perf_counter()
     group, rank, world = _group(model)
 
-    err, folder, manifest = None, None, None
-    if rank == 0:
-        try:
-            folder = pub.resolve(path)
-            manifest = pub.read_manifest(folder)
-            if "model" not in manifest or "files" not in manifest:
-                raise CheckpointCorruptError(f"{folder / pub.MANIFEST}: incomplete manifest")
-            if verify:  # sizes first (cheap): a truncated file is named before anything is parsed
-                msg = pub.verify_files(folder, manifest, digest=False)
-                if msg:
-                    raise CheckpointCorruptError(msg)
-            md = read_dcp_metadata(folder)
-            _validate(model, optimizer, folder, manifest, md, strict)
-        except CheckpointError as e:
-            err = e
-        except (KeyError, TypeError, ValueError) as e:  # a manifest of the wrong structure
-            err = CheckpointCorruptError(f"{path}: malformed manifest ({type(e).__name__}: {e})")
-    _agree(group, err)
+    model.quiesce()  # no gather in flight still reads a shard this overwrites
+    folder, manifest = None, None
+    with agreed(group):
+        if rank == 0:
+            folder, manifest = _check_on_rank0(path, model, optimizer, strict, verify)
     folder, manifest = _broadcast(group, (str(folder), manifest))
     folder = Path(folder)
 
     if verify:
-        err = None
-        names = sorted(manifest["files"])
-        try:
-            msg = pub.verify_files(folder, manifest, names[rank::world])
+        with agreed(group):  # each rank hashes a share of the files
+            names = sorted(manifest["files"])
+            try:
+                msg = pub.verify_files(folder, manifest, names[rank::world])
+            except OSError as e:
+                msg = f"{folder}: {e}"
             if msg:
-                err = CheckpointCorruptError(msg)
-        except OSError as e:
-            err = CheckpointCorruptError(f"{folder}: {e}")
-        _agree(group, err)
+                raise CheckpointCorruptError(msg)
 
     saved_world = manifest["world_size"]
     same_world = saved_world == world
@@ -1160,16 +1181,8 @@ def load_checkpoint(
 
     rng: dict[str, torch.Tensor] = {}
     if restore_rng and same_world:
-        rng_md: Metadata | None = None
-        for k in manifest["rng"]["keys"]:
-            key = f"rng/{rank}/{k}"
-            if k == "cuda" and not torch.cuda.is_available():
-                continue
-            rng_md = rng_md or SafeFileSystemReader(folder).read_metadata()
-            item = rng_md.state_dict_metadata.get(key)
-            if not isinstance(item, TensorStorageMetadata):
-                raise CheckpointCorruptError(f"{folder}: {key} is missing from the DCP metadata")
-            rng[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        with agreed(group):  # each rank checks its own entries
+            rng = _rng_entries(folder, manifest, rank)
         state.update(rng)
 
     dcp_load(state, folder, process_group=group)
@@ -1183,7 +1196,8 @@ def load_checkpoint(
                     g[k] = _hyper_from_json(v, g.get(k))
     step = manifest.get("step")
     if rng:
-        _rng_restore(rng, rank)
+        with agreed(group):  # a corrupt state on one rank fails every rank, not that one alone
+            _rng_restore(rng, rank)
     elif restore_rng:
         seed = _reseed(step, rank)
         if rank == 0:

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from layershard.agreement import agreed
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.dcp import (
-    _agree,
     _buffers,
     _params,
     dcp_load,
@@ -39,6 +39,7 @@ from layershard.checkpoint.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
+from layershard.waits import waiting
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -158,6 +159,7 @@ def _prepare_out(out_dir: Path) -> None:
 
 
 @torch.no_grad()
+@waiting("HF export")
 def export_hf(
     model,
     out_dir: str | os.PathLike,
@@ -176,17 +178,16 @@ def export_hf(
     rename = _namer(kind)
     cap = parse_size(max_shard_size)
 
-    err: Exception | None = None
     writer: ShardedSafetensorsWriter | None = None
-    if rank == 0:
-        try:
-            _prepare_out(out)
-            writer = ShardedSafetensorsWriter(out, cap)
-        except OSError as e:
-            err = CheckpointError(f"export_hf: cannot write to {out}: {e}")
-    _agree(group, err)
+    with agreed(group):
+        if rank == 0:
+            try:
+                _prepare_out(out)
+                writer = ShardedSafetensorsWriter(out, cap)
+            except OSError as e:
+                raise CheckpointError(f"export_hf: cannot write to {out}: {e}") from None
 
-    err = None
+    err: Exception | None = None  # rank 0's, kept until every unit is gathered
     for f in model.flat_params:
         buf = model.gather_flat(f)  # over the shard group (each replica holds the same)
         if rank == 0 and err is None:
@@ -194,23 +195,26 @@ def export_hf(
             try:
                 for slot, t in zip(f.slots, f.views(buf)):
                     writer.add(rename(slot.name), t.to("cpu", dtype, copy=True))
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
                 err = e
         del buf
-    if rank == 0 and err is None:
-        assert writer is not None
-        try:
-            for key, b in _buffers(model):
-                writer.add(rename(key), b.detach().to("cpu", copy=True))
-            writer.close()
-            cfg = _hf_config_dict(kind, model_config(module), dtype)
-            if cfg is not None:
-                pub.write_atomic(out / "config.json", json.dumps(cfg, indent=2, sort_keys=True))
-        except Exception as e:  # noqa: BLE001
-            err = e
-    if err is not None and not isinstance(err, CheckpointError):
-        err = CheckpointError(f"export_hf: writing {out} failed: {err}")
-    _agree(group, err)
+    with agreed(group):
+        if rank == 0:
+            try:
+                if err is not None:
+                    raise err
+                assert writer is not None
+                for key, b in _buffers(model):
+                    writer.add(rename(key), b.detach().to("cpu", copy=True))
+                writer.close()
+                cfg = _hf_config_dict(kind, model_config(module), dtype)
+                if cfg is not None:
+                    text = json.dumps(cfg, indent=2, sort_keys=True)
+                    pub.write_atomic(out / "config.json", text)
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"export_hf: writing {out} failed: {e}") from e
     return out if rank == 0 else None
 
 
@@ -315,6 +319,7 @@ def _weight_map(src: Path) -> dict[str, str]:
 
 
 @torch.no_grad()
+@waiting("HF load")
 def load_hf(model, src_dir: str | os.PathLike, strict: bool = True) -> None:
     """Initialize a sharded model from Hugging Face safetensors in ``src_dir`` (an index with
     shards, or one ``model.safetensors``). Collective; each rank reads only the rows covering its
@@ -342,85 +347,86 @@ def load_hf(model, src_dir: str | os.PathLike, strict: bool = True) -> None:
                 ) from None
         return handles[fname]
 
-    plan = []  # (flat, slot, key, file)
-    bufs = []
-    err = None
+    model.quiesce()  # no gather in flight still reads a shard this overwrites
+    plan: list[tuple] = []  # (flat, slot, key, file)
+    bufs: list[tuple] = []
     try:
-        wmap = _weight_map(src)
-        used: set[str] = set()
-        missing: list[str] = []
-        for f, slot, _ in _params(model):
-            names = [rename(u.name) for u in slot.uses]
-            key = next((n for n in names if n in wmap), None)
-            used.update(n for n in names if n in wmap)
-            if key is None:
-                missing.append(names[0])
-                continue
-            plan.append((f, slot, key, wmap[key]))
-        for key, b in _buffers(model):
-            k = rename(key)
-            if k in wmap:
-                used.add(k)
-                bufs.append((b, k, wmap[k]))
-            elif strict:
-                missing.append(k)
-        unexpected = [k for k in wmap if k not in used and not _IGNORED_HF_KEYS.search(k)]
-        if missing or (strict and unexpected):
-            raise CheckpointMismatchError(
-                f"load_hf({src}): missing keys {missing[:6]}{'...' if len(missing) > 6 else ''}, "
-                f"unexpected keys {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}; "
-                "are these weights of this model?"
-            )
-        for _f, slot, key, fname in plan:
-            sl = handle(fname).get_slice(key)
-            shape, dt = list(sl.get_shape()), sl.get_dtype()
-            if shape != list(slot.shape):
-                raise CheckpointMismatchError(
-                    f"{src / fname}: {key} has shape {tuple(shape)}, the model expects {tuple(slot.shape)}"
-                )
-            if dt not in _ST_FLOAT:
-                raise CheckpointMismatchError(
-                    f"{src / fname}: {key} has dtype {dt}, expected a floating type"
-                )
-        for b, key, fname in bufs:
-            shape = list(handle(fname).get_slice(key).get_shape())
-            if shape != list(b.shape):
-                raise CheckpointMismatchError(
-                    f"{src / fname}: {key} has shape {tuple(shape)}, the model expects {tuple(b.shape)}"
-                )
-    except CheckpointError as e:
-        err = e
-    if err is not None:
-        _close(handles)
-    _agree(group, err)
-
-    err = None
-    try:
-        for f, slot, key, fname in plan:
-            a, b = f.local_param_range(slot)
-            if b <= a:
-                continue
-            try:
-                sl = handle(fname).get_slice(key)
-                if len(slot.shape) == 0:
-                    part = handle(fname).get_tensor(key).reshape(-1)
-                else:
-                    row = slot.numel // slot.shape[0] if slot.shape[0] else 1
-                    r0, r1 = a // row, -(-b // row)
-                    part = sl[r0:r1].reshape(-1)[a - r0 * row : b - r0 * row]
-            except CheckpointError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointCorruptError(f"{src / fname}: reading {key} failed ({e})") from None
-            lo = slot.offset + a - f.shard_start
-            f.shard[lo : lo + b - a].copy_(part)
-        for buf, key, fname in bufs:
-            buf.copy_(handle(fname).get_tensor(key))
-    except CheckpointError as e:
-        err = e
+        with agreed(group):  # any failure, of any kind, on any rank: raised on every rank
+            _plan_load(model, src, strict, rename, handle, plan, bufs)
+        with agreed(group):
+            _read_slices(src, handle, plan, bufs)
     finally:
         _close(handles)
-    _agree(group, err)
+
+
+def _plan_load(model, src: Path, strict: bool, rename, handle, plan: list, bufs: list) -> None:
+    """Which file and key each parameter and buffer comes from, checked before any copy."""
+    wmap = _weight_map(src)
+    used: set[str] = set()
+    missing: list[str] = []
+    for f, slot, _ in _params(model):
+        names = [rename(u.name) for u in slot.uses]
+        key = next((n for n in names if n in wmap), None)
+        used.update(n for n in names if n in wmap)
+        if key is None:
+            missing.append(names[0])
+            continue
+        plan.append((f, slot, key, wmap[key]))
+    for key, b in _buffers(model):
+        k = rename(key)
+        if k in wmap:
+            used.add(k)
+            bufs.append((b, k, wmap[k]))
+        elif strict:
+            missing.append(k)
+    unexpected = [k for k in wmap if k not in used and not _IGNORED_HF_KEYS.search(k)]
+    if missing or (strict and unexpected):
+        raise CheckpointMismatchError(
+            f"load_hf({src}): missing keys {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+            f"unexpected keys {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}; "
+            "are these weights of this model?"
+        )
+    for _f, slot, key, fname in plan:
+        sl = handle(fname).get_slice(key)
+        shape, dt = list(sl.get_shape()), sl.get_dtype()
+        if shape != list(slot.shape):
+            raise CheckpointMismatchError(
+                f"{src / fname}: {key} has shape {tuple(shape)}, the model expects {tuple(slot.shape)}"
+            )
+        if dt not in _ST_FLOAT:
+            raise CheckpointMismatchError(
+                f"{src / fname}: {key} has dtype {dt}, expected a floating type"
+            )
+    for b, key, fname in bufs:
+        shape = list(handle(fname).get_slice(key).get_shape())
+        if shape != list(b.shape):
+            raise CheckpointMismatchError(
+                f"{src / fname}: {key} has shape {tuple(shape)}, the model expects {tuple(b.shape)}"
+            )
+
+
+def _read_slices(src: Path, handle, plan: list, bufs: list) -> None:
+    """Copy into each shard the rows of the files that cover it (this rank's part only)."""
+    for f, slot, key, fname in plan:
+        a, b = f.local_param_range(slot)
+        if b <= a:
+            continue
+        try:
+            sl = handle(fname).get_slice(key)
+            if len(slot.shape) == 0:
+                part = handle(fname).get_tensor(key).reshape(-1)
+            else:
+                row = slot.numel // slot.shape[0] if slot.shape[0] else 1
+                r0, r1 = a // row, -(-b // row)
+                part = sl[r0:r1].reshape(-1)[a - r0 * row : b - r0 * row]
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointCorruptError(f"{src / fname}: reading {key} failed ({e})") from None
+        lo = slot.offset + a - f.shard_start
+        f.shard[lo : lo + b - a].copy_(part)
+    for buf, key, fname in bufs:
+        buf.copy_(handle(fname).get_tensor(key))
 
 
 def _close(handles: dict) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from layershard import waits
 from layershard.train.status import signal_name
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
@@ -103,60 +104,23 @@ class StopRequest:
 
 # ---- where the main thread waits -------------------------------------------------------------------
 
-# Functions of the engine's schedule, and the collective a rank blocked in them waits for.
-_WAITS = {
-    "ensure": "all-gather",
-    "gather": "all-gather",
-    "prefetch": "all-gather",
-    "_issue_gather": "all-gather",
-    "reduce": "reduce-scatter",
-    "post_backward": "reduce-scatter",
-    "end_backward": "reduce-scatter",
-    "_free_grad_slots": "reduce-scatter",
-    "clip_grad_norm_": "all-reduce of the gradient norm",
-    "full_state_dict": "all-gather of full_state_dict",
-    "save_checkpoint": "checkpoint save",
-    "load_checkpoint": "checkpoint load",
-    "export_hf": "HF export",
-    "_all_reduce": "all-reduce of the step's loss",
-    "_read_stats": "all-reduce of the step's loss and gradient norm",
-    "_memory_per_rank": "all-gather of memory use",
-    "evaluate": "evaluation",
-    "sample": "sampling",
-    "barrier": "barrier",
-}
 
-
-def describe_stack(frame: Any) -> str:
+def describe_stack(frame: Any, thread_id: int | None = None) -> str:
     """Where a thread blocked in layershard waits: "the all-gather of unit layers.3 (forward)",
-    from the innermost layershard frames of its stack and their locals."""
-    frames = []
-    while frame is not None:
-        if f"{os.sep}layershard{os.sep}" in frame.f_code.co_filename:
-            frames.append(frame)
-        frame = frame.f_back
-    if not frames:
+    as the code that blocks says it (``layershard.waits``), with the innermost layershard frame
+    of its stack."""
+    ident = thread_id if thread_id is not None else threading.main_thread().ident
+    what = waits.describe(ident) if ident is not None else None
+    inner = frame
+    while inner is not None and f"{os.sep}layershard{os.sep}" not in inner.f_code.co_filename:
+        inner = inner.f_back
+    if inner is None and what is None:
         return "outside layershard"
-    what, unit, phase = None, None, None
-    for f in frames:  # innermost first
-        loc = f.f_locals
-        if unit is None:
-            u = loc.get("u", loc.get("unit"))
-            unit = getattr(u, "name", None) if u is not None else None
-        if phase is None:  # a string in the collectives, schedule.Phase in the schedule
-            ph = loc.get("phase")
-            ph = getattr(ph, "value", ph)
-            phase = ph if isinstance(ph, str) else None
-        if what is None:
-            what = _WAITS.get(f.f_code.co_name)
-    inner = frames[0]
-    at = f"{os.path.basename(inner.f_code.co_filename)}:{inner.f_lineno} {inner.f_code.co_name}"
     text = what or f"{inner.f_code.co_name}"
-    if unit is not None:
-        text += f" of unit {unit}"
-    if phase is not None:
-        text += f" ({phase})"
-    return f"{text} [{at}]"
+    if inner is not None:
+        at = f"{os.path.basename(inner.f_code.co_filename)}:{inner.f_lineno} {inner.f_code.co_name}"
+        text += f" [{at}]"
+    return text
 
 
 def main_thread_stack() -> Any:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import layershard as ls
+from layershard.agreement import rank0_decides
 from layershard.checkpoint import CheckpointCorruptError, CheckpointError
 from layershard.checkpoint import publish as pub
 from layershard.models import LlamaForCausalLM
@@ -35,6 +36,7 @@ from layershard.train.faults import StopRequest, Watchdog, connect_store
 from layershard.train.modeling import build_model, check_seq_len, model_spec
 from layershard.train.report import MetricsLog, plot_losses
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
+from layershard.waits import waiting
 
 
 def param_groups(named_params, cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -66,7 +68,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def _all_reduce(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+        with waiting("all-reduce of the step's loss"):
+            dist.all_reduce(t)
     return t.tolist()
 
 
@@ -176,6 +179,7 @@ class Trainer:
         # page-locked host memory: the copy is asynchronous and overlaps the previous kernels
         return t.pin_memory().to(self.device, non_blocking=True)
 
+    @waiting("evaluation")
     def evaluate(self) -> float | None:
         if not len(self.val_idx):
             return None
@@ -211,7 +215,8 @@ class Trainer:
         counts = [count_targets(y) for _, y in micro]
         total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=self.device)
         if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(total)  # the global target count, still on the device
+            with waiting("all-reduce of the step's target count"):
+                dist.all_reduce(total)  # the global target count, still on the device
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y) in enumerate(micro):
             # Gradients are summed over micro-batches and averaged over ranks by the engine, so
@@ -243,6 +248,7 @@ class Trainer:
         self.step += 1
         return stats
 
+    @waiting("all-reduce of the step's loss and gradient norm")
     def _read_stats(
         self,
         loss_sum: torch.Tensor,
@@ -277,7 +283,8 @@ class Trainer:
             device=self.device,
         )
         if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            with waiting("all-reduce of the weights' finiteness"):
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item())
 
     def _refuse_non_finite(self, what: str) -> None:
@@ -305,7 +312,9 @@ class Trainer:
     def checkpoint(self, async_save: bool = False, log=None) -> Path:
         ckpt = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         self.wait_for_checkpoint()
-        if ckpt.exists():  # already written (e.g. stop-at and final at the same step)
+        # Already written (stop-at and final at the same step)? Decided once: on a network file
+        # system the ranks of other nodes may not see the folder yet, and would save alone.
+        if rank0_decides(ckpt.exists):
             return ckpt
         self._refuse_non_finite(f"the checkpoint {ckpt.name}")
         extra = {"loader": self.loader.state_dict(), "config": self.cfg.to_dict()}
@@ -337,6 +346,7 @@ class Trainer:
                 self.spec.save_pretrained(str(folder))
             shutil.copy(self.run_dir / "tokenizer.json", folder / "tokenizer.json")
 
+    @waiting("sampling")
     def sample(self) -> str:
         """Generate from ``sample_prompt`` on every rank (forward passes are collective); rank
         0's choice of each token is broadcast so that all ranks continue identically."""
@@ -705,7 +715,7 @@ def main(run_dir: str) -> int:
             # Leave together: a rank that tears its group down while a peer still works (rank 0
             # writing the plot) can abort inside gloo and take the whole job down with it. After
             # a failure there is nobody to wait for: torchrun stops the others.
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), waiting("the final barrier"):
                 dist.barrier()
             dist.destroy_process_group()
     return code
