@@ -48,3 +48,30 @@ def test_bench_tiny_end_to_end(tmp_path):
     assert res["world_sizes"]["2"]["targets"]  # evaluated (met or not is for real runs)
     runs = sorted(p.name for p in (out / "runs").glob("*.json"))
     assert runs == sorted(f"{i}-n2-r0.json" for i in RUN)
+
+
+def test_vocab_shape_embedding_and_head_are_each_larger_than_a_block():
+    """The `vocab` shape (issue 25): a vocabulary of at least 32k over a few blocks, so that the
+    embedding and the LM head, not a block, are the largest units. Built through the worker's own
+    build_model (the overrides as `layershard bench --shape vocab` passes them), on the meta
+    device; the long benchmark itself is not run here."""
+    import argparse
+
+    import torch
+
+    from layershard.bench.cli import SHAPES
+    from layershard.bench.worker import build_model
+    from layershard.plan import ModelShape, units
+
+    spec = SHAPES["vocab"]
+    args = argparse.Namespace(
+        seed=0, hf_config=None, model=spec["model"], vocab_size=8192,  # the CLI's default
+        model_override=list(spec["overrides"]), seq_len=spec["seq_len"],
+    )  # fmt: skip
+    with torch.device("meta"):
+        model, desc = build_model(args)
+    assert desc["vocab_size"] >= 32000 and desc["n_layers"] <= 4
+    sizes = {u.name: u.numel for u in units(ModelShape.from_config(model.config))}
+    block = sizes["layers.0"]
+    assert sizes["embed"] > block and sizes["lm_head"] > block, sizes
+    assert desc["params"] == sum(sizes.values())

@@ -13,7 +13,7 @@ from torch import nn
 
 from layershard.cli import main
 from layershard.models import LlamaConfig, LlamaForCausalLM, build_config
-from layershard.models.llama import Block, Rotary
+from layershard.models.llama import Block, Rotary, _native_gqa
 from layershard.plan import (
     GPUS,
     Cluster,
@@ -238,17 +238,30 @@ def test_other_strategies():
 
 def test_activation_formula_by_hand():
     shape = ModelShape.from_config(toy())
-    # bf16: 2 (4d + 4 h hd + 4f) + 8d + 8 + 4h = 2 (16 + 16 + 32) + 32 + 8 + 8 = 176 per token
-    assert layer_activation_bytes_per_token(shape, "bf16") == 176
-    per_layer, tokens = 176 * 8, 8  # micro-batch 1, seq 8
-    tail = (4 * 4 + 4 + 2 * 2 * 4) * tokens + 2 * 8 * 2 * 2  # final norm + head input + RoPE
+    # bf16: 2 (4d + 2 (h + kv) hd + 4f) + 8 + 4h = 2 (16 + 12 + 32) + 8 + 8 = 136 per token
+    assert layer_activation_bytes_per_token(shape, "bf16") == 136
+    # k and v repeated to h heads (a kernel without grouped heads): 2 (16 + 16 + 32) + 16
+    assert layer_activation_bytes_per_token(shape, "bf16", repeat_kv=True) == 144
+    # fp32: 4 (16 + 12 + 32) + 16
+    assert layer_activation_bytes_per_token(shape, "fp32") == 256
+    per_layer, tokens = 136 * 8, 8  # micro-batch 1, seq 8
+    tail = (2 * 2 * 4 + 4) * tokens + 2 * 8 * 2 * 2  # final norm + head input + RoPE
     assert predict_activations(toy(), 1, 8, 0, "bf16") == {
         "activations": 2 * per_layer + tail,
-        "logits": (2 + 8) * 16 * tokens,
+        "logits": (2 + 12) * 16 * tokens,  # logits + log-softmax + its two fp32 gradients
     }
     # every layer checkpointed: block inputs (c d per token) + one layer being recomputed
     assert predict_activations(toy(), 1, 8, 2, "bf16")["activations"] == (
         2 * 2 * 4 * tokens + per_layer + tail
+    )
+    # fp32: k, v repeated by default (as on CUDA, where flash attention runs 16-bit only), the
+    # RoPE tables are views of Rotary's fp32 buffers (no activation)
+    assert predict_activations(toy(), 1, 8, 0, "fp32") == {
+        "activations": 2 * (4 * (16 + 16 + 32) + 16) * tokens + (2 * 4 * 4 + 4) * tokens,
+        "logits": (4 + 12) * 16 * tokens,
+    }
+    assert predict_activations(toy(), 1, 8, 0, "fp32", repeat_kv=False)["activations"] == (
+        2 * 256 * tokens + (2 * 4 * 4 + 4) * tokens
     )
 
 
@@ -273,7 +286,7 @@ def test_peak_by_hand():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kv", [2, 4])
+@pytest.mark.parametrize("kv", [1, 2, 4])
 def test_activation_formula_matches_autograd(dtype, kv):
     """The per-layer formula equals the bytes autograd saves for the reference Block (unique
     storages, without the weights and the shared RoPE tables)."""
@@ -294,7 +307,10 @@ def test_activation_formula_matches_autograd(dtype, kv):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x, cos, sin)
     shape = ModelShape.from_config(cfg)
-    assert sum(saved.values()) == layer_activation_bytes_per_token(shape, dtype) * 2 * 64
+    q, kv_ = torch.zeros(1, 2, 1, 8, dtype=dtype), torch.zeros(1, 1, 1, 8, dtype=dtype)
+    repeat = not _native_gqa(q, kv_, kv_)  # grouped heads in this torch's CPU SDPA, this dtype?
+    per_token = layer_activation_bytes_per_token(shape, dtype, repeat_kv=repeat)
+    assert sum(saved.values()) == per_token * 2 * 64
 
 
 # --- communication and time ------------------------------------------------------------------

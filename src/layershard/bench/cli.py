@@ -24,8 +24,10 @@ from layershard.models import hf as models_hf
 
 TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain")
 
-# The default bench: the `small` preset, and a communication-heavier shape beside it (narrower,
-# shorter sequences, fewer tokens per rank: less compute per byte communicated).
+# The default bench: the `small` preset, a communication-heavier shape beside it (narrower,
+# shorter sequences, fewer tokens per rank: less compute per byte communicated), and a large
+# vocabulary over few wide blocks, where the embedding and the LM head are each 4x a block (as in
+# Llama 3, 128k vocab: its head is 2.4x a block), so they, not the blocks, are the largest units.
 SHAPES: dict[str, dict[str, Any]] = {
     "small": {"model": "small", "overrides": [], "seq_len": 512, "global_batch": 8},
     "comm": {
@@ -34,7 +36,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         "seq_len": 256,
         "micro_batch": 4,
     },
-}
+    "vocab": {
+        "model": "small",
+        "overrides": [
+            "vocab_size=32768", "dim=768", "n_layers=3", "n_heads=12", "n_kv_heads=4",
+            "ffn_dim=2048",
+        ],
+        "seq_len": 256,
+        "global_batch": 8,
+    },
+}  # fmt: skip
 
 
 def load_hf_config(path: str):
@@ -57,8 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = m.add_mutually_exclusive_group()
     src.add_argument(
         "--shape", nargs="+", choices=SHAPES, default=None,
-        help="named bench shapes (default, without --model/--hf-config: small comm): small is "
-        "the preset at seq 512, global batch 8; comm is d 384, seq 256, 4 sequences per rank",
+        help="named bench shapes (default, without --model/--hf-config: small comm vocab): "
+        "small is the preset at seq 512, global batch 8; comm is d 384, seq 256, 4 sequences "
+        "per rank; vocab is vocab 32768 over 3 blocks of d 768 (embedding and head 4x a "
+        "block), seq 256, global batch 8",
     )  # fmt: skip
     src.add_argument("--model", default=None, help="a layershard preset (tiny, small, ...)")
     src.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json or its folder")

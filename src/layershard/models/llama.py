@@ -14,8 +14,10 @@ eager initialization bitwise from the same seed.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +138,44 @@ class LMHead(Linear):
             super().reset_parameters()
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``(x * rsqrt(mean(x^2) + eps)).to(x.dtype) * weight`` with the normalization in fp32, op
+    for op as autograd would run it, but saving only what its backward needs: ``x`` itself and
+    the fp32 ``rsqrt`` (c d + 4 bytes a token, c = bytes of x's dtype). Autograd on the same
+    expression saves an fp32 copy of ``x`` and the normalized ``x`` as well ((4 + c) d + 4;
+    in fp32 ``x`` is its own copy). The backward recomputes the normalized ``x`` bit for bit and
+    applies autograd's own formulas (``mul``, ``rsqrt``, ``mean``, ``pow`` and the casts) in
+    autograd's order, so the gradients are today's up to the order in which the engine adds the
+    contributions to ``x`` (fp32 rounding)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        xf = x.float()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:  # mul's backward, reduced over the broadcast dims, cast
+            xn = (xf * rstd).to(x.dtype)
+            grad_w = grad * xn
+            lead = tuple(range(grad.dim() - weight.dim()))  # autograd's sum_to(weight.shape)
+            if lead:
+                grad_w = grad_w.sum(lead, keepdim=True).view(weight.shape)
+            grad_w = grad_w.to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            g = (grad * weight).to(x.dtype).float()  # mul's backward, then the two casts'
+            grad_rstd = (g * xf).sum(-1, keepdim=True)  # xf * rstd
+            grad_var = -0.5 * grad_rstd * rstd.pow(3)  # rsqrt: -0.5 grad result^3
+            grad_sq = grad_var.expand_as(xf) / x.shape[-1]  # mean
+            grad_x = (g * rstd + grad_sq * (2.0 * xf)).to(x.dtype)  # + pow(2)'s: grad 2 x
+        return grad_x, grad_w, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -147,10 +187,9 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 for stability, then return to the activation dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+        # Normalize in fp32 for stability, then return to the activation dtype; the Function
+        # keeps no fp32 copy of x for backward (see _RMSNormFunction).
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -216,12 +255,74 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:  # grouped-query: each kv head serves n_rep q heads
-            n_rep = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of q (batch, heads, seq, head_dim) over k, v with ``heads / n_rep`` heads
+    each (grouped-query attention: kv head j serves q heads j n_rep ... (j + 1) n_rep - 1).
+
+    When the kernel SDPA picks handles the groups itself (``enable_gqa``) as exactly as the
+    repeated heads, k and v are passed as they are, so autograd saves them with their own heads,
+    not n_rep copies. Otherwise they are repeated first, as HF's ``repeat_kv`` does: for a kernel
+    without grouped heads (memory-efficient attention, which fp32 gets on CUDA; CPU flash
+    attention in older torch releases) ``enable_gqa`` would send SDPA to its math fallback, which
+    keeps the whole seq x seq attention matrix; and CPU flash attention in a 16-bit dtype adds a
+    kv head's gradient over its q heads less exactly than repeating does (see ``_native_gqa``)."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        if _native_gqa(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _native_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether SDPA runs these grouped-query inputs in a fused kernel, exactly: flash attention
+    (the only one before cuDNN that takes grouped heads, and the first in SDPA's order when it
+    can run). CUDA flash attention (FlashAttention-2's flash_api) writes each q head's k/v
+    gradient and sums them per kv head, as repeat_interleave's backward does (read in the
+    source; not run on a GPU here). CPU flash attention's grouped k/v gradients in bf16 were
+    measured 1.2-1.4x farther from fp64 than the repeated heads' (seq 256-512, head_dim 64-128;
+    benchmarks/activations/gqa_accuracy.txt) and moved a 10-step bf16 training run
+    (tests/test_features.py) twice as far from its reference: on CPU it is used in fp32 and fp64
+    only, where it matches the repeated heads to fp32 rounding."""
+    if q.device.type == "cuda":
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        # checks the flag sdpa_kernel() sets, dtype, head_dim, GPU and the inputs' strides
+        return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True))
+    if q.device.type == "cpu":
+        # CPU has flash and math only; under torch.compile the flag is not readable (assumed on)
+        enabled = torch.compiler.is_compiling() or torch.backends.cuda.flash_sdp_enabled()
+        exact = q.dtype in (torch.float32, torch.float64)
+        return exact and enabled and _cpu_flash_has_gqa()
+    return False
+
+
+@torch.compiler.assume_constant_result
+def _cpu_flash_has_gqa() -> bool:
+    return _probe_cpu_flash_gqa()
+
+
+@functools.cache
+def _probe_cpu_flash_gqa() -> bool:
+    """CPU flash attention takes grouped heads only in newer torch releases (pytorch#157893,
+    2025; torch 2.13 here); in older ones ``enable_gqa`` sends SDPA to the math kernel. Ask the
+    kernel once, on a tiny input, rather than keep a version table."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, kv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8)
+    try:
+        with warnings.catch_warnings():  # "Flash attention kernel not used because: ..."
+            warnings.simplefilter("ignore")
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except RuntimeError:
+        return False
+    return True
 
 
 class MLP(nn.Module):
@@ -320,14 +421,15 @@ class LlamaForCausalLM(nn.Module):
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32: logits at position i predict labels at i + 1;
-    labels equal to -100 are ignored (the HF convention)."""
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    return F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]),
-        shift_labels.reshape(-1),
-        ignore_index=-100,
-    )
+    labels equal to -100 are ignored (the HF convention).
+
+    The labels are shifted, not the logits (each row's last position gets -100, as HF's
+    ``ForCausalLMLoss`` does), so cross-entropy reads the logits where they lie: fp32 logits are
+    not copied (slicing off the last position and flattening would copy them when the batch has
+    more than one row), and bf16 logits are copied once, by the cast to fp32, which is freed as
+    soon as log-softmax has run. What stays for backward is the fp32 log-softmax."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100)
 
 
 # --- Hugging Face interop --------------------------------------------------------------------

@@ -236,30 +236,53 @@ def predict_memory(
 # --- activations -------------------------------------------------------------------------------
 
 
-def layer_activation_bytes_per_token(shape: ModelShape, compute_dtype: Any = "bf16") -> int:
+def layer_activation_bytes_per_token(
+    shape: ModelShape, compute_dtype: Any = "bf16", repeat_kv: bool = False
+) -> int:
     """Bytes one Llama block saves for backward per token, counted tensor by tensor for
     ``layershard.models.llama.Block`` (the method of Korthikanti et al. 2022, "Reducing
     Activation Recomputation in Large Transformer Models", Sec. 4.1), with fused SDPA
     (flash / memory-efficient attention: no s^2 term, only a fp32 log-sum-exp per head).
 
-    With c = bytes of the compute dtype, d = dim, f = ffn_dim, h = heads, hd = head_dim:
+    With c = bytes of the compute dtype, d = dim, f = ffn_dim, h = heads, kv = kv heads,
+    hd = head_dim:
 
-        2 RMSNorms    2 x (fp32 input copy 4d + fp32 rsqrt 4 + normalized input to *weight c d)
-        attention     norm output c d (shared by wq/wk/wv)  +  q, k, v as SDPA sees them
-                      3 c h hd (GQA's k, v are repeated to h heads before SDPA)  +  SDPA output
+        2 RMSNorms    2 x (their input c d + its fp32 rsqrt 4): ``_RMSNormFunction`` keeps no
+                      fp32 copy of the input and no normalized input
+        attention     norm output c d (shared by wq/wk/wv)  +  q c h hd  +  k, v 2 c kv hd as
+                      SDPA sees them (grouped heads are not repeated; h instead of kv with
+                      ``repeat_kv``: a kernel without grouped heads, see below)  +  SDPA output
                       c h hd (wo's input is a view of it)  +  log-sum-exp 4 h
         SwiGLU MLP    norm output c d  +  w1 x (silu input) c f  +  silu(w1 x) c f
                       +  w3 x c f  +  the product (w2 input) c f
 
-        total = c (4 d + 4 h hd + 4 f) + 8 d + 8 + 4 h
+        total = c (4 d + 2 (h + kv) hd + 4 f) + 8 + 4 h
 
-    For bf16 and h hd = d that is 24 d + 8 f + 8 + 4 h (Korthikanti's GPT block: 34 d with
-    f = 4 d, dropout masks and GELU instead of SwiGLU). tests/test_plan.py checks it exactly
-    against the tensors autograd saves (``saved_tensors_hooks``) for the reference Block.
+    For bf16, h hd = d and kv = h that is 16 d + 8 f + 8 + 4 h (Korthikanti's GPT block: 34 d
+    with f = 4 d, dropout masks and GELU instead of SwiGLU; HF's ``LlamaForCausalLM`` saves 8 d
+    more: each RMSNorm's fp32 input copy and normalized input). tests/test_plan.py checks it
+    exactly against the tensors autograd saves (``saved_tensors_hooks``) for the reference Block,
+    and tests/test_activation_memory.py the whole model against torch's MemTracker.
+    ``repeat_kv``: the model repeats k and v when the SDPA kernel that runs has no grouped heads
+    (``llama._native_gqa``; e.g. fp32 on CUDA, where flash attention does not run).
     """
     c = dtype_bytes(compute_dtype)
     d, f, h, hd = shape.dim, shape.ffn_dim, shape.n_heads, shape.hd
-    return c * (4 * d + 4 * h * hd + 4 * f) + 8 * d + 8 + 4 * h
+    kv = h if repeat_kv else shape.n_kv_heads
+    return c * (4 * d + 2 * (h + kv) * hd + 4 * f) + 8 + 4 * h
+
+
+def logits_bytes_per_token(shape: ModelShape, compute_dtype: Any = "bf16") -> int:
+    """Peak bytes per token of the LM head's output and the loss (``causal_lm_loss``), reached
+    at the start of the loss's backward, before any unit's backward (so before the gradient
+    slots exist): the logits in the compute dtype c V (the caller holds the output), the fp32
+    log-softmax cross-entropy saves 4 V, and two fp32 gradients 8 V (nll_loss's and
+    log-softmax's, both alive while log-softmax's backward runs). The forward's own peak is
+    lower: c V + 8 V with the fp32 cast of bf16/fp16 logits (freed after log-softmax), c V + 4 V
+    in fp32 (no copy is made), + 8 for the shifted labels. Plus two fp32 scalars per step (the
+    loss and nll_loss's total weight), not counted. Measured with MemTracker in
+    tests/test_activation_memory.py."""
+    return (dtype_bytes(compute_dtype) + 12) * shape.vocab_size
 
 
 def predict_activations(
@@ -268,26 +291,34 @@ def predict_activations(
     seq_len: int,
     checkpoint_layers: int = 0,
     compute_dtype: Any = "bf16",
+    repeat_kv: bool | None = None,
 ) -> dict[str, int]:
     """Peak activation bytes per rank, at the start of backward (all saved tensors alive).
 
     - Blocks: ``(L - k) * A`` for the non-checkpointed layers plus ``k * c d`` (only the block
       input is kept for the ``k`` checkpointed layers) plus one more ``A`` while a checkpointed
       layer recomputes its forward (if ``k > 0``); ``A = layer_activation_bytes_per_token * b s``.
-    - Outside the blocks: the RoPE tables in the compute dtype (2 s hd c, shared by all
-      blocks), the final RMSNorm (4 d + 4 + c d per token) and the LM head's input (c d).
-    - Logits: the LM head's output in the compute dtype (c V), the fp32 log-softmax that
-      cross-entropy saves (4 V) and its fp32 gradient at the start of backward (4 V), per token.
+    - Outside the blocks: the final RMSNorm (its input c d and rsqrt 4 per token), the LM head's
+      input (c d), and the RoPE tables in a 16-bit compute dtype (2 s hd c, shared by all blocks:
+      casts of Rotary's fp32 buffers; in fp32 they are views of the buffers, in
+      ``module_buffers``).
+    - Logits: ``logits_bytes_per_token`` per token.
+
+    ``repeat_kv`` (default: only in fp32, as on CUDA, where flash attention, the kernel with
+    grouped heads, runs 16-bit dtypes only): see ``layer_activation_bytes_per_token``.
     """
     shape = ModelShape.from_config(config)
     L = shape.n_layers
     k = max(0, min(int(checkpoint_layers), L))
     c = dtype_bytes(compute_dtype)
+    if repeat_kv is None:
+        repeat_kv = c == 4
     tokens = int(micro_batch) * int(seq_len)
-    per_layer = layer_activation_bytes_per_token(shape, compute_dtype) * tokens
+    per_layer = layer_activation_bytes_per_token(shape, compute_dtype, repeat_kv) * tokens
     blocks = (L - k) * per_layer + k * c * shape.dim * tokens + (per_layer if k else 0)
-    tail = (4 * shape.dim + 4 + 2 * c * shape.dim) * tokens + 2 * int(seq_len) * shape.hd * c
-    logits = (c + 8) * shape.vocab_size * tokens
+    rope = 0 if c == 4 else 2 * int(seq_len) * shape.hd * c
+    tail = (2 * c * shape.dim + 4) * tokens + rope
+    logits = logits_bytes_per_token(shape, compute_dtype) * tokens
     return {"activations": blocks + tail, "logits": logits}
 
 
@@ -301,8 +332,9 @@ def unit_grad_bytes(config: Any, world_size: int, compute_dtype: Any = "bf16") -
 def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int) -> int:
     """Per-rank peak of a steady-state step (optimizer state already allocated), the larger of:
 
-    - forward, at the loss: model states without the gradient slots and their reduce scratch
-      (they exist only during backward) + activations + logits;
+    - at the loss (its forward, and its backward, which runs before any unit's backward):
+      model states without the gradient slots and their reduce scratch (they exist only during
+      a unit's backward) + activations + logits;
     - backward, at a unit's post-backward: model states + the activations still saved (at most
       all of them) + that unit's unsharded gradients (``unit_grad_bytes``).
     """
