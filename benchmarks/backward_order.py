@@ -35,7 +35,13 @@ def worker(rank: int, world: int, port: int, args) -> None:
     import torch.distributed as dist
 
     import layershard as ls
-    from layershard import schedule as sched
+
+    try:
+        from layershard.engine import buffers
+        from layershard.engine import schedule as sched
+    except ImportError:  # an engine from before the engine/ package (A/B runs)
+        from layershard import buffers  # type: ignore[no-redef]
+        from layershard import schedule as sched  # type: ignore[no-redef]
     from layershard.models import LlamaForCausalLM, build_config
 
     waited = [0.0, 0.0]  # backward, forward
@@ -62,8 +68,6 @@ def worker(rank: int, world: int, port: int, args) -> None:
         return wrapper
 
     # Other places the main thread may block on communication (reported with --per-unit).
-    from layershard import buffers
-
     sched.Schedule.end_backward = timed_call("end_backward", sched.Schedule.end_backward)
     buffers.GradSlot.acquire = timed_call("grad_slot_acquire", buffers.GradSlot.acquire)
     buffers.GatherSlot.take = timed_call("gather_slot_take", buffers.GatherSlot.take)

@@ -247,7 +247,7 @@ def test_crafted_checkpoint_runs_no_code(saved_ws2, tmp_path, capsys):
 
     import torch.distributed.checkpoint as dcp
 
-    from layershard.checkpoint.dcp import SafeFileSystemReader, read_dcp_metadata
+    from layershard.checkpoint.safe_read import SafeFileSystemReader, read_dcp_metadata
     from layershard.cli import main
 
     marker = tmp_path / "pwned"
@@ -401,7 +401,7 @@ def _after_crash_and_bad_input(rank: int, world: int, root: str) -> None:
 
     # wrong dtype recorded for one tensor
     def to_bf16(d):
-        from layershard.checkpoint.dcp import read_dcp_metadata
+        from layershard.checkpoint.safe_read import read_dcp_metadata
 
         md = read_dcp_metadata(d)
         md.state_dict_metadata["model/layers.1.attn.wq.weight"].properties.dtype = torch.bfloat16

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from _dist import run_ranks
 
 import layershard as ls
-from layershard.checkpoint import CheckpointError, checkpoint_info
-from layershard.checkpoint import dcp as ckdcp
+from layershard.checkpoint import CheckpointError, checkpoint_info, safe_read
+from layershard.checkpoint import manifest as ckmanifest
 from layershard.checkpoint import publish as pub
+from layershard.checkpoint import save as cksave
 from layershard.models import LlamaConfig, LlamaForCausalLM
 
 SRC = Path(__file__).parents[1] / "src" / "layershard"
@@ -111,17 +112,17 @@ def _old_format(rank: int, world: int, root: str) -> None:
     model = ls.shard(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, opt, rank)
-    original = ckdcp._sharded_1d
-    ckdcp._sharded_1d = _old_sharded_1d
+    original = cksave.sharded_1d
+    cksave.sharded_1d = ckmanifest.sharded_1d = _old_sharded_1d  # parameters, optimizer state
     try:
         ls.save_checkpoint(root / "old", model, opt, step=1)
     finally:
-        ckdcp._sharded_1d = original
+        cksave.sharded_1d = ckmanifest.sharded_1d = original
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ls.save_checkpoint(root / "new", model, opt, step=1)
     assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
-    md_old, md_new = (ckdcp.read_dcp_metadata(root / n) for n in ("old", "new"))
+    md_old, md_new = (safe_read.read_dcp_metadata(root / n) for n in ("old", "new"))
     assert md_old.state_dict_metadata == md_new.state_dict_metadata
     assert set(md_old.storage_data) == set(md_new.storage_data)
     params, optim = model.full_state_dict(rank0_only=False), _optim_full(model, opt)
@@ -311,7 +312,7 @@ def _disk_full_and_async(rank: int, world: int, root: str) -> None:
     #    and is published exactly like a synchronous one.
     at_2, optim_2 = _params_of(model), _optim_full(model, opt)
     handle = ls.save_checkpoint(ck / "step_2", model, opt, step=2, keep_last=1, async_save=True)
-    assert isinstance(handle, ckdcp.AsyncCheckpoint) and handle.path == (ck / "step_2").absolute()
+    assert isinstance(handle, cksave.AsyncCheckpoint) and handle.path == (ck / "step_2").absolute()
     for s in range(3):  # the parameters and optimizer state change under the background write
         _step(model, opt, rank, seed=10 + s)
     assert handle.wait() == (ck / "step_2").absolute()

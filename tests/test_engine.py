@@ -17,7 +17,8 @@ from _parity import tiny_llama as _tiny
 from torch import nn
 
 import layershard as ls
-from layershard.schedule import Phase, reduce_factors, scale_into
+from layershard.engine.reducer import reduce_factors, scale_into
+from layershard.engine.schedule import Phase
 
 
 # ---- alignment -----------------------------------------------------------------------------------
@@ -372,8 +373,8 @@ def _two_reduce_scatters_in_flight(rank: int, world: int, collective: str) -> No
     """Two reduce-scatters in flight, waited for in the other order: each must read its own
     chunk (they once shared one scratch, and the first one's gradients became the second's).
     The backend here finishes each collective before anyone waits, as a fast one may.
-    ``collective``: the ``layershard.collectives`` function the reduce-scatter runs on."""
-    import layershard.collectives as collectives
+    ``collective``: the ``layershard.engine.collectives`` function the reduce-scatter runs on."""
+    import layershard.engine.collectives as collectives
 
     owner = collectives if collective.startswith("_") else collectives.dist
     real = getattr(owner, collective)
@@ -394,8 +395,8 @@ def _two_reduce_scatters_in_flight(rank: int, world: int, collective: str) -> No
         torch.manual_seed(rank)
         grads = [[torch.randn(slot.shape) for slot in u.trainable.slots] for u in units]
         for u, g in zip(units, grads):
-            s.reduce(u, tuple(g))
-        for gs in reversed(s.grad_slots):
+            s.reducer.reduce(u, tuple(g), no_sync=False)
+        for gs in reversed(s.reducer.grad_slots):
             gs.wait()
     finally:
         setattr(owner, collective, real)
@@ -450,7 +451,7 @@ def test_cuda_device_choice(monkeypatch):
 
 
 def test_gather_slot_assignment():
-    from layershard.gather_slots import assign_gather_slots, slot_numels
+    from layershard.engine.gather_slots import assign_gather_slots, slot_numels
 
     # An untied Llama: embed, 8 blocks, final norm, head. The norm (1/64 of a block or less)
     # takes a slot of its own; embed shares slot 0 with layers.0 so that head and embed share the

@@ -226,10 +226,10 @@ def _llama(rank, world) -> None:
         with torch.device("meta"):
             meta_model = LlamaForCausalLM(LlamaConfig(**{**TINY, "tie_embeddings": tied}))
         peak = _Peak()
-        logging.getLogger("layershard.init").addHandler(peak)
-        logging.getLogger("layershard.init").setLevel(logging.DEBUG)
+        logging.getLogger("layershard.engine.init").addHandler(peak)
+        logging.getLogger("layershard.engine.init").setLevel(logging.DEBUG)
         lazy = ls.shard(meta_model, device="cpu")  # materialized on the CPU whatever the device
-        logging.getLogger("layershard.init").removeHandler(peak)
+        logging.getLogger("layershard.engine.init").removeHandler(peak)
         a, b = eager.full_state_dict(), lazy.full_state_dict()
         if rank == 0:
             assert list(a) == list(b)

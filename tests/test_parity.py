@@ -47,7 +47,7 @@ def _llama_parity(rank: int, world: int) -> None:
         loss.backward()
         stats = model.comm_stats()
         # The gradient slots exist only during backward (they add nothing to the forward's peak).
-        assert all(g.data is None for g in model._schedule.grad_slots)
+        assert all(g.data is None for g in model._schedule.reducer.grad_slots)
         opt.step()
         opt.zero_grad()
 

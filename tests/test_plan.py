@@ -72,7 +72,7 @@ def test_preset_sizes():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_units_match_engine(tied):
-    from layershard.units import backward_needs_weights, find_units
+    from layershard.engine.units import backward_needs_weights, find_units
 
     cfg = build_config("tiny", tie_embeddings=tied)
     engine = [
@@ -88,7 +88,7 @@ def test_units_match_engine(tied):
 
 
 def test_backward_needs_weights():
-    from layershard.units import backward_needs_weights, find_units
+    from layershard.engine.units import backward_needs_weights, find_units
 
     class Scaled(nn.Embedding):  # overrides forward: may use its weight in backward
         def forward(self, x):

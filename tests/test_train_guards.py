@@ -105,7 +105,7 @@ def test_shard_refuses_a_module_that_contains_a_sharded_module():
 
 @pytest.fixture
 def trainer(tmp_path):
-    from layershard.train.loop import Trainer
+    from layershard.train.trainer import Trainer
 
     ls.init_distributed(backend="gloo")
     layer = {"max_files": 40, "val_fraction": 0.2, "vocab_size": 512, "seq_len": 64,
@@ -148,7 +148,7 @@ def test_one_host_read_per_step_whatever_the_micro_batches(trainer, monkeypatch)
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run_without_saving(trainer, capsys):
-    from layershard.train.loop import StopRun
+    from layershard.train.trainer import StopRun
 
     model = trainer.model.module
     forward = model.forward

@@ -38,8 +38,8 @@ def timed(obj, name, label):
 
 
 if impl == "layershard":
-    import layershard.collectives as C
-    import layershard.schedule as S
+    import layershard.engine.collectives as C
+    import layershard.engine.schedule as S
 
     model = ls.shard(model)
     timed(C.Pending, "wait", "Pending.wait")

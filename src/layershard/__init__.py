@@ -7,9 +7,9 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 """
 
 from layershard.distributed import init_distributed
-from layershard.precision import GradScaler, MixedPrecision
+from layershard.engine.precision import GradScaler, MixedPrecision
+from layershard.engine.strategy import CPUOffload
 from layershard.sharded import ShardedModule, shard
-from layershard.strategy import CPUOffload
 
 __version__ = "0.1.0"
 

@@ -17,20 +17,21 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from layershard.agreement import agreed
-from layershard.buffers import GatherSlot, GradSlot, nbytes
-from layershard.collectives import Comm
 from layershard.distributed import default_device
-from layershard.flat import FlatParam, ParamSlot, layout
-from layershard.gather_slots import assign_gather_slots, slot_numels
-from layershard.init import fill_shards
-from layershard.precision import FULL_PRECISION, MixedPrecision
-from layershard.schedule import Phase, Schedule, Unit
-from layershard.strategy import CPUOffload, Sharding
-from layershard.strategy import resolve as resolve_strategy
-from layershard.units import UnitSpec, backward_needs_weights, find_units
+from layershard.engine.agreement import agreed
+from layershard.engine.buffers import nbytes
+from layershard.engine.build import build_schedule, make_storage
+from layershard.engine.flat import FlatParam
+from layershard.engine.init import fill_shards
+from layershard.engine.precision import FULL_PRECISION, MixedPrecision
+from layershard.engine.schedule import Phase, Schedule
+from layershard.engine.strategy import CPUOffload, Sharding
+from layershard.engine.strategy import resolve as resolve_strategy
+from layershard.engine.units import Unit, find_units
+from layershard.engine.waits import waiting
 
 CLIP = "all-reduce of the gradient norm"
 _sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # their hooks are installed
@@ -40,6 +41,7 @@ _sharded_away: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValu
 
 def shard(
     model: nn.Module,
+    *,
     layers: Iterable[nn.Module | str] | None = None,
     mixed_precision: MixedPrecision | None = None,
     strategy: str = "full",
@@ -47,14 +49,14 @@ def shard(
     process_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
-    *,
     shard_size: int | None = None,
     reshard_after_forward: bool | int = True,
-    mesh=None,
+    mesh: DeviceMesh | None = None,
     offload: CPUOffload | None = None,
     compile: bool | dict = False,
 ) -> ShardedModule:
-    """Shard ``model`` across the ranks of ``process_group`` (default: all ranks).
+    """Shard ``model`` across the ranks of ``process_group`` (default: all ranks). Every option
+    is a keyword argument.
 
     Args:
         layers: the repeated blocks (modules or their names). ``None`` finds them: the children
@@ -64,7 +66,7 @@ def shard(
         strategy: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2), ``"no_shard"`` (DDP-like) or
             ``"hybrid"`` (HSDP: sharded within groups of ``shard_size`` ranks, default the ranks
             of a node, replicated across groups; or pass a 2-D ``mesh`` (replicate, shard)).
-            See ``layershard.strategy``.
+            See ``layershard.engine.strategy``.
         reshard_after_forward: for ``"full"``: ``True``; ``False`` is ``"grad_op"``; an int K
             keeps each unit sharded over K ranks (a node) from its forward to its backward, so
             the backward gather stays within them (ZeRO++ hpZ, FSDP2's int).
@@ -97,7 +99,6 @@ def shard(
     device = torch.device(device) if device is not None else default_device(group)
     _check_devices(model)
     sharding = resolve_strategy(strategy, group, shard_size, reshard_after_forward, mesh)
-    rank, world = sharding.shard_rank, sharding.shard_size
     host = torch.device("cpu") if offload is not None else device
 
     specs = find_units(model, layers)
@@ -115,19 +116,9 @@ def shard(
         param_init_fn = hf_init  # how HF transformers initializes its modules
 
     # 1. Flat storage: one trainable and/or one frozen FlatParam per unit; fill this rank's slice.
-    #    Unsharded fp32 compute (no_shard) computes on the shards themselves: the unit's flats are
-    #    views of one buffer, which is also its gather slot (no copy, no second copy in memory).
-    in_place = world == 1 and precision.param_dtype == torch.float32 and offload is None
-    flats_of, unit_buffers = [], []
-    slot_of: dict[int, tuple[FlatParam, ParamSlot]] = {}  # id(original parameter) ->
-    for spec in specs:
-        flats, buffer, placed = _make_flats(spec, world, rank, host, in_place)
-        if offload is not None and device.type == "cuda" and offload.pin_memory:
-            for f in flats:
-                f.pin()
-        slot_of.update((id(p), (f, sl)) for p, f, sl in placed)
-        flats_of.append(flats)
-        unit_buffers.append(buffer)
+    pin = offload is not None and device.type == "cuda" and offload.pin_memory
+    storage = make_storage(specs, sharding, precision, host, offload is not None, pin)
+    slot_of = storage.slot_of
     fill_shards(model, specs, slot_of, host, param_init_fn)
 
     # 2. The original parameters leave the modules; weights become attributes set per forward.
@@ -139,7 +130,7 @@ def shard(
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the full copy
         _sharded_away[id(p)] = p
     model.to(device)  # module buffers only: parameters are no longer registered
-    for fl in flats_of:
+    for fl in storage.flats:
         for f in fl:
             # The slices are registered again under the original names so that code reading
             # `module.parameters()` (HF's `model.device`, parameter counts) keeps working; inside
@@ -148,54 +139,11 @@ def shard(
                 for use in sl.uses:
                     use.module._parameters[use.attr] = p
 
-    # 3. Preallocated buffers, units, hooks.
-    comm = Comm(sharding, group, device)
-    comm.host_sync = offload is not None
-    root_spec = specs[0] if specs[0].module is None else None
-    others = [
-        (s, fl, buf) for s, fl, buf in zip(specs, flats_of, unit_buffers) if s is not root_spec
-    ]
-    cdtype, rdtype = precision.param_dtype, precision.reduce_dtype
-    unit_numel = [sum(f.padded_numel for f in fl) for _, fl, _ in others]
-    if sharding.keep_gathered:  # weights stay gathered until the backward: a slot per unit
-        slots = [GatherSlot(n, cdtype, device, buf) for n, (_, _, buf) in zip(unit_numel, others)]
-    else:  # two slots taken in turn, and one of its own per small unit (see buffers.py)
-        lookup = bool(others) and not backward_needs_weights(others[0][0])
-        which = assign_gather_slots(unit_numel, first_is_lookup=lookup)
-        pool = {k: GatherSlot(n, cdtype, device) for k, n in slot_numels(which, unit_numel).items()}
-        slots = [pool[k] for k in which]
-    trainable = [f for fl in flats_of for f in fl if f.requires_grad]
-    grad_numel = max((f.padded_numel for f in trainable), default=0)
-    shard_numel = max((f.shard_numel for f in trainable), default=0)
-    grad_slots = [
-        GradSlot(
-            grad_numel,
-            rdtype,
-            device,
-            shard_numel,
-            comm.scratch_numel(grad_numel, shard_numel),
-            host if offload else None,
-        )
-        for _ in range(2 if trainable else 0)
-    ]
-    units = [
-        Unit(s.name, s.module, s.is_block, fl, slot, device, backward_needs_weights(s))
-        for (s, fl, _), slot in zip(others, slots)
-    ]
-    if sharding.hpz_group is not None:
-        k = sharding.hpz_size
-        for u in units:
-            if u.gather_in_backward:
-                u.secondary = [
-                    torch.empty(f.padded_numel // k, dtype=cdtype, device=device) for f in u.flats
-                ]
-    root = None
-    if root_spec is not None:
-        root_flats, root_buffer = flats_of[0], unit_buffers[0]
-        numel = sum(f.padded_numel for f in root_flats)
-        root_slot = GatherSlot(numel, cdtype, device, root_buffer)
-        root = Unit("<root>", None, False, root_flats, root_slot, device)
-    schedule = Schedule(root, units, grad_slots, comm, precision, offload=offload is not None)
+    # 3. Preallocated buffers, units, the schedule and its hooks.
+    schedule = build_schedule(
+        specs, storage, sharding, precision, group, device, offload is not None
+    )
+    comm, units = schedule.comm, schedule.units
     schedule.install(model)
     _sharded_models.add(model)
 
@@ -225,34 +173,6 @@ def _check_devices(model: nn.Module) -> None:
             f"shard(): the model's parameters are on several devices ({names}); move the model "
             "to one device (or build it on 'meta') before shard(), and pass device= for the shards"
         )
-
-
-def _make_flats(
-    spec: UnitSpec, world: int, rank: int, device: torch.device, in_place: bool
-) -> tuple[list[FlatParam], torch.Tensor | None, list[tuple[nn.Parameter, FlatParam, ParamSlot]]]:
-    """The unit's flat groups (trainable first, then frozen); with ``in_place``, the one zeroed
-    buffer whose consecutive views their shards are; and where each original parameter went."""
-    groups = []
-    for requires_grad in (True, False):
-        group = [(p, uses) for p, uses in spec.params if p.requires_grad == requires_grad]
-        if group:
-            offsets, _, shard_numel = layout([p.numel() for p, _ in group], world)
-            groups.append((requires_grad, group, offsets, shard_numel))
-    buffer = None
-    if in_place:
-        buffer = torch.zeros(sum(g[3] * world for g in groups), device=device)
-    flats, placed, start = [], [], 0
-    for requires_grad, group, offsets, shard_numel in groups:
-        slots = [
-            ParamSlot(uses, p.shape, offset, requires_grad)
-            for (p, uses), offset in zip(group, offsets)
-        ]
-        storage = None if buffer is None else buffer[start : start + shard_numel]
-        f = FlatParam(slots, requires_grad, world, rank, device, storage=storage)
-        start += shard_numel * world
-        placed += [(p, f, sl) for (p, _), sl in zip(group, slots)]
-        flats.append(f)
-    return flats, buffer, placed
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -382,6 +302,18 @@ class ShardedModule(nn.Module):
     def __repr__(self) -> str:
         return f"ShardedModule(units={len(self.units)}, world_size={self._schedule.world_size},\n  {self.module!r})"
 
+    @property
+    def collective_device(self) -> torch.device | None:
+        """Where tensors must be for this model's collectives: its GPU under NCCL (CPU offload
+        keeps shards on the host), None when any device will do (gloo)."""
+        comm = self._schedule.comm
+        return comm.device if comm.backend == "nccl" else None
+
+    def all_gather_into(self, out: torch.Tensor, src: torch.Tensor, label: str = "user") -> None:
+        """Concatenate every shard-group rank's ``src`` (equal sizes) into ``out``, as the engine
+        does (counted in ``comm_stats()`` under the phase "optimizer"). Collective."""
+        self._schedule.comm.all_gather(out, src, "optimizer", label).wait()
+
     def quiesce(self) -> None:
         """Wait for every collective in flight that reads the shards (on CUDA a gather casts
         them on the comm stream). Call before writing shards by other means than the optimizer
@@ -448,6 +380,7 @@ class ShardedModule(nn.Module):
         return out
 
     @torch.no_grad()
+    @waiting("full_state_dict")
     def full_state_dict(self, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
         """The unsharded fp32 weights and persistent buffers under the original names, in the
         order of the wrapped model's ``state_dict()``. Collective; gathers one unit at a time.
@@ -507,6 +440,7 @@ class ShardedModule(nn.Module):
                             f.copy_from_full(slot, next(it))
 
     @torch.no_grad()
+    @waiting("load_full_state_dict")
     def load_full_state_dict(
         self, state_dict: dict[str, torch.Tensor] | None, strict: bool = True
     ) -> None:
@@ -522,7 +456,8 @@ class ShardedModule(nn.Module):
         has = [state_dict is not None]
         if world > 1:
             has = [False] * world
-            dist.all_gather_object(has, state_dict is not None, group=group)
+            with waiting("agreement on which ranks pass a state dict"):
+                dist.all_gather_object(has, state_dict is not None, group=group)
         if not has[0]:  # every rank sees rank 0's flag: every rank raises
             raise ValueError(
                 "load_full_state_dict(): rank 0 must pass a state dict (the other ranks may "
@@ -621,8 +556,8 @@ class ShardedModule(nn.Module):
             "gather_buffers": sum(  # (no_shard in fp32 computes on the shards: not counted twice)
                 nbytes(t) for t in _unique(weights) if t.untyped_storage().data_ptr() not in shards
             ),
-            "grad_buffers": sum(g.capacity for g in s.grad_slots),
-            "reduce_scratch": sum(g.scratch_capacity for g in s.grad_slots),
+            "grad_buffers": sum(g.capacity for g in s.reducer.grad_slots),
+            "reduce_scratch": sum(g.scratch_capacity for g in s.reducer.grad_slots),
             "module_buffers": sum(
                 {
                     b.untyped_storage().data_ptr(): nbytes(b)

@@ -37,7 +37,7 @@ def _patch(loop, faults: list[tuple[str, int, int, int]]) -> None:
 
 
 def _install(faults: list[tuple[str, int, int, int]]) -> None:
-    """Patch layershard.train.loop when it is imported (the rank's `-m layershard.train.loop`
+    """Patch layershard.train.trainer when it is imported (the rank's `-m layershard.train.rank`
     imports it as a module to run it); importing it here would upset runpy."""
     import importlib.abc
     import importlib.machinery
@@ -45,7 +45,7 @@ def _install(faults: list[tuple[str, int, int, int]]) -> None:
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "layershard.train.loop":
+            if name != "layershard.train.trainer":
                 return None
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             real_exec = spec.loader.exec_module

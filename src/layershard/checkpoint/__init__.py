@@ -8,7 +8,6 @@
 See docs/checkpoint.md for the layout on disk and the guarantees.
 """
 
-from layershard.checkpoint.dcp import load_checkpoint, save_checkpoint
 from layershard.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -17,8 +16,11 @@ from layershard.checkpoint.errors import (
 )
 from layershard.checkpoint.hf import export_checkpoint, export_hf, load_hf
 from layershard.checkpoint.info import checkpoint_info
+from layershard.checkpoint.load import load_checkpoint
+from layershard.checkpoint.save import AsyncCheckpoint, save_checkpoint
 
 __all__ = [
+    "AsyncCheckpoint",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",

@@ -23,23 +23,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from layershard.agreement import agreed
 from layershard.checkpoint import publish as pub
-from layershard.checkpoint.dcp import (
-    _buffers,
-    _params,
-    dcp_load,
-    dtype_from_name,
-    model_config,
-    model_kind,
-)
 from layershard.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from layershard.waits import waiting
+from layershard.checkpoint.manifest import check_tensor, model_config, model_kind
+from layershard.checkpoint.safe_read import dcp_load, read_dcp_metadata
+from layershard.checkpoint.shards import buffers, dtype_from_name, params
+from layershard.engine.agreement import agreed
+from layershard.engine.waits import waiting
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -204,7 +199,7 @@ def export_hf(
                 if err is not None:
                     raise err
                 assert writer is not None
-                for key, b in _buffers(model):
+                for key, b in buffers(model):
                     writer.add(rename(key), b.detach().to("cpu", copy=True))
                 writer.close()
                 cfg = _hf_config_dict(kind, model_config(module), dtype)
@@ -232,8 +227,6 @@ def export_checkpoint(
     """Convert a layershard checkpoint into HF safetensors (+ config) in one process, without a
     process group or GPU, reading at most ``max_shard_size`` of parameters at a time."""
 
-    from layershard.checkpoint.dcp import _check_tensor, read_dcp_metadata
-
     folder = pub.resolve(path)
     manifest = pub.read_manifest(folder)
     if verify:
@@ -260,7 +253,7 @@ def export_checkpoint(
             for s in shape:
                 numel *= s
             is_param = name in info["params"]
-            msg = _check_tensor(
+            msg = check_tensor(
                 md, f"model/{name}", [numel] if is_param else list(shape), dt, folder, is_param
             )
             if msg:
@@ -364,7 +357,7 @@ def _plan_load(model, src: Path, strict: bool, rename, handle, plan: list, bufs:
     wmap = _weight_map(src)
     used: set[str] = set()
     missing: list[str] = []
-    for f, slot, _ in _params(model):
+    for f, slot, _ in params(model):
         names = [rename(u.name) for u in slot.uses]
         key = next((n for n in names if n in wmap), None)
         used.update(n for n in names if n in wmap)
@@ -372,7 +365,7 @@ def _plan_load(model, src: Path, strict: bool, rename, handle, plan: list, bufs:
             missing.append(names[0])
             continue
         plan.append((f, slot, key, wmap[key]))
-    for key, b in _buffers(model):
+    for key, b in buffers(model):
         k = rename(key)
         if k in wmap:
             used.add(k)

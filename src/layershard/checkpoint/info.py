@@ -15,7 +15,8 @@ def checkpoint_info(path: str | os.PathLike, verify: bool = True) -> dict:
     "bytes", "created_unix", "layershard_version", "checkpoints" (siblings), "latest",
     "leftovers" (folders of interrupted saves)}``. Never raises for a bad checkpoint: ``ok`` is
     False and ``error`` says why."""
-    from layershard.checkpoint.dcp import read_dcp_metadata, total_numel
+    from layershard.checkpoint.manifest import total_numel
+    from layershard.checkpoint.safe_read import read_dcp_metadata
 
     p = Path(path)
     out: dict = {"path": str(p), "ok": False, "error": None}

@@ -197,9 +197,8 @@ class Muon(torch.optim.Optimizer):
         sharding = model.sharding
         self._group = sharding.shard_group
         self._world, self._rank = sharding.shard_size, sharding.shard_rank
-        comm = model._schedule.comm
         # NCCL moves device tensors only (CPU offload keeps the shards on the host)
-        self._device = comm.device if comm.backend == "nccl" else None
+        self._device = model.collective_device
 
         named: list[tuple[str, nn.Parameter, torch.Size, bool, Any]] = []
         for u in model.units:
@@ -431,7 +430,7 @@ class Muon(torch.optim.Optimizer):
             self._stats["all_gather", "sent"] += chunk * 2 * (world - 1)
             self._stats["all_gather", "received"] += chunk * 2 * (world - 1)
             with record_function("layershard::muon_all_gather"):
-                self._model._schedule.comm.all_gather(full, send, "optimizer", "muon").wait()
+                self._model.all_gather_into(full, send, "muon")
         else:
             full = send
         starts = [r * chunk for r in range(world)]

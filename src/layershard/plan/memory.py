@@ -23,7 +23,7 @@ gradient slots), ``c`` = bytes per element of the compute (param) dtype, ``r`` =
     no_sync         4 sum_u N S_u       unsharded fp32 accumulators, only if ``no_sync()`` was used
 
 Every parameter starts at a multiple of 8 elements and every rank's slice is a multiple of 8
-elements (``layershard.flat.ALIGN``), so ``S_u`` includes small alignment gaps. There is no
+elements (``layershard.engine.flat.ALIGN``), so ``S_u`` includes small alignment gaps. There is no
 compute-dtype copy of the shard: each gather casts the fp32 shard into its own chunk of the
 gather buffer.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from layershard.gather_slots import assign_gather_slots, slot_numels
+from layershard.engine.gather_slots import assign_gather_slots, slot_numels
 from layershard.plan.model import ModelShape, units
 
 GB = 10**9  # the ZeRO paper's GB

@@ -7,7 +7,7 @@ SwiGLU MLP, grouped-query attention, optional tied embedding/LM head):
                 +  mlp_norm d  +  w1, w3 d*f each  +  w2 f*d
     extras:     embedding V*d,  final norm d,  LM head V*d (absent when tied)
 
-Units mirror ``layershard.units.find_units``: one per block, one per top-level module outside the
+Units mirror ``layershard.engine.units.find_units``: one per block, one per top-level module outside the
 blocks that owns parameters (embedding, final norm, LM head), and a *root unit* holding tied
 parameters (the shared embedding/LM-head weight), which stays gathered for the whole step.
 """
@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from layershard.flat import layout
+from layershard.engine.flat import layout
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Unit:
-    """A gather/reduce unit laid out as ``layershard.flat`` lays it out: parameters of
+    """A gather/reduce unit laid out as ``layershard.engine.flat`` lays it out: parameters of
     ``param_numels`` elements at aligned offsets, padded so that every rank's slice is equal and
     aligned."""
 
@@ -151,7 +151,7 @@ class Unit:
     param_numels: tuple[int, ...]
     kind: str  # "block" | "extra" | "root"
     # False for an untied embedding: its backward needs the token ids, not the table (as
-    # ``layershard.units.backward_needs_weights``).
+    # ``layershard.engine.units.backward_needs_weights``).
     needs_weights_in_backward: bool = True
 
     @property

@@ -1,6 +1,6 @@
 """Communication per step by strategy, group and link, and a compute-plus-communication step time.
 
-Strategies (as ``layershard.strategy`` resolves them on N ranks, G per node): a unit is split over
+Strategies (as ``layershard.engine.strategy`` resolves them on N ranks, G per node): a unit is split over
 its *shard group* and replicated over its *replicate group*; groups are consecutive ranks (shard,
 hpZ) or every K-th rank (replicate), as torch's ``DeviceMesh`` / ``new_subgroups`` build them.
 
@@ -69,7 +69,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from layershard.gather_slots import assign_gather_slots
+from layershard.engine.gather_slots import assign_gather_slots
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.memory import dtype_bytes, strategy_name
 from layershard.plan.model import ModelShape, Unit, units

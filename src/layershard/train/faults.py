@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from layershard import waits
+from layershard.engine import waits
 from layershard.train.status import signal_name
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
@@ -107,7 +107,7 @@ class StopRequest:
 
 def describe_stack(frame: Any, thread_id: int | None = None) -> str:
     """Where a thread blocked in layershard waits: "the all-gather of unit layers.3 (forward)",
-    as the code that blocks says it (``layershard.waits``), with the innermost layershard frame
+    as the code that blocks says it (``layershard.engine.waits``), with the innermost layershard frame
     of its stack."""
     ident = thread_id if thread_id is not None else threading.main_thread().ident
     what = waits.describe(ident) if ident is not None else None

@@ -390,7 +390,7 @@ def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
     cmd += [
         "--nproc-per-node", str(nproc(opts)),
         "--max-restarts", str(opts.max_restarts),
-        "-m", "layershard.train.loop", str(run_dir),
+        "-m", "layershard.train.rank", str(run_dir),
     ]  # fmt: skip
     return cmd
 

@@ -54,8 +54,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from layershard.flat import FlatParam, ParamSlot
-from layershard.units import UnitSpec
+from layershard.engine.flat import FlatParam, ParamSlot
+from layershard.engine.units import UnitSpec
 
 log = logging.getLogger(__name__)
 

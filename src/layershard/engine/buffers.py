@@ -34,17 +34,36 @@ compute stream without ``record_stream``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import enum
+from typing import Protocol
 
 import torch
 
-from layershard.collectives import Pending
+from layershard.engine.collectives import Pending
 
-if TYPE_CHECKING:
-    from layershard.schedule import Unit
+
+class SlotUser(Protocol):
+    """What a slot knows of the unit that owns it (units.py imports this module, not back)."""
+
+    name: str
+
+
+class SlotState(enum.Enum):
+    """A gather slot's life. Transitions are the methods of ``GatherSlot``, nothing else:
+
+    FREE --take--> GATHERING --wait--> READY --occupy--> BUSY --release--> READY --take--> ...
+    any --reset--> FREE (a new forward); BUSY --hand_over--> READY (see ``hand_over``)
+    """
+
+    FREE = "free"  # no owner
+    GATHERING = "gathering"  # the owner's gather is in flight into it
+    READY = "ready"  # the owner's weights are in it; nobody computes with them
+    BUSY = "busy"  # the owner computes with them: no gather may be issued into it
 
 
 class GatherSlot:
+    """One preallocated gather buffer and who owns it (see the note above)."""
+
     def __init__(
         self,
         numel: int,
@@ -55,29 +74,72 @@ class GatherSlot:
         # ``data``: an existing buffer (no_shard in fp32: the unit's flat shards themselves)
         self.data = torch.empty(numel, dtype=dtype, device=device) if data is None else data
         self.alias = self.data.data
-        self.owner: Unit | None = None
+        self.state = SlotState.FREE
+        self.owner: SlotUser | None = None
         self.pending: list[Pending] = []
-        self.busy = False
-        self.deferred: Unit | None = None
+        self.next: SlotUser | None = None  # a prefetch waiting for the owner to release it
 
-    def wait(self) -> None:
-        for p in self.pending:
-            p.wait()
-        self.pending = []
+    @property
+    def busy(self) -> bool:
+        return self.state is SlotState.BUSY
 
-    def take(self, u: Unit) -> None:
-        """Make ``u`` the owner, before its gather is issued into the slot."""
-        if self.busy and self.owner is not None and self.owner is not u:
+    def take(self, u: SlotUser) -> None:
+        """Make ``u`` the owner, before its gather is issued into the slot (a gather is issued
+        only into a slot nobody computes with)."""
+        if self.busy and self.owner is not u:
+            assert self.owner is not None
             raise RuntimeError(
                 f"layershard: gathering {u.name} into the buffer that {self.owner.name} is still "
                 "computing with (an engine bug: please report it with the model's structure)"
             )
         self.wait()
-        self.owner, self.busy, self.deferred = u, False, None
+        self.owner, self.next, self.state = u, None, SlotState.GATHERING
+
+    def wait(self) -> None:
+        """Block (the compute stream, on CUDA) until the gathers into the slot are done."""
+        for p in self.pending:
+            p.wait()
+        self.pending = []
+        if self.state is SlotState.GATHERING:
+            self.state = SlotState.READY
+
+    def occupy(self, u: SlotUser) -> None:
+        """``u``, the owner, computes with the weights: wait for them, then hold the slot."""
+        assert self.owner is u, (
+            f"{u.name} occupies a slot that {getattr(self.owner, 'name', None)} owns"
+        )
+        self.wait()
+        self.state = SlotState.BUSY
+
+    def release(self, u: SlotUser) -> SlotUser | None:
+        """``u`` is done computing; returns the unit whose prefetch waited for the slot."""
+        if self.owner is u and self.busy:
+            self.state = SlotState.READY
+        if self.busy or self.next is None:
+            return None
+        waiting, self.next = self.next, None
+        return waiting
+
+    def defer(self, u: SlotUser) -> None:
+        """Gather ``u`` into the slot when its owner releases it."""
+        self.next = u
+
+    def hand_over(self) -> None:
+        """The owner's backward is over although it never released the slot: a unit without
+        trainable weights has no post-backward (see Schedule.ensure)."""
+        if self.busy:
+            self.state = SlotState.READY
+
+    def settle(self) -> None:
+        """End of backward: nothing computes or waits any more; the weights stay."""
+        self.wait()
+        self.hand_over()
+        self.next = None
 
     def reset(self) -> None:
+        """A new forward: the slot holds nobody's weights that anyone may rely on."""
         self.wait()
-        self.owner, self.busy, self.deferred = None, False, None
+        self.owner, self.next, self.state = None, None, SlotState.FREE
 
 
 class GradSlot:

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from layershard.waits import waiting
+from layershard.engine.waits import waiting
 
 T = TypeVar("T")
 

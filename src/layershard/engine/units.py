@@ -6,6 +6,9 @@ per top-level module outside the blocks that owns parameters (embeddings, final 
 Parameters reachable from two units (tied embeddings) or owned directly by a module above the blocks
 go to the *root unit*, which stays gathered from the model's forward to the end of its backward.
 Every parameter belongs to exactly one unit.
+
+``find_units`` describes them (``UnitSpec``); ``Unit`` is a unit at run time: its flat groups,
+its gather slot, and its weight attributes bound to gathered buffers or to the rank's slices.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
+from torch.profiler import record_function
 
-from layershard.flat import ParamUse
+from layershard.engine.buffers import GatherSlot
+from layershard.engine.flat import FlatParam, ParamSlot, ParamUse
 
 
 @dataclass
@@ -139,3 +145,71 @@ def find_units(model: nn.Module, layers: Iterable | None = None) -> list[UnitSpe
         home = unit_names.pop() if len(unit_names) == 1 else ""  # tied across units -> root
         specs[home].params.append((param_of[pid], us))
     return [s for s in specs.values() if s.params]
+
+
+class Unit:
+    """A unit's flat groups (trainable first, then frozen) and its places in the slots."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module | None,
+        is_block: bool,
+        flats: list[FlatParam],
+        slot: GatherSlot,
+        device: torch.device,
+        gather_in_backward: bool = True,
+    ):
+        self.name, self.module, self.is_block = name, module, is_block
+        self.flats, self.slot = flats, slot
+        self.gather_in_backward = gather_in_backward  # False: an embedding (see units.py)
+        self.trainable = next((f for f in flats if f.requires_grad), None)
+        self.param_slots: list[ParamSlot] = [s for f in flats for s in f.slots]
+        self.flat_offsets, off = [], 0
+        for f in flats:
+            self.flat_offsets.append(off)
+            off += f.padded_numel
+        self.gather_numel = off
+        # Persistent full-size views of the gathered weights (see buffers.py for why ``alias``).
+        self.full_views = [
+            v
+            for f, o in zip(flats, self.flat_offsets)
+            for v in f.views(slot.alias[o : o + f.padded_numel])
+        ]
+        self.anchor = torch.empty(0, device=device, requires_grad=True)
+        # reshard_after_forward=K: per flat, this rank's 1/K of the gathered weights, kept from
+        # the forward to the backward, which gathers within the K ranks (see strategy.py)
+        self.secondary: list[torch.Tensor] | None = None
+        self.bound = False
+        self.private_views: list[torch.Tensor] | None = None  # see Schedule.gather_private
+        self.span: record_function | None = None  # profiler label of the compute in progress
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name})"
+
+    def bind(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
+        """Make the modules' weight attributes resolve to ``tensors`` (plain tensors, which
+        shadow the registered slices while bound)."""
+        for slot, t in zip(self.param_slots, tensors):
+            for use in slot.uses:
+                use.module.__dict__[use.attr] = t
+        self.bound = True
+
+    def unbind(self) -> None:
+        """Weight attributes resolve to the registered 1-D slices again."""
+        if self.bound:
+            for slot in self.param_slots:
+                for use in slot.uses:
+                    use.module.__dict__.pop(use.attr, None)
+            self.bound = False
+
+    def open_span(self, what: str) -> None:
+        if torch.autograd.profiler._is_profiler_enabled:
+            self.close_span()
+            self.span = record_function(f"layershard::{what}[{self.name}]")
+            self.span.__enter__()
+
+    def close_span(self) -> None:
+        if self.span is not None:
+            span, self.span = self.span, None
+            span.__exit__(None, None, None)

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 STRATEGIES = {
     "full": "ZeRO-3: parameters, gradients and optimizer state sharded over all ranks",
@@ -72,6 +73,31 @@ class Sharding:
     def hpz_size(self) -> int:
         return 1 if self.hpz_group is None else dist.get_world_size(self.hpz_group)
 
+    # The questions the engine and the checkpoints ask of a strategy (a new strategy answers
+    # these; nothing else branches on its name).
+
+    @property
+    def gathers_in_backward(self) -> bool:
+        """Are weights gathered again for backward (resharded after forward)?"""
+        return not self.keep_gathered
+
+    @property
+    def backward_gather_group(self) -> str:
+        """The group a backward gather runs over: ``"hpz"`` (within the K ranks that kept a
+        1/K copy after forward) or ``"shard"``."""
+        return "hpz" if self.hpz_group is not None else "shard"
+
+    @property
+    def reduce_groups(self) -> tuple[str, ...]:
+        """Where a gradient is reduced: over the shard group, then across replicas."""
+        return ("shard",) + (("replicate",) if self.replicate_group is not None else ())
+
+    @property
+    def writes_slices(self) -> bool:
+        """Does this rank write its slices into a checkpoint? Replicas hold the same slices:
+        only the first of them writes (a save deduplicates them), and every replica loads."""
+        return self.replica_index == 0
+
     def shard_ranks(self) -> list[int]:
         """Global ranks of this rank's shard group, by shard index."""
         if self.shard_group is None:
@@ -89,7 +115,7 @@ def resolve(
     group: dist.ProcessGroup,
     shard_size: int | None = None,
     reshard_after_forward: bool | int = True,
-    mesh=None,
+    mesh: DeviceMesh | None = None,
 ) -> Sharding:
     """Build the groups of ``strategy`` over ``group`` (collective: every rank calls it)."""
     if strategy not in STRATEGIES:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from layershard.waits import waiting
+from layershard.engine.waits import waiting
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -229,7 +229,7 @@ class Comm:
             return 0
         return numel if self.gloo_workaround else shard_numel
 
-    def _members(self, over: str) -> tuple[dist.ProcessGroup | None, int, int]:
+    def members(self, over: str) -> tuple[dist.ProcessGroup | None, int, int]:
         g = {"shard": self.group, "hpz": self.hpz, "replicate": self.replicate}[over]
         if g is None:
             return None, 0, 1
@@ -269,7 +269,7 @@ class Comm:
         """Concatenate the ``src`` of every rank of group ``over`` (equal sizes) into ``out``,
         casting to ``out``'s dtype: this rank's ``src`` is written into its own chunk of ``out``,
         which is then gathered in place (no separate input buffer)."""
-        group, rank, world = self._members(over)
+        group, rank, world = self.members(over)
         what = f"all-gather of unit {label} ({phase})"
         n = src.numel()
         own = out[rank * n : (rank + 1) * n]

@@ -1,0 +1,128 @@
+"""What tells the schedule that a unit's backward begins, ends, or will run at all.
+
+- ``BindUnit``: the autograd Function whose outputs are a unit's gathered weights. Autograd calls
+  its backward once, with every weight gradient of the unit, after the unit's whole backward: that
+  is the unit's post-backward.
+- ``output_tensors``: the tensors of a unit's output, whatever holds them; a hook on each begins
+  the unit's backward when the first gradient arrives.
+- ``WeightView``: what a unit's forward saved of its weights, through the saved-tensor hooks that
+  also begin its backward (``Schedule`` installs them around the forward).
+- ``Use`` and ``Reached``: one forward run of a unit, and the autograd nodes whose execution means
+  that its backward runs in the pass in progress (the ranks agree on these, see ``Schedule``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from layershard.engine.units import Unit
+
+
+class BindUnit(torch.autograd.Function):
+    """Forward: the unit's gathered weights as graph tensors. Backward: the unit's post-backward
+    (``owner.post_backward(unit, use, grads)``)."""
+
+    @staticmethod
+    def forward(ctx, owner: Any, unit: Unit, use: int | None, anchor: torch.Tensor, *views):
+        ctx.owner, ctx.unit, ctx.use = owner, unit, use
+        outs = tuple(v.view_as(v) for v in views)
+        frozen = [o for o, s in zip(outs, unit.param_slots) if not s.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.owner.post_backward(ctx.unit, ctx.use, grads)
+        return (None, None, None, None) + (None,) * len(grads)
+
+
+class Reached(torch.autograd.Function):
+    """Identity; its node marks a path into a frozen unit (see ``Schedule.mark_inputs``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def output_tensors(out: Any, limit: int = 4096) -> list[torch.Tensor]:
+    """The tensors in a unit's output, whatever holds them: containers, dataclasses, and objects
+    of any class with a ``__dict__`` or ``__slots__`` (a small class holding tensors), each
+    object once, at most ``limit`` objects. A tensor hidden where no walk finds it (a closure)
+    is still covered by the saved-tensor hooks."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [out]
+    while stack and len(seen) < limit:
+        o = stack.pop()
+        if isinstance(o, _ATOMS) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, nn.Module):
+            continue  # a module's weights are not its output
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (tuple, list, set, frozenset)):
+            stack.extend(o)
+        else:
+            fields = getattr(o, "__dict__", None)
+            if isinstance(fields, dict):
+                stack.extend(fields.values())
+            for cls in type(o).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    stack.append(getattr(o, name, None))
+    return found
+
+
+@dataclass(frozen=True)
+class WeightView:
+    """What a unit's forward saved of its gathered weights: where in the unit's buffer, not the
+    tensor, so that its backward reads them wherever they are gathered then."""
+
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def of(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.as_strided(self.shape, self.stride, self.offset)
+
+
+@dataclass
+class Use:
+    """One forward run of a unit before its backward. ``nodes``: autograd nodes whose execution
+    means the use's backward runs (its weights' ``BindUnit`` node; the Python nodes that produced
+    its outputs, such as a reentrant checkpoint's; ``Reached`` nodes on a frozen unit's
+    inputs), as weak references: a graph that is gone will not run."""
+
+    unit: Unit
+    nodes: list[weakref.ref] = field(default_factory=list)
+
+    def note(self, node: Any) -> None:
+        if node is not None:
+            self.nodes.append(weakref.ref(node))
+
+    def reached(self) -> bool:
+        """Will the backward pass in progress run this use's backward? (Called inside it.)"""
+        if not self.nodes:
+            # Nothing recorded: a forward under no_grad inside a grad forward (checkpointed
+            # from outside the unit's hooks), whose backward is a recompute the engine cannot
+            # see coming; or a frozen unit whose inputs need no gradient. Count it as reached,
+            # as every rank does.
+            return True
+        alive = [n for n in (r() for r in self.nodes) if n is not None]
+        return any(torch._C._will_engine_execute_node(n) for n in alive)

@@ -1,0 +1,141 @@
+"""What ``shard()`` assembles, once the units are found: each unit's flat storage (this rank's
+slices), its gather slot, the gradient slots, the collectives, and the schedule over them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from layershard.engine.buffers import GatherSlot, GradSlot
+from layershard.engine.collectives import Comm
+from layershard.engine.flat import FlatParam, ParamSlot, layout
+from layershard.engine.gather_slots import assign_gather_slots, slot_numels
+from layershard.engine.precision import MixedPrecision
+from layershard.engine.reducer import Reducer
+from layershard.engine.schedule import Schedule
+from layershard.engine.strategy import Sharding
+from layershard.engine.units import Unit, UnitSpec, backward_needs_weights
+
+
+@dataclass
+class Storage:
+    """Every unit's flat groups (trainable first, then frozen), in ``specs`` order; the one
+    buffer each unit's shards are views of when unsharded fp32 computes on them (no_shard); and
+    where each original parameter went (``id(param) -> (flat, slot)``)."""
+
+    flats: list[list[FlatParam]]
+    buffers: list[torch.Tensor | None]
+    slot_of: dict[int, tuple[FlatParam, ParamSlot]]
+
+
+def make_storage(
+    specs: list[UnitSpec],
+    sharding: Sharding,
+    precision: MixedPrecision,
+    host: torch.device,
+    offload: bool,
+    pin: bool,
+) -> Storage:
+    """Zeroed flat storage for every unit (``host``: where the fp32 shards live). Unsharded fp32
+    compute (no_shard) computes on the shards themselves: a unit's flats are then views of one
+    buffer, which is also its gather slot (no copy, no second copy in memory)."""
+    world, rank = sharding.shard_size, sharding.shard_rank
+    in_place = world == 1 and precision.param_dtype == torch.float32 and not offload
+    storage = Storage([], [], {})
+    for spec in specs:
+        flats, buffer, placed = _make_flats(spec, world, rank, host, in_place)
+        if pin:
+            for f in flats:
+                f.pin()
+        storage.slot_of.update((id(p), (f, sl)) for p, f, sl in placed)
+        storage.flats.append(flats)
+        storage.buffers.append(buffer)
+    return storage
+
+
+def build_schedule(
+    specs: list[UnitSpec],
+    storage: Storage,
+    sharding: Sharding,
+    precision: MixedPrecision,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    offload: bool,
+) -> Schedule:
+    """The units, their slots (preallocated), the gradient slots, the collectives and the
+    schedule (hooks not yet installed)."""
+    comm = Comm(sharding, group, device)
+    comm.host_sync = offload
+    host = storage.flats[0][0].shard.device if storage.flats else device
+    root_spec = specs[0] if specs[0].module is None else None
+    others = [
+        (s, fl, buf)
+        for s, fl, buf in zip(specs, storage.flats, storage.buffers)
+        if s is not root_spec
+    ]
+    cdtype, rdtype = precision.param_dtype, precision.reduce_dtype
+    unit_numel = [sum(f.padded_numel for f in fl) for _, fl, _ in others]
+    if sharding.keep_gathered:  # weights stay gathered until the backward: a slot per unit
+        slots = [GatherSlot(n, cdtype, device, buf) for n, (_, _, buf) in zip(unit_numel, others)]
+    else:  # two slots taken in turn, and one of its own per small unit (see buffers.py)
+        lookup = bool(others) and not backward_needs_weights(others[0][0])
+        which = assign_gather_slots(unit_numel, first_is_lookup=lookup)
+        pool = {k: GatherSlot(n, cdtype, device) for k, n in slot_numels(which, unit_numel).items()}
+        slots = [pool[k] for k in which]
+    trainable = [f for fl in storage.flats for f in fl if f.requires_grad]
+    grad_numel = max((f.padded_numel for f in trainable), default=0)
+    shard_numel = max((f.shard_numel for f in trainable), default=0)
+    scratch = comm.scratch_numel(grad_numel, shard_numel)
+    grad_slots = [
+        GradSlot(grad_numel, rdtype, device, shard_numel, scratch, host if offload else None)
+        for _ in range(2 if trainable else 0)
+    ]
+    units = [
+        Unit(s.name, s.module, s.is_block, fl, slot, device, backward_needs_weights(s))
+        for (s, fl, _), slot in zip(others, slots)
+    ]
+    if sharding.hpz_group is not None:
+        k = sharding.hpz_size
+        for u in units:
+            if u.gather_in_backward:
+                u.secondary = [
+                    torch.empty(f.padded_numel // k, dtype=cdtype, device=device) for f in u.flats
+                ]
+    root = None
+    if root_spec is not None:
+        root_flats, root_buffer = storage.flats[0], storage.buffers[0]
+        numel = sum(f.padded_numel for f in root_flats)
+        root_slot = GatherSlot(numel, cdtype, device, root_buffer)
+        root = Unit("<root>", None, False, root_flats, root_slot, device)
+    return Schedule(root, units, Reducer(grad_slots, comm, offload), comm, precision)
+
+
+def _make_flats(
+    spec: UnitSpec, world: int, rank: int, device: torch.device, in_place: bool
+) -> tuple[list[FlatParam], torch.Tensor | None, list[tuple[nn.Parameter, FlatParam, ParamSlot]]]:
+    """The unit's flat groups (trainable first, then frozen); with ``in_place``, the one zeroed
+    buffer whose consecutive views their shards are; and where each original parameter went."""
+    groups = []
+    for requires_grad in (True, False):
+        group = [(p, uses) for p, uses in spec.params if p.requires_grad == requires_grad]
+        if group:
+            offsets, _, shard_numel = layout([p.numel() for p, _ in group], world)
+            groups.append((requires_grad, group, offsets, shard_numel))
+    buffer = None
+    if in_place:
+        buffer = torch.zeros(sum(g[3] * world for g in groups), device=device)
+    flats, placed, start = [], [], 0
+    for requires_grad, group, offsets, shard_numel in groups:
+        slots = [
+            ParamSlot(uses, p.shape, offset, requires_grad)
+            for (p, uses), offset in zip(group, offsets)
+        ]
+        storage = None if buffer is None else buffer[start : start + shard_numel]
+        f = FlatParam(slots, requires_grad, world, rank, device, storage=storage)
+        start += shard_numel * world
+        placed += [(p, f, sl) for (p, _), sl in zip(group, slots)]
+        flats.append(f)
+    return flats, buffer, placed

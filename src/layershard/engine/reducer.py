@@ -1,0 +1,170 @@
+"""The reduce half of the schedule: a unit's gradients, at the end of its backward, into this
+rank's fp32 gradient slice.
+
+Per unit and use: the gradients are copied (cast to the reduce dtype) into one of two gradient
+slots taken in turn, reduce-scattered over the shard group (then all-reduced over the replicas),
+and this rank's chunk is scaled by 1/N and written (the first reduction of a step) or added
+(later ones) into the fp32 slice; under CPU offload the chunk travels to host memory first.
+Gradients that must not be reduced yet (``no_sync``; a unit the ranks reduce at the end of
+backward, see ``Schedule.plan_backward``) are added into an unsharded fp32 accumulator, reduced
+later in one cast.
+
+Note: reduction order. A unit used twice before one backward is reduced twice; its second
+reduction waits for its first, whose post (overwrite the slice) must run before the second's
+(add), since on gloo a reduction's post runs at its wait, in any slot order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from layershard.engine.buffers import GradSlot
+from layershard.engine.collectives import Comm, Pending
+from layershard.engine.flat import FlatParam
+from layershard.engine.units import Unit
+
+
+def reduce_factors(dtype: torch.dtype, world_size: int) -> tuple[float, float]:
+    """``(pre, post)``: the reduce-scatter sums ``pre * grad`` in ``dtype``; the fp32 gradient
+    slice gets ``post * sum``; ``pre * post = 1 / N``. fp16 sums overflow at 65504, and under a
+    loss scaler gradients are large, so fp16 divides by sqrt(N) before and after (as FSDP2 does);
+    bf16 and fp32 have fp32's range and divide once, after, in fp32."""
+    if dtype == torch.float16 and world_size > 1:
+        pre = 1.0 / math.sqrt(world_size)
+        return pre, 1.0 / (world_size * pre)
+    return 1.0, 1.0 / world_size
+
+
+def scale_into(grad: torch.Tensor, chunk: torch.Tensor, factor: float, fresh: bool) -> None:
+    """``grad (fp32) = [grad +] factor * chunk``, computed in fp32 whatever ``chunk``'s dtype
+    (``torch.mul(bf16, s, out=fp32)`` would multiply in bf16 and round before the cast)."""
+    if not fresh:
+        grad.add_(chunk, alpha=factor)  # fp32 self: computed in fp32
+    elif chunk.dtype == grad.dtype:
+        torch.mul(chunk, factor, out=grad)
+    else:
+        grad.copy_(chunk)
+        grad.mul_(factor)
+
+
+class Reducer:
+    def __init__(self, grad_slots: list[GradSlot], comm: Comm, offload: bool) -> None:
+        self.grad_slots, self.comm = grad_slots, comm
+        self.offload = offload  # gradient slices live in CPU memory
+        # gradients are averaged over every data-parallel rank: the shard group and its replicas
+        self.data_parallel = comm.world_size * comm.sharding.replicas
+        self._n_reduced = 0  # reductions issued this backward: picks the next gradient slot
+        self._reduced: dict[int, Pending] = {}  # id(flat) -> its last reduction this backward
+        self._deferred: list[Unit] = []  # reduced at the end of this backward, in this order
+        self._deferred_ids: set[int] = set()
+
+    def defer(self, units: list[Unit]) -> None:
+        """This backward reduces ``units`` at its end (the same list on every rank)."""
+        self._deferred, self._deferred_ids = list(units), {id(u) for u in units}
+
+    def reduce(self, u: Unit, grads: tuple, no_sync: bool) -> None:
+        """``u``'s backward ended with ``grads`` (one per parameter, None where it got none):
+        reduce them now, or add them to the fp32 accumulator."""
+        f = u.trainable
+        if f is None:
+            return
+        pairs = [  # (flat offset, numel, gradient) of the trainable slots, which come first
+            (s.offset, s.numel, g.reshape(-1))
+            for s, g in zip(f.slots, grads[: len(f.slots)])
+            if g is not None
+        ]
+        later = no_sync or id(u) in self._deferred_ids
+        if later or f.acc_dirty:
+            acc = self._accumulator(f)
+            if pairs:
+                torch._foreach_add_([acc[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs])
+            f.acc_dirty = True
+            if later:
+                return
+            pairs = []  # the accumulator holds them (and what no_sync backwards left)
+        self._reduce_now(u, pairs)
+
+    def reduce_deferred(self) -> None:
+        """End of backward: every rank reduces the deferred units, in their order (zeros from a
+        rank whose backward did not reach one)."""
+        deferred, self._deferred, self._deferred_ids = self._deferred, [], set()
+        for u in deferred:
+            self._reduce_now(u, [])
+
+    def _reduce_now(self, u: Unit, pairs: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Reduce ``pairs``, or the accumulator when it holds something."""
+        f = u.trainable
+        assert f is not None
+        earlier = self._reduced.get(id(f))
+        if earlier is not None:  # f's second use: its gradient is added, after the first's
+            earlier.wait()
+        gs = self.grad_slots[self._n_reduced % len(self.grad_slots)]
+        self._n_reduced += 1
+        buf = gs.acquire(f.padded_numel)
+        if f.acc is not None and f.acc_dirty:
+            buf.copy_(f.acc)  # one cast of the fp32 sum
+            f.acc.zero_()
+            f.acc_dirty = False
+        else:
+            covered = {o for o, _, _ in pairs}
+            for s in f.slots:  # parameters without a gradient this step
+                if s.offset not in covered:
+                    buf[s.offset : s.offset + s.numel].zero_()
+            if pairs:
+                torch._foreach_copy_([buf[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs])
+            for a, b in f.gaps:
+                buf[a:b].zero_()
+        pre, post_factor = reduce_factors(buf.dtype, self.data_parallel)
+        if pre != 1.0:
+            buf.mul_(pre)
+        fresh = _attach_grads(f)
+        grad = f.grad
+        assert grad is not None
+        post: Callable[[torch.Tensor], object]
+        host_post: Callable[[], object] | None = None
+        if self.offload:  # the chunk travels to host memory; the CPU adds it into the slice
+            staging = gs.get_staging()[: f.shard_numel]
+            post = partial(staging.copy_, non_blocking=True)
+            host_post = partial(scale_into, grad, staging, post_factor, fresh)
+        else:
+            post = lambda chunk: scale_into(grad, chunk, post_factor, fresh)  # noqa: E731
+        scratch = gs.get_scratch() if gs.scratch_numel else None
+        pending = self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
+        gs.pending.append(pending)
+        self._reduced[id(f)] = pending
+
+    def quiesce(self) -> None:
+        for gs in self.grad_slots:
+            gs.wait()
+
+    def finish(self) -> None:
+        """Wait for every reduction, then free the gradient slots until the next backward."""
+        self.comm.finish()
+        for gs in self.grad_slots:
+            gs.release()
+        self._n_reduced = 0
+        self._reduced.clear()
+
+    def _accumulator(self, f: FlatParam) -> torch.Tensor:
+        if f.acc is None:  # beside the gradients it sums (the device, also under CPU offload)
+            f.acc = torch.zeros(f.padded_numel, dtype=torch.float32, device=self.comm.device)
+        return f.acc
+
+
+def _attach_grads(f: FlatParam) -> bool:
+    """Point every slice's ``.grad`` at the flat gradient; return True when all were None
+    (after ``zero_grad(set_to_none=True)``: the reduction overwrites). Slices whose ``.grad``
+    alone was None start again from zero."""
+    missing = [i for i, p in enumerate(f.shard_params) if p.grad is None]
+    fresh = len(missing) == len(f.shard_params)
+    f.ensure_grad()
+    for i in missing:
+        g = f.grad_view(i)
+        if not fresh:
+            g.zero_()
+        f.shard_params[i].grad = g
+    return fresh

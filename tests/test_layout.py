@@ -1,0 +1,67 @@
+"""The layout the engine's contract lives in (docs/engine.md): no import cycle between
+layershard's modules, and no source file too long to read in one sitting."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MAX_LINES = 650  # "~600": a module a reader can hold in their head
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in SRC.rglob("*.py"):
+        parts = p.relative_to(SRC).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The layershard modules ``path`` imports when it is imported (module level, outside
+    ``if TYPE_CHECKING:``)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("layershard"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("layershard")}
+    return found & set(modules)
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    graph = {m: _imports(p, modules) for m, p in modules.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(u: str) -> None:
+        state[u] = 1
+        stack.append(u)
+        for v in graph[u]:
+            if state.get(v) == 1:
+                cycles.append(" -> ".join(stack[stack.index(v) :] + [v]))
+            elif v not in state:
+                visit(v)
+        stack.pop()
+        state[u] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m)
+    assert not cycles, cycles
+    assert graph["layershard.engine.buffers"] <= {"layershard.engine.collectives"}
+
+
+def test_no_source_file_too_long():
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
