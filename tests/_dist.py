@@ -113,7 +113,7 @@ def _run_checks(
     for i, name in enumerate(names):
         os.environ["LAYERSHARD_TEST_TMP"] = str(Path(tmp) / name)
         try:
-            getattr(checks, f"_check_{name}")(rank, world)
+            getattr(checks, f"_rank_check_{name}")(rank, world)
             verdicts[name] = None
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -150,7 +150,7 @@ class RankChecks:
         self.names.append(name)
         self.docs[name] = fn.__doc__ or ""
         self._module = fn.__module__
-        fn.__globals__[f"_check_{name}"] = fn
+        fn.__globals__[f"_rank_check_{name}"] = fn
         return fn
 
     def collect(self, namespace: dict) -> None:

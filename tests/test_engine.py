@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
+from _dist import RankChecks, run_ranks
 from _parity import LOSS_RTOL, LR, PARAM_TOL, batches, clone, global_mean, lm_loss, local, max_diff
 from _parity import tiny_llama as _tiny
 from torch import nn
@@ -19,6 +19,8 @@ from torch import nn
 import layershard as ls
 from layershard.engine.reducer import reduce_factors, scale_into
 from layershard.engine.schedule import Phase
+
+checks = RankChecks(world_size=2)
 
 
 # ---- alignment -----------------------------------------------------------------------------------
@@ -73,8 +75,14 @@ class Stack(nn.Module):
         return x
 
 
-def _engine_paths(rank: int, world: int) -> None:
-    # 1. Alignment: every weight view, chunk and slice starts on a 16-byte boundary.
+def _base_and_x(rank: int, world: int):
+    """The tiny Llama and this rank's part of one batch."""
+    return _tiny(), local(batches(1)[0], rank, world)
+
+
+@checks.check
+def _alignment(rank: int, world: int) -> None:
+    """Alignment: every weight view, chunk and slice starts on a 16-byte boundary."""
     torch.manual_seed(0)
     odd = nn.Module()
     odd.layers = nn.ModuleList([OddBlock() for _ in range(3)])
@@ -83,8 +91,11 @@ def _engine_paths(rank: int, world: int) -> None:
         _check_alignment(ls.shard(clone(odd), mixed_precision=precision))
     _check_alignment(ls.shard(_tiny(), mixed_precision=ls.MixedPrecision(torch.bfloat16)))
 
-    # 2. Weights written by any means are seen by the next gather (bf16 casts at every gather),
-    #    and a first forward under inference_mode does not break training after it.
+
+@checks.check
+def _writes_seen_by_next_gather(rank: int, world: int) -> None:
+    """Weights written by any means are seen by the next gather (bf16 casts at every gather), and a
+    first forward under inference_mode does not break training after it."""
     bf16 = ls.MixedPrecision(torch.bfloat16)
     base = _tiny()
     x = local(batches(1)[0], rank, world)
@@ -104,8 +115,12 @@ def _engine_paths(rank: int, world: int) -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, expected(x).logits, rtol=0, atol=0)
 
-    # 3. Outside forward a weight attribute is the rank's fp32 slice, never a view of a gather
-    #    buffer another unit refilled; full_weights() gives the whole tensors, and writes back.
+
+@checks.check
+def _weights_outside_forward(rank: int, world: int) -> None:
+    """Outside forward a weight attribute is the rank's fp32 slice, never a view of a gather buffer
+    another unit refilled; full_weights() gives the whole tensors, and writes back."""
+    base, x = _base_and_x(rank, world)
     model = ls.shard(clone(base))
     reference = clone(base)
     lm_loss(model, x).backward()
@@ -130,8 +145,12 @@ def _engine_paths(rank: int, world: int) -> None:
     if rank == 0:
         assert torch.equal(full["norm.weight"], reference.norm.weight.detach())
 
-    # 4. load_full_state_dict(strict=False) keeps what is missing, from every rank or rank 0
-    #    only (was a KeyError on rank 0 while the others waited in a broadcast).
+
+@checks.check
+def _partial_and_rank0_loads(rank: int, world: int) -> None:
+    """load_full_state_dict(strict=False) keeps what is missing, from every rank or rank 0 only
+    (was a KeyError on rank 0 while the others waited in a broadcast)."""
+    base, x = _base_and_x(rank, world)
     other = _tiny(seed=5)
     sd = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}
     for everyone in (True, False):
@@ -143,8 +162,12 @@ def _engine_paths(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="missing keys.*lm_head.weight"):
         model.load_full_state_dict(sd if rank == 0 else None)  # strict: every rank raises
 
-    # 5. The no_sync accumulator is fp32 (it was the reduce dtype, bf16 here), so accumulating
-    #    many micro-batches loses nothing before the one cast for the reduction.
+
+@checks.check
+def _no_sync_accumulates_in_fp32(rank: int, world: int) -> None:
+    """The no_sync accumulator is fp32 (it was the reduce dtype, bf16 here), so accumulating many
+    micro-batches loses nothing before the one cast for the reduction."""
+    base, x = _base_and_x(rank, world)
     model = ls.shard(clone(base), mixed_precision=ls.MixedPrecision(torch.float32, torch.bfloat16))
     reference = clone(base)
     micro = [local(b, rank, world) for b in batches(8, seed=3)]
@@ -161,8 +184,12 @@ def _engine_paths(rank: int, world: int) -> None:
     worst = _grad_error(model, reference)
     assert worst < 0.8e-2, worst
 
-    # 6. End of backward drains every collective: with the first blocks frozen their backward
-    #    never runs, but a prefetch for them was issued; the optimizer must not race it.
+
+@checks.check
+def _backward_drains_collectives(rank: int, world: int) -> None:
+    """End of backward drains every collective: with the first blocks frozen their backward never
+    runs, but a prefetch for them was issued; the optimizer must not race it."""
+    base, x = _base_and_x(rank, world)
     model = ls.shard(_freeze_first(clone(base)))
     reference = _freeze_first(clone(base))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -184,8 +211,12 @@ def _engine_paths(rank: int, world: int) -> None:
         dev, where = max_diff(full, reference)
         assert dev <= PARAM_TOL, (dev, where)
 
-    # 7. Order: in backward, the gather into a freed slot goes before the freed unit's
-    #    reduce-scatter (it used to queue behind it).
+
+@checks.check
+def _backward_gather_before_reduce(rank: int, world: int) -> None:
+    """Order: in backward, the gather into a freed slot goes before the freed unit's reduce-scatter
+    (it used to queue behind it)."""
+    base, x = _base_and_x(rank, world)
     model = ls.shard(clone(base))
     issued = []
     comm = model._schedule.comm
@@ -211,13 +242,20 @@ def _engine_paths(rank: int, world: int) -> None:
     # 7b. The head's gather overlaps the last block's forward (it waited behind the norm alone).
     assert issued.index(("AG", "lm_head", "forward")) < issued.index(("FWD", "layers.2", ""))
 
-    # 8. Taking a gather buffer that a busy unit owns raises (it silently overwrote weights).
+
+@checks.check
+def _busy_slot_refuses_a_gather(rank: int, world: int) -> None:
+    """Taking a gather buffer that a busy unit owns raises (it silently overwrote weights)."""
     torch.manual_seed(0)
     stack = ls.shard(Stack())
     with pytest.raises(RuntimeError, match="layers.2 is still computing"):
         stack(torch.randn(2, 4))
 
-    # 9. A profile shows each unit's gather, compute and reduce.
+
+@checks.check
+def _profiler_labels(rank: int, world: int) -> None:
+    """A profile shows each unit's gather, compute and reduce."""
+    base, x = _base_and_x(rank, world)
     model = ls.shard(clone(base))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         lm_loss(model, x).backward()
@@ -232,8 +270,12 @@ def _engine_paths(rank: int, world: int) -> None:
         assert "layershard::all_gather[layers.1]" in names
         assert "layershard::reduce_scatter[layers.1]" in names
 
-    # 10. On gloo a reduce-scatter is one all-to-all (it was an all_reduce, which sends twice
-    #     the bytes), and each gradient slot receives into its own scratch.
+
+@checks.check
+def _gloo_reduce_scatter_is_all_to_all(rank: int, world: int) -> None:
+    """On gloo a reduce-scatter is one all-to-all (it was an all_reduce, which sends twice the
+    bytes), and each gradient slot receives into its own scratch."""
+    base, x = _base_and_x(rank, world)
     from layershard.bench.worker import CountCollectives
 
     model = ls.shard(clone(base))
@@ -247,10 +289,12 @@ def _engine_paths(rank: int, world: int) -> None:
     # the one all-reduce: the ranks' agreement on the units their backward reaches (a few bytes)
     assert cc.count["all_reduce"] == stats["all_reduce"]["count"] == 1, (cc.count, stats)
     assert cc.count["reduce_scatter"] == 0, cc.count
+
+
+@checks.check
+def _two_reduce_scatters_in_flight_gloo(rank: int, world: int) -> None:
+    """Two reduce-scatters in flight on gloo's all-to-all path, waited for in the other order."""
     _two_reduce_scatters_in_flight(rank, world, "all_to_all_single")
-    _units_used_twice(rank, world, base)
-    _after_backward(rank, world)
-    _no_sync_unit_left_out(rank, world)
 
 
 # ---- a unit used more than once before one backward ---------------------------------------------
@@ -287,7 +331,8 @@ def _grad_error(model, reference) -> float:
     return worst
 
 
-def _units_used_twice(rank: int, world: int, llama: nn.Module) -> None:
+@checks.check
+def _units_used_twice(rank: int, world: int) -> None:
     """11. A unit's weights are gathered again for each use's backward, and its gradients of
     every use sum. They were wrong in three ways: the second backward of a unit found it "seen"
     and computed with whatever weights its slot held by then (another unit's); on gloo the
@@ -306,6 +351,7 @@ def _units_used_twice(rank: int, world: int, llama: nn.Module) -> None:
             assert err < 1e-5, (seq, frozen, step, err)
             model.zero_grad(set_to_none=True)
             reference.zero_grad(set_to_none=True)
+    llama = _tiny()
     model, reference = ls.shard(clone(llama)), clone(llama)
     for step in range(2):
         x1, x2 = batches(2, seed=10 + step)
@@ -324,10 +370,6 @@ def _freeze_first(m):
     return m
 
 
-def test_engine_paths():
-    run_ranks(_engine_paths, 2)
-
-
 # ---- fp16 reduction range --------------------------------------------------------------------------
 class OneLinear(nn.Module):
     def __init__(self):
@@ -338,7 +380,8 @@ class OneLinear(nn.Module):
         return self.layers[0](x).float().sum() * scale
 
 
-def _fp16_range(rank: int, world: int) -> None:
+@checks.check
+def _fp16_reduction_does_not_overflow(rank: int, world: int) -> None:
     """Every rank's fp16 gradient is 40000 (< 65504); their sum is not. Dividing by sqrt(N)
     before the sum keeps it finite; the mean is exact to fp16 rounding."""
     model = ls.shard(OneLinear(), mixed_precision=ls.MixedPrecision(torch.float16, torch.float16))
@@ -347,10 +390,6 @@ def _fp16_range(rank: int, world: int) -> None:
     (g,) = [p.grad for p in model.parameters()]
     assert torch.isfinite(g).all(), g
     torch.testing.assert_close(g, torch.full_like(g, 40000.0), rtol=1e-3, atol=0)
-
-
-def test_fp16_reduction_does_not_overflow():
-    run_ranks(_fp16_range, 2)
 
 
 def test_reduction_scaling_rounds_only_in_fp32():
@@ -470,6 +509,7 @@ def test_gather_slot_assignment():
     assert assign_gather_slots([b] * 4 + [n]) == [0, 1, 0, 1, 2]
 
 
+@checks.check
 def _after_backward(rank: int, world: int) -> None:
     """12. A second backward through one graph works as in torch (it raised "engine bug": a
     frozen unit's slot stayed busy after the first); the full state dict is a copy that later
@@ -524,6 +564,7 @@ class TwoHeads(nn.Module):
         return self.layers[task](torch.tanh(self.layers[0](x)))
 
 
+@checks.check
 def _no_sync_unit_left_out(rank: int, world: int) -> None:
     """13. Gradients accumulated under ``no_sync`` by a unit that the synced backward does not
     reach (task a's head, when the last micro-batch is task b's) belong to this step. They were
@@ -543,3 +584,6 @@ def _no_sync_unit_left_out(rank: int, world: int) -> None:
         assert err < 1e-5, (step, err)
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
+
+
+checks.collect(globals())
