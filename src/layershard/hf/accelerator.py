@@ -34,7 +34,7 @@ from layershard.hf.plugin import ShardingPlugin
 from layershard.sharded import ShardedModule
 
 _ATTR = "_layershard_sharded"  # on the wrapped module: its ShardedModule
-STATE_PREFIX = "layershard_model"  # save_state(): one sharded checkpoint per model
+STATE_PREFIX = "layershard_model"  # save_state(): <dir>/layershard_model_<i>/step_<n>/, latest
 
 
 def sharded_of(model: Any) -> ShardedModule | None:
@@ -246,13 +246,13 @@ class Accelerator(accelerate.Accelerator):
     ):
         """Accelerate's files for everything else (schedulers, samplers, scaler, RNG, registered
         objects), and for each sharded model a ``layershard_model_<i>/`` sharded checkpoint
-        with its optimizer (``ls.save_checkpoint``: each rank writes its slices)."""
+        with its optimizer (``ls.save_checkpoint``: each rank writes its slices). Collective."""
         pairs, others, other_opts = self._split_state()
         with self._only(others, other_opts):
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         for i, (sharded, opt) in enumerate(pairs):
-            path = Path(location) / f"{STATE_PREFIX}_{i}"
-            ls.save_checkpoint(path, sharded, opt, step=self.step)
+            path = Path(location) / f"{STATE_PREFIX}_{i}" / f"step_{self.step:06d}"
+            ls.save_checkpoint(path, sharded, opt, step=self.step, keep_last=1)
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):

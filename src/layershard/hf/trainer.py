@@ -40,7 +40,9 @@ from layershard.hf.accelerator import (
 from layershard.hf.plugin import ShardingPlugin
 from layershard.sharded import ShardedModule
 
-CHECKPOINT_DIR = "layershard"  # inside checkpoint-N/: model slices + optimizer state
+# Inside checkpoint-N/: a layershard checkpoints folder (``step_<N>/`` and ``latest``, as
+# `layershard train` writes them): model slices and optimizer state, any world size.
+CHECKPOINT_DIR = "layershard"
 
 # Trainer's `optim` values whose update is elementwise, so that stepping 1-D slices is stepping
 # the model. Factored (Adafactor), low-rank (GaLore, APOLLO), fused-into-backward (LOMO) and
@@ -181,11 +183,12 @@ class ShardedTrainerMixin:
         sharded = self._ls_sharded()
         if sharded is None:
             return super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+        step = self.state.global_step
         ls.save_checkpoint(
-            Path(output_dir) / CHECKPOINT_DIR,
+            Path(output_dir) / CHECKPOINT_DIR / f"step_{step:06d}",
             sharded,
             inner_optimizer(self.optimizer),
-            step=self.state.global_step,
+            step=step,
         )
         if self.args.should_save:
             with warnings.catch_warnings():

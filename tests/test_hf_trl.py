@@ -1,0 +1,20 @@
+"""trl's ``SFTTrainer`` sharded by layershard (``ls.hf.sharded(SFTTrainer)``) against the same
+``SFTTrainer`` under DDP (tests/_hf_script.py ``sft``; tolerances: test_hf_trainer.py)."""
+
+from __future__ import annotations
+
+from _hf_launch import section
+from _parity import LOSS_RTOL
+from test_hf_trainer import GRAD_NORM_RTOL, _rel
+
+
+def test_sft_assistant_only_loss_matches_ddp() -> None:
+    """Chat data, loss on assistant tokens only (assistant_only_loss, {% generation %} template),
+    through trl's fused LM head (which reads the head's weight outside its forward)."""
+    res = section("main", "sft")
+    ls_log, ddp_log = res["ls/assistant"]["logged"], res["ddp/assistant"]["logged"]
+    assert len(ls_log) == 10
+    assert _rel(ls_log, ddp_log, 1) < LOSS_RTOL
+    assert _rel(ls_log, ddp_log, 2) < GRAD_NORM_RTOL
+    # The mask is honoured: the loss on every token is another run
+    assert _rel(res["ddp/all"]["logged"], ddp_log, 1) > 1e-2
