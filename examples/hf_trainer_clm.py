@@ -29,7 +29,9 @@ import layershard as ls
 # Model sizes for training from scratch (Llama); --model_name_or_path loads a model instead.
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4),
-    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6),
+    "small": dict(
+        hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6
+    ),
 }
 
 
@@ -150,7 +152,9 @@ def main(argv: list[str] | None = None, trainer_class=None, callbacks=()) -> dic
 
     # The one-line change: ls.hf.Trainer in place of transformers.Trainer.
     Trainer = ls.hf.Trainer if script.layershard else transformers.Trainer
-    extra = {"layershard": ls.hf.ShardingPlugin(strategy=script.strategy)} if script.layershard else {}
+    extra = (
+        {"layershard": ls.hf.ShardingPlugin(strategy=script.strategy)} if script.layershard else {}
+    )
     trainer = (trainer_class or Trainer)(
         model=model,
         args=args,

@@ -100,7 +100,9 @@ def trainer_class(impl: str, base=T.Trainer):
 
 
 def logged(trainer) -> list[list[float]]:
-    return [[h["step"], h["loss"], h["grad_norm"]] for h in trainer.state.log_history if "loss" in h]
+    return [
+        [h["step"], h["loss"], h["grad_norm"]] for h in trainer.state.log_history if "loss" in h
+    ]
 
 
 def state_of(trainer) -> dict[str, torch.Tensor]:
@@ -397,26 +399,14 @@ def accelerate_loop(out: Path) -> dict:
         model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
         state_dir = out / f"accel-state-{impl}"
 
-        def run(batches, losses):
-            for i, (x,) in batches:
-                with acc.accumulate(model):
-                    loss = model(input_ids=x, labels=x).loss
-                    acc.backward(loss)
-                    if acc.sync_gradients:
-                        norm = acc.clip_grad_norm_(model.parameters(), 0.5)
-                        losses.append([acc.gather(loss.detach()).mean().item(), float(norm)])
-                    opt.step()
-                    sched.step()
-                    opt.zero_grad()
-                if i == 7:
-                    acc.save_state(str(state_dir))
-
+        loop = (acc, model, opt, sched, state_dir)
         first: list = []
-        run(enumerate(loader), first)
+        _accelerate_steps(*loop, enumerate(loader), first)
         finals[impl] = {k: v.clone() for k, v in _acc_state(acc, model).items()}
         acc.load_state(str(state_dir))
         replay: list = []
-        run(((i + 8, b) for i, b in enumerate(acc.skip_first_batches(loader, 8))), replay)
+        rest = ((i + 8, b) for i, b in enumerate(acc.skip_first_batches(loader, 8)))
+        _accelerate_steps(*loop, rest, replay)
         again = _acc_state(acc, model)
         acc.save_model(model, str(out / f"accel-model-{impl}"))
         r = {"losses": first, "replay": replay}
@@ -432,6 +422,23 @@ def accelerate_loop(out: Path) -> dict:
         acc.free_memory()
     res["param_diff"] = max_param_diff(finals["ls"], finals["ddp"])
     return res
+
+
+def _accelerate_steps(acc, model, opt, sched, state_dir, batches, losses) -> None:
+    """The user's loop: micro-batches under accumulate(), a step on every second one; the
+    state is saved after micro-batch 7."""
+    for i, (x,) in batches:
+        with acc.accumulate(model):
+            loss = model(input_ids=x, labels=x).loss
+            acc.backward(loss)
+            if acc.sync_gradients:
+                norm = acc.clip_grad_norm_(model.parameters(), 0.5)
+                losses.append([acc.gather(loss.detach()).mean().item(), float(norm)])
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if i == 7:
+            acc.save_state(str(state_dir))
 
 
 def _acc_state(acc, model) -> dict:
@@ -499,14 +506,31 @@ def misuse(out: Path) -> dict:
 
     cases = {
         "fsdp": lambda: ls.hf.Trainer(model=llama(), args=args(out / "m", fsdp="full_shard")),
-        "deepspeed": lambda: ls.hf.Trainer(model=llama(), args=_with(args(out / "m"), deepspeed={"zero_optimization": {"stage": 3}})),  # fmt: skip
-        "ddp_wrapped": lambda: ls.hf.Trainer(model=torch.nn.parallel.DistributedDataParallel(llama()), args=args(out / "m")),  # fmt: skip
+        "deepspeed": lambda: ls.hf.Trainer(
+            model=llama(),
+            args=_with(args(out / "m"), deepspeed={"zero_optimization": {"stage": 3}}),
+        ),  # fmt: skip
+        "ddp_wrapped": lambda: ls.hf.Trainer(
+            model=torch.nn.parallel.DistributedDataParallel(llama()), args=args(out / "m")
+        ),  # fmt: skip
         "fsdp2_wrapped": lambda: ls.hf.Trainer(model=_fully_shard(llama()), args=args(out / "m")),
         "optim": lambda: ls.hf.Trainer(model=llama(), args=args(out / "m", optim="adafactor")),
-        "accelerator_fsdp": lambda: ls.hf.Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin()),  # fmt: skip
-        "precision": lambda: ls.hf.Trainer(model=llama(), args=args(out / "m", bf16=True), layershard=ls.hf.ShardingPlugin(mixed_precision=ls.MixedPrecision(torch.float16))),  # fmt: skip
-        "checkpointing": lambda: ls.hf.Trainer(model=llama(), args=args(out / "m", gradient_checkpointing=True), layershard=ls.hf.ShardingPlugin(activation_checkpointing=1)),  # fmt: skip
-        "prepare_ddp": lambda: ls.hf.Accelerator(cpu=True).prepare(torch.nn.parallel.DistributedDataParallel(llama())),  # fmt: skip
+        "accelerator_fsdp": lambda: ls.hf.Accelerator(
+            cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin()
+        ),  # fmt: skip
+        "precision": lambda: ls.hf.Trainer(
+            model=llama(),
+            args=args(out / "m", bf16=True),
+            layershard=ls.hf.ShardingPlugin(mixed_precision=ls.MixedPrecision(torch.float16)),
+        ),  # fmt: skip
+        "checkpointing": lambda: ls.hf.Trainer(
+            model=llama(),
+            args=args(out / "m", gradient_checkpointing=True),
+            layershard=ls.hf.ShardingPlugin(activation_checkpointing=1),
+        ),  # fmt: skip
+        "prepare_ddp": lambda: ls.hf.Accelerator(cpu=True).prepare(
+            torch.nn.parallel.DistributedDataParallel(llama())
+        ),  # fmt: skip
     }
     res = {}
     for name, make in cases.items():
@@ -535,7 +559,9 @@ def _fully_shard(model):
 
 def calibrate(out: Path) -> dict:
     """How far DDP (``main``) lands from one process (``single``) in the parity runs."""
-    main, single = (json.loads((out / f"{j}.json").read_text())["parity"] for j in ("main", "single"))
+    main, single = (
+        json.loads((out / f"{j}.json").read_text())["parity"] for j in ("main", "single")
+    )
     res = {}
     for name in ("llama", "llama-gc", "gpt2"):
         a, b = main[f"{name}/ddp"]["logged"], single[f"{name}/ddp"]["logged"]

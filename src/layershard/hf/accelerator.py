@@ -59,7 +59,9 @@ def refuse_wrapped(model: nn.Module) -> None:
 
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         kind = type(model).__name__
-    elif isinstance(model, FSDP1) or any(isinstance(m, (FSDP1, FSDPModule)) for m in model.modules()):
+    elif isinstance(model, FSDP1) or any(
+        isinstance(m, (FSDP1, FSDPModule)) for m in model.modules()
+    ):
         kind = "FSDP"
     else:
         return
@@ -80,6 +82,10 @@ class Accelerator(accelerate.Accelerator):
     ``save_state`` / ``load_state`` keep each sharded model with its optimizer in layershard's
     sharded checkpoint format (``ls.save_checkpoint``), loadable at another world size.
     """
+
+    # accelerate's own lists (declared for type checkers)
+    _models: list
+    _optimizers: list
 
     def __init__(self, *args: Any, layershard: ShardingPlugin | None = None, **kwargs: Any):
         _refuse_other_backends(kwargs)
@@ -159,9 +165,10 @@ class Accelerator(accelerate.Accelerator):
         for group in opt.param_groups:
             for i, p in enumerate(group["params"]):
                 entry = self._ls_slices.get(id(p))
-                if entry is None or entry[0]() is not p:
+                old = None if entry is None else entry[0]()
+                if entry is None or old is None or old is not p:
                     continue
-                if p in opt.state and opt.state[p]:
+                if opt.state.get(old):
                     raise ValueError(
                         "ls.hf.Accelerator: the optimizer already holds state for the unsharded "
                         "model; load optimizer state after prepare() (load_state), not before"
@@ -229,7 +236,7 @@ class Accelerator(accelerate.Accelerator):
         if sharded is None:
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
         state_dict = self.get_state_dict(sharded)
-        inner = sharded.module
+        inner: Any = sharded.module
         if not hasattr(inner, "save_pretrained"):
             super().save_model(inner, save_directory, max_shard_size, safe_serialization)
         elif self.is_main_process:
@@ -301,7 +308,7 @@ class Accelerator(accelerate.Accelerator):
     def _only(self, models: list, optimizers: list) -> Iterator[None]:
         """Let accelerate's own save/load see only what it can save: the sharded models and their
         optimizers go through layershard's checkpoints instead."""
-        saved = self._models, self._optimizers
+        saved: tuple[list, list] = (self._models, self._optimizers)
         self._models, self._optimizers = models, optimizers
         try:
             yield
@@ -362,7 +369,7 @@ def _sync_generation(model: nn.Module) -> None:
 
     for m in model.modules():
         if isinstance(m, PreTrainedModel):
-            m._is_fsdp_managed_module = True
+            object.__setattr__(m, "_is_fsdp_managed_module", True)
 
 
 def full_state_dict(sharded: ShardedModule) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ def bridge_fused_lm_head(model: nn.Module) -> None:
     under PEFT); a no-op for models trl did not patch. Idempotent."""
     for m in model.modules():
         fused = m.__dict__.get("forward")
-        if fused is None or getattr(fused, "_layershard_bridge", False):
+        if fused is None or m.__dict__.get(_MARK):
             continue
         try:
             params = inspect.signature(fused, follow_wrapped=False).parameters
@@ -43,13 +43,15 @@ def bridge_fused_lm_head(model: nn.Module) -> None:
             continue
         if "fused_lm_head" not in params or not hasattr(m, "get_output_embeddings"):
             continue
-        bridged = types.MethodType(_bridged(fused), m)
-        bridged.__func__._layershard_bridge = True  # type: ignore[attr-defined]
-        m.forward = bridged
+        m.forward = types.MethodType(_bridged(fused), m)
+        object.__setattr__(m, _MARK, True)
+
+
+_MARK = "_layershard_fused_head_bridge"  # on a module whose forward is bridged
 
 
 def _bridged(fused):
-    def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any):
+    def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any):
         if not fused_lm_head:
             return fused(*args, **kwargs)
         stand_in = _HeadWeights(self.get_output_embeddings())
@@ -73,7 +75,7 @@ class _HeadWeights:
     def _get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._gathered is None:
             head = self._head
-            head.forward = _own_weights.__get__(head)  # type: ignore[method-assign]
+            head.forward = _own_weights.__get__(head)
             try:
                 self._gathered = head(torch.empty(0))
             finally:
@@ -89,7 +91,7 @@ class _HeadWeights:
         return self._get()[1]
 
 
-def _own_weights(self: nn.Module, _unused: torch.Tensor):
+def _own_weights(self: Any, _unused: torch.Tensor):
     # Views, not the bound tensors themselves: new autograd nodes whose gradient marks the start
     # of the head's backward (layershard's pre-backward hook sits on a unit's outputs).
     bias = getattr(self, "bias", None)

@@ -252,9 +252,7 @@ def sharded(trainer_cls: type) -> type:
     """``trainer_cls`` (``transformers.Trainer`` or a subclass, e.g. ``trl.SFTTrainer``) training
     through layershard: ``ls.hf.sharded(trl.SFTTrainer)(model=..., args=SFTConfig(...), ...)``."""
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
-        raise TypeError(
-            f"ls.hf.sharded(): {trainer_cls!r} is not a transformers.Trainer subclass"
-        )
+        raise TypeError(f"ls.hf.sharded(): {trainer_cls!r} is not a transformers.Trainer subclass")
     if issubclass(trainer_cls, ShardedTrainerMixin):
         return trainer_cls
     if trainer_cls is transformers.Trainer:
