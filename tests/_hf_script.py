@@ -345,6 +345,45 @@ def sft(out: Path) -> dict:
     return res
 
 
+def dpo(out: Path) -> dict:
+    """trl's DPOTrainer with a reference model: accelerate prepares it for evaluation only, so
+    layershard shards it too (its fused LM head as well), beside the policy."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    tok = chat_tokenizer()
+    r = random.Random(0)
+
+    def words(k):
+        return " ".join(r.choice(WORDS) for _ in range(k))
+
+    rows = [{"prompt": words(4), "chosen": words(3), "rejected": words(3)} for _ in range(64)]
+    res = {}
+    for impl in ("ddp", "ls"):
+        cfg = args(
+            out / f"dpo-{impl}",
+            cls=DPOConfig,
+            max_steps=6,
+            lr_scheduler_type="linear",
+            bf16=False,
+            gradient_checkpointing=False,
+            max_length=32,
+        )
+        models = [llama(vocab_size=len(tok), pad_token_id=0, eos_token_id=1) for _ in range(2)]
+        trainer = trainer_class(impl, DPOTrainer)(
+            model=models[0],
+            ref_model=models[1],
+            args=cfg,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tok,
+        )
+        trainer.train()
+        res[impl] = {"logged": logged(trainer)}
+        if impl == "ls":
+            res[impl]["ref_sharded"] = ls.hf.sharded_of(trainer.ref_model) is not None
+    return res
+
+
 def generate(out: Path) -> dict:
     """Seq2SeqTrainer.predict(predict_with_generate=True) with ranks that finish at different
     steps (the end-of-sequence token is the first one rank 0's prompt generates), against one
@@ -471,6 +510,37 @@ def precision(out: Path) -> dict:
     return res
 
 
+def flows(out: Path) -> dict:
+    """Other ways into the sharded Trainer: evaluate() before train() (the evaluation shards the
+    model, the optimizer is then built from its slices) and a second train() on the same
+    trainer; and a model the user sharded (ls.shard) passed to ls.hf.Trainer. The reference is
+    DDP without the evaluate() first: under DDP that call leaves the model unwrapped for the
+    training that follows (accelerate marks it prepared), so each rank would train alone."""
+    res: dict = {}
+    for impl in ("ddp", "ls"):
+        trainer = trainer_class(impl)(
+            model=llama(),
+            args=args(out / f"flows-{impl}", max_steps=4),
+            train_dataset=sequences(64),
+            eval_dataset=sequences(8, seed=5),
+        )
+        if impl == "ls":
+            res["eval_first"] = trainer.evaluate()["eval_loss"]
+        trainer.train()
+        first = logged(trainer)
+        trainer.args.max_steps = 8
+        trainer.train()
+        res[impl] = {"first": first, "second": logged(trainer)}
+    trainer = ls.hf.Trainer(
+        model=ls.shard(llama()),
+        args=args(out / "flows-presharded", max_steps=4),
+        train_dataset=sequences(64),
+    )
+    trainer.train()
+    res["presharded"] = logged(trainer)
+    return res
+
+
 def save4(out: Path) -> dict:
     """4 ranks: ls.hf.Trainer writes checkpoint-4 and trains on, uninterrupted, to step 8."""
     d = out / "resume"
@@ -577,7 +647,7 @@ def calibrate(out: Path) -> dict:
 
 
 JOBS = {
-    "main": [parity, lora, sft, generate, accelerate_loop, resume, precision, misuse],
+    "main": [parity, lora, sft, dpo, generate, accelerate_loop, resume, precision, flows, misuse],
     "save4": [save4],
     "single": [parity],
     "calibrate": [calibrate],

@@ -130,6 +130,17 @@ def test_bf16_is_layershard_mixed_precision() -> None:
     assert _rel(res["True"]["logged"], res["False"]["logged"], 1) < 1e-2
 
 
+def test_evaluate_before_train_second_train_and_presharded_model() -> None:
+    """evaluate() before train() (the model is sharded by the evaluation), then train() twice on
+    the same trainer; and ls.hf.Trainer(model=ls.shard(model)): the losses of DDP's runs."""
+    res = section("main", "flows")
+    assert res["eval_first"] > 0
+    for run in ("first", "second"):
+        assert _rel(res["ls"][run], res["ddp"][run], 1) < LOSS_RTOL
+        assert _rel(res["ls"][run], res["ddp"][run], 2) < GRAD_NORM_RTOL
+    assert _rel(res["presharded"], res["ddp"]["first"], 1) < LOSS_RTOL
+
+
 MISUSE = {
     "fsdp": "TrainingArguments(fsdp=...)",
     "deepspeed": "TrainingArguments(deepspeed=...)",

@@ -1,5 +1,6 @@
-"""trl's ``SFTTrainer`` sharded by layershard (``ls.hf.sharded(SFTTrainer)``) against the same
-``SFTTrainer`` under DDP (tests/_hf_script.py ``sft``; tolerances: test_hf_trainer.py)."""
+"""trl's trainers sharded by layershard (``ls.hf.sharded(SFTTrainer)``, ``DPOTrainer``) against
+the same trainers under DDP (tests/_hf_script.py ``sft``, ``dpo``; tolerances:
+test_hf_trainer.py)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,11 @@ def test_sft_assistant_only_loss_matches_ddp() -> None:
     assert _rel(ls_log, ddp_log, 2) < GRAD_NORM_RTOL
     # The mask is honoured: the loss on every token is another run
     assert _rel(res["ddp/all"]["logged"], ddp_log, 1) > 1e-2
+
+
+def test_dpo_with_reference_model_matches_ddp() -> None:
+    """DPOTrainer: the reference model (prepared for evaluation) is sharded as well."""
+    res = section("main", "dpo")
+    assert res["ls"]["ref_sharded"]
+    assert _rel(res["ls"]["logged"], res["ddp"]["logged"], 1) < LOSS_RTOL
+    assert _rel(res["ls"]["logged"], res["ddp"]["logged"], 2) < GRAD_NORM_RTOL
