@@ -61,8 +61,14 @@ class _Meter:
 
     def __init__(self, mem_step: int):
         self.times: list[float] = []
+        # CPU seconds per step: the main thread's, and the whole process's (gloo's threads too);
+        # less sensitive than wall time to other jobs on the machine (DEVELOPERS.md)
+        self.thread_cpu: list[float] = []
+        self.process_cpu: list[float] = []
+        self._c0 = (0.0, 0.0)
         self.mem_step = mem_step
         self.peak: int | None = None
+        self.breakdown: dict[str, int] = {}
         self._t0 = 0.0
         self._mt = None
 
@@ -81,19 +87,25 @@ class _Meter:
             self._mt.track_external(model, optimizer, *_live_tensors())
             self._mt.__enter__()
         dist.barrier()
+        self._c0 = (time.thread_time(), time.process_time())
         self._t0 = time.perf_counter()
 
     def end(self, step: int) -> None:
         import torch.distributed as dist
 
         dist.barrier()
+        wall = time.perf_counter() - self._t0
+        thread, process = time.thread_time() - self._c0[0], time.process_time() - self._c0[1]
         if self._mt is not None:
             self._mt.__exit__(None, None, None)
-            peak = self._mt.get_tracker_snapshot("peak")
-            self.peak = int(next(iter(peak.values()))["Total"])
+            peak = next(iter(self._mt.get_tracker_snapshot("peak").values()))
+            self.peak = int(peak["Total"])
+            self.breakdown = {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}
             self._mt = None
         else:
-            self.times.append(time.perf_counter() - self._t0)
+            self.times.append(wall)
+            self.thread_cpu.append(thread)
+            self.process_cpu.append(process)
 
 
 def _trainer_run(impl: str, script, args, tokenizer, data, model, meter: _Meter) -> None:
@@ -206,9 +218,12 @@ def worker(ns: argparse.Namespace) -> None:
         _bare_run(args, data, model, meter)
     else:
         _trainer_run(ns.worker, script, args, tokenizer, data, model, meter)
-    times = meter.times[ns.warmup :]
+    w = ns.warmup
+    times = meter.times[w:]
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"times": times, "peak": meter.peak})
+    mine = {"times": times, "peak": meter.peak, "breakdown": meter.breakdown}
+    mine.update(thread_cpu=meter.thread_cpu[w:], process_cpu=meter.process_cpu[w:])
+    dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         slowest = [max(r["times"][i] for r in everyone) for i in range(len(times))]
         result = {
@@ -217,6 +232,13 @@ def worker(ns: argparse.Namespace) -> None:
             "step_times": slowest,
             "peak_bytes": max(r["peak"] for r in everyone if r["peak"] is not None),
             "peak_bytes_per_rank": [r["peak"] for r in everyone],
+            "peak_breakdown_rank0": everyone[0]["breakdown"],
+            "thread_cpu": [
+                statistics.mean(r["thread_cpu"][i] for r in everyone) for i in range(len(times))
+            ],
+            "process_cpu": [
+                statistics.mean(r["process_cpu"][i] for r in everyone) for i in range(len(times))
+            ],
             "params": sum(p.numel() for p in model.parameters()) if ns.worker == "ddp" else None,
         }
         Path(ns.result).write_text(json.dumps(result, indent=1))
@@ -291,6 +313,8 @@ def report(out: Path, settings: dict) -> dict:
             "step_s_median": statistics.median(times),
             "step_s_min_max": [min(times), max(times)],
             "per_repeat_median": [statistics.median(r["step_times"]) for r in mine],
+            "thread_cpu_s_median": statistics.median(t for r in mine for t in r["thread_cpu"]),
+            "process_cpu_s_median": statistics.median(t for r in mine for t in r["process_cpu"]),
             "peak_MiB": statistics.median(r["peak_bytes"] for r in mine) / MiB,
         }
     ls_ = impls.get("layershard", {})
@@ -309,17 +333,24 @@ def report(out: Path, settings: dict) -> dict:
         "layershard_time_vs_ddp": ratio("ddp", "step_s_median"),
         "layershard_peak_vs_ddp": ratio("ddp", "peak_MiB"),
         "trainer_overhead_vs_bare": ratio("bare", "step_s_median"),
+        "trainer_overhead_vs_bare_thread_cpu": ratio("bare", "thread_cpu_s_median"),
+        "layershard_process_cpu_vs_fsdp2": ratio("fsdp2", "process_cpu_s_median"),
         "loadavg_1min": [min(loads), max(loads)] if loads else None,
         "dates": [min(r["date"] for r in runs), max(r["date"] for r in runs)],
     }
     (out / "results.json").write_text(json.dumps(res, indent=1))
-    lines = [f"{'impl':<12}{'step s':>9}{'min-max':>16}{'x ls':>8}{'peak MiB':>10}{'x ls':>8}"]
+    lines = [
+        f"{'impl':<12}{'step s':>9}{'min-max':>16}{'x ls':>8}{'main CPU s':>12}{'x ls':>8}"
+        f"{'proc CPU s':>12}{'x ls':>8}{'peak MiB':>10}{'x ls':>8}"
+    ]
     for impl, s in impls.items():
         lo, hi = s["step_s_min_max"]
         lines.append(
             f"{impl:<12}{s['step_s_median']:>9.3f}{f'{lo:.3f}-{hi:.3f}':>16}"
-            f"{s['step_s_median'] / ls_['step_s_median']:>8.3f}{s['peak_MiB']:>10.1f}"
-            f"{s['peak_MiB'] / ls_['peak_MiB']:>8.3f}"
+            f"{s['step_s_median'] / ls_['step_s_median']:>8.3f}"
+            f"{s['thread_cpu_s_median']:>12.3f}{s['thread_cpu_s_median'] / ls_['thread_cpu_s_median']:>8.3f}"
+            f"{s['process_cpu_s_median']:>12.3f}{s['process_cpu_s_median'] / ls_['process_cpu_s_median']:>8.3f}"
+            f"{s['peak_MiB']:>10.1f}{s['peak_MiB'] / ls_['peak_MiB']:>8.3f}"
         )
     lines.append(f"load average (1 min) during the runs: {res['loadavg_1min']}; {res['dates']}")
     (out / "table.txt").write_text("\n".join(lines) + "\n")

@@ -140,13 +140,15 @@ class Accelerator(accelerate.Accelerator):
             refuse_wrapped(model)
             names = list(model.named_parameters(remove_duplicate=False))
             sharded = ls.shard(model, **self.layershard.shard_kwargs())
-            object.__setattr__(model, _ATTR, sharded)
             slices = dict(sharded.named_parameters())
             for name, p in names:
                 if name in slices and id(p) not in self._ls_slices:
                     self._ls_slices[id(p)] = (weakref.ref(p), slices[name])
-            _sync_generation(model)
-            bridge_fused_lm_head(model)
+        # Also for a model the user sharded with ls.shard: found again from its module, kept in
+        # step in generate, trl's fused head gathered (each idempotent).
+        object.__setattr__(sharded.module, _ATTR, sharded)
+        _sync_generation(sharded.module)
+        bridge_fused_lm_head(sharded.module)
         if sharded not in self._models:
             self._models.append(sharded)
         if all(r() is not sharded for r in self._ls_models):
