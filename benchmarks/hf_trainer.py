@@ -10,7 +10,13 @@ order alternating between repeats (A B C D, D C B A, ...); a step is timed from 
 ``on_step_begin`` to a barrier at ``on_step_end`` (forward, backward, clip, optimizer and
 scheduler step, zero_grad), the slowest rank's time; the median over all timed steps of all
 repeats. Peak memory: torch's ``MemTracker`` over one further step with every tensor alive before
-it registered, the largest rank's. ``uptime``'s 1-minute load is recorded around every run.
+it registered, the largest rank's. ``uptime``'s 1-minute load is recorded around every run. Each
+step's CPU time (the main thread's, and the whole process's with gloo's threads) is recorded too.
+
+The Trainer path's overhead over the bare loop is a few percent, under the run-to-run noise of
+a shared 2-core machine; ``paired`` measures it within one run: ``ls.hf.Trainer`` trains, and a
+callback steps a bare ``ls.shard`` loop on a copy of the same model next to each Trainer step
+(after even steps, before odd ones), so that both see the same machine conditions.
 
 FSDP2 on CPU: accelerate 1.15 never turns a MULTI_CPU run into FSDP (``AcceleratorState``), so
 ``Trainer(fsdp="full_shard", fsdp_config={"fsdp_version": 2})`` on CPU silently trains with DDP.
@@ -23,6 +29,7 @@ kept gathered from forward to backward, the root). Benchmark scaffolding, not pa
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -33,7 +40,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-IMPLS = ["layershard", "fsdp2", "ddp", "bare"]
+IMPLS = ["layershard", "fsdp2", "ddp", "bare", "paired"]
 MiB = 2**20
 
 
@@ -108,18 +115,28 @@ class _Meter:
             self.process_cpu.append(process)
 
 
-def _trainer_run(impl: str, script, args, tokenizer, data, model, meter: _Meter) -> None:
+def _trainer_run(
+    impl: str, script, args, tokenizer, data, model, meter: _Meter, paired=None
+) -> None:
+    """``paired`` (a ``(_BareLoop, _Meter)``): one bare step next to each Trainer step, so that
+    both see the same machine conditions (the overhead measurement)."""
     import transformers
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     import layershard as ls
 
     class Timing(transformers.TrainerCallback):
+        # With ``paired``, the bare step comes after even Trainer steps and before odd ones, so
+        # that neither always follows the other.
         def on_step_begin(self, a, state, control, model=None, optimizer=None, **kw):
+            if paired is not None and state.global_step % 2 == 1:
+                paired[0].step(state.global_step, paired[1])
             meter.begin(state.global_step, trainer.model_wrapped, trainer.optimizer)
 
         def on_step_end(self, a, state, control, **kw):
             meter.end(state.global_step - 1)
+            if paired is not None and (state.global_step - 1) % 2 == 0:
+                paired[0].step(state.global_step - 1, paired[1])
 
     class FSDP2OnCPU(transformers.Trainer):
         def create_accelerator_and_postprocess(self):
@@ -145,48 +162,51 @@ def _trainer_run(impl: str, script, args, tokenizer, data, model, meter: _Meter)
     trainer.train()
 
 
-def _bare_run(args, data, model, meter: _Meter) -> None:
-    """The loop a user writes with ls.shard alone: same model, batches, optimizer and schedule."""
-    import torch
-    import torch.distributed as dist
-    import transformers
-    from torch.utils.data import DataLoader, DistributedSampler
+class _BareLoop:
+    """The loop a user writes with ls.shard alone: same model, batches, optimizer (Trainer's
+    decay groups, fused AdamW) and schedule as the Trainer run."""
 
-    import layershard as ls
+    def __init__(self, args, data, model):
+        import torch
+        import transformers
+        from torch.utils.data import DataLoader, DistributedSampler
 
-    sharded = ls.shard(model)
-    # Trainer's own grouping by name (the method reads no instance state)
-    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
-    named = list(sharded.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
-        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(
-        groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon, fused=True,
-    )  # fmt: skip
-    sched = transformers.get_scheduler(
-        args.lr_scheduler_type, opt, args.warmup_steps, num_training_steps=args.max_steps
-    )
-    sampler = DistributedSampler(data["train"], seed=args.seed)
-    loader = DataLoader(
-        data["train"], batch_size=args.per_device_train_batch_size, sampler=sampler,
-        collate_fn=transformers.default_data_collator,
-    )  # fmt: skip
-    sharded.train()
-    batches = iter(loader)
-    for step in range(args.max_steps):
-        batch = next(batches)
-        meter.begin(step, sharded, opt)
-        loss = sharded(**batch).loss
+        import layershard as ls
+
+        self.args = args
+        self.sharded = ls.shard(model)
+        # Trainer's own grouping by name (the method reads no instance state)
+        decay = set(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+        named = list(self.sharded.named_parameters())
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        self.opt = torch.optim.AdamW(
+            groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon, fused=True,
+        )  # fmt: skip
+        self.sched = transformers.get_scheduler(
+            args.lr_scheduler_type, self.opt, args.warmup_steps, num_training_steps=args.max_steps
+        )
+        sampler = DistributedSampler(data["train"], seed=args.seed)
+        loader = DataLoader(
+            data["train"], batch_size=args.per_device_train_batch_size, sampler=sampler,
+            collate_fn=transformers.default_data_collator,
+        )  # fmt: skip
+        self.batches = iter(loader)
+        self.sharded.train()
+
+    def step(self, step: int, meter: _Meter) -> None:
+        batch = next(self.batches)
+        meter.begin(step, self.sharded, self.opt)
+        loss = self.sharded(**batch).loss
         loss.backward()
-        sharded.clip_grad_norm_(args.max_grad_norm)
-        opt.step()
-        sched.step()
-        sharded.zero_grad(set_to_none=True)
+        self.sharded.clip_grad_norm_(self.args.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        self.sharded.zero_grad(set_to_none=True)
         meter.end(step)
-    dist.barrier()
 
 
 def worker(ns: argparse.Namespace) -> None:
@@ -214,8 +234,16 @@ def worker(ns: argparse.Namespace) -> None:
     script, args = parser.parse_args_into_dataclasses(args=argv)
     tokenizer, data, model = example.build(script, args)
     meter = _Meter(mem_step=steps - 1)
+    paired = None
     if ns.worker == "bare":
-        _bare_run(args, data, model, meter)
+        loop = _BareLoop(args, data, model)
+        for step in range(steps):
+            loop.step(step, meter)
+    elif ns.worker == "paired":  # ls.hf.Trainer steps and bare steps, alternating
+        twin = copy.deepcopy(model)  # the same initial weights
+        paired = (_BareLoop(args, data, twin), _Meter(mem_step=-1))
+        meter.mem_step = paired[1].mem_step = -1
+        _trainer_run("layershard", script, args, tokenizer, data, model, meter, paired)
     else:
         _trainer_run(ns.worker, script, args, tokenizer, data, model, meter)
     w = ns.warmup
@@ -223,14 +251,16 @@ def worker(ns: argparse.Namespace) -> None:
     everyone: list = [None] * dist.get_world_size()
     mine = {"times": times, "peak": meter.peak, "breakdown": meter.breakdown}
     mine.update(thread_cpu=meter.thread_cpu[w:], process_cpu=meter.process_cpu[w:])
+    if paired is not None:
+        mine.update(bare_times=paired[1].times[w:], bare_thread_cpu=paired[1].thread_cpu[w:])
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         slowest = [max(r["times"][i] for r in everyone) for i in range(len(times))]
-        result = {
+        result: dict = {
             "impl": ns.worker,
             "world_size": dist.get_world_size(),
             "step_times": slowest,
-            "peak_bytes": max(r["peak"] for r in everyone if r["peak"] is not None),
+            "peak_bytes": max((r["peak"] for r in everyone if r["peak"] is not None), default=None),
             "peak_bytes_per_rank": [r["peak"] for r in everyone],
             "peak_breakdown_rank0": everyone[0]["breakdown"],
             "thread_cpu": [
@@ -241,6 +271,14 @@ def worker(ns: argparse.Namespace) -> None:
             ],
             "params": sum(p.numel() for p in model.parameters()) if ns.worker == "ddp" else None,
         }
+        if paired is not None:
+            n = len(times)
+            result["bare_step_times"] = [
+                max(r["bare_times"][i] for r in everyone) for i in range(n)
+            ]
+            result["bare_thread_cpu"] = [
+                statistics.mean(r["bare_thread_cpu"][i] for r in everyone) for i in range(n)
+            ]
         Path(ns.result).write_text(json.dumps(result, indent=1))
     dist.barrier()
     dist.destroy_process_group()
@@ -295,7 +333,8 @@ def driver(ns: argparse.Namespace) -> None:
             res["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
             result.write_text(json.dumps(res, indent=1))
             med = statistics.median(res["step_times"])
-            print(f"repeat {r} {impl:<10} step {med:.3f} s  peak {res['peak_bytes'] / MiB:.1f} MiB"
+            peak = f"{res['peak_bytes'] / MiB:.1f} MiB" if res["peak_bytes"] else "n/a"
+            print(f"repeat {r} {impl:<10} step {med:.3f} s  peak {peak}"
                   f"  load {before:.2f}->{after:.2f}", flush=True)  # fmt: skip
     report(out, vars(ns))
 
@@ -303,7 +342,7 @@ def driver(ns: argparse.Namespace) -> None:
 def report(out: Path, settings: dict) -> dict:
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
     impls = {}
-    for impl in IMPLS:
+    for impl in IMPLS[:-1]:  # paired: below
         mine = [r for r in runs if r["impl"] == impl]
         if not mine:
             continue
@@ -315,7 +354,9 @@ def report(out: Path, settings: dict) -> dict:
             "per_repeat_median": [statistics.median(r["step_times"]) for r in mine],
             "thread_cpu_s_median": statistics.median(t for r in mine for t in r["thread_cpu"]),
             "process_cpu_s_median": statistics.median(t for r in mine for t in r["process_cpu"]),
-            "peak_MiB": statistics.median(r["peak_bytes"] for r in mine) / MiB,
+            "peak_MiB": statistics.median(r["peak_bytes"] for r in mine) / MiB
+            if all(r["peak_bytes"] for r in mine)
+            else None,
         }
     ls_ = impls.get("layershard", {})
 
@@ -324,6 +365,20 @@ def report(out: Path, settings: dict) -> dict:
             return ls_[key] / impls[impl][key]
         return None
 
+    pairs = [r for r in runs if r["impl"] == "paired"]
+    paired = None
+    if pairs:
+        trainer = [t for r in pairs for t in r["step_times"]]
+        bare = [t for r in pairs for t in r["bare_step_times"]]
+        paired = {
+            "repeats": len(pairs),
+            "trainer_step_s_median": statistics.median(trainer),
+            "bare_step_s_median": statistics.median(bare),
+            "overhead": statistics.median(trainer) / statistics.median(bare),
+            "per_step_ratio_median": statistics.median(t / b for t, b in zip(trainer, bare)),
+            "thread_cpu_overhead": statistics.median(t for r in pairs for t in r["thread_cpu"])
+            / statistics.median(t for r in pairs for t in r["bare_thread_cpu"]),
+        }
     loads = [x for r in runs for x in r["loadavg_1min"]]
     res = {
         "settings": settings,
@@ -333,6 +388,7 @@ def report(out: Path, settings: dict) -> dict:
         "layershard_time_vs_ddp": ratio("ddp", "step_s_median"),
         "layershard_peak_vs_ddp": ratio("ddp", "peak_MiB"),
         "trainer_overhead_vs_bare": ratio("bare", "step_s_median"),
+        "paired": paired,
         "trainer_overhead_vs_bare_thread_cpu": ratio("bare", "thread_cpu_s_median"),
         "layershard_process_cpu_vs_fsdp2": ratio("fsdp2", "process_cpu_s_median"),
         "loadavg_1min": [min(loads), max(loads)] if loads else None,
@@ -344,6 +400,8 @@ def report(out: Path, settings: dict) -> dict:
         f"{'proc CPU s':>12}{'x ls':>8}{'peak MiB':>10}{'x ls':>8}"
     ]
     for impl, s in impls.items():
+        if s["peak_MiB"] is None:
+            continue
         lo, hi = s["step_s_min_max"]
         lines.append(
             f"{impl:<12}{s['step_s_median']:>9.3f}{f'{lo:.3f}-{hi:.3f}':>16}"
@@ -351,6 +409,14 @@ def report(out: Path, settings: dict) -> dict:
             f"{s['thread_cpu_s_median']:>12.3f}{s['thread_cpu_s_median'] / ls_['thread_cpu_s_median']:>8.3f}"
             f"{s['process_cpu_s_median']:>12.3f}{s['process_cpu_s_median'] / ls_['process_cpu_s_median']:>8.3f}"
             f"{s['peak_MiB']:>10.1f}{s['peak_MiB'] / ls_['peak_MiB']:>8.3f}"
+        )
+    if paired:
+        lines.append(
+            f"paired (ls.hf.Trainer and bare ls.shard steps alternating in the same processes, "
+            f"{paired['repeats']} runs): Trainer {paired['trainer_step_s_median']:.3f} s, bare "
+            f"{paired['bare_step_s_median']:.3f} s, overhead {paired['overhead']:.3f} (median of "
+            f"per-step ratios {paired['per_step_ratio_median']:.3f}; main-thread CPU "
+            f"{paired['thread_cpu_overhead']:.3f})"
         )
     lines.append(f"load average (1 min) during the runs: {res['loadavg_1min']}; {res['dates']}")
     (out / "table.txt").write_text("\n".join(lines) + "\n")
