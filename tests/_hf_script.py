@@ -317,31 +317,52 @@ def chats(n: int, seed: int = 0):
     return Dataset.from_list(rows)
 
 
+def completions(n: int, seed: int = 0):
+    from datasets import Dataset
+
+    r = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt, completion = (
+            " ".join(r.choice(WORDS) for _ in range(r.randint(2, 6))) for _ in "pc"
+        )
+        rows.append({"prompt": prompt, "completion": completion})
+    return Dataset.from_list(rows)
+
+
 def sft(out: Path) -> dict:
-    """trl's SFTTrainer (its fused LM head) under DDP and sharded, loss on assistant tokens
-    only; and under DDP on every token, to show that the mask changes the losses."""
+    """trl's SFTTrainer (its fused LM head) under DDP and sharded: on chats with the loss on
+    assistant tokens only, and on prompt/completion pairs with the loss on completions only;
+    and under DDP on every token, to show that each mask changes the losses."""
     from trl import SFTConfig, SFTTrainer
 
     tok = chat_tokenizer()
     res: dict = {}
-    for impl, only in (("ddp", True), ("ls", True), ("ddp", False)):
-        d = out / f"sft-{impl}-{only}"
+    runs = (
+        ("ddp", "assistant", chats, dict(assistant_only_loss=True)),
+        ("ls", "assistant", chats, dict(assistant_only_loss=True)),
+        ("ddp", "all", chats, dict(assistant_only_loss=False)),
+        ("ddp", "completion", completions, dict(completion_only_loss=True)),
+        ("ls", "completion", completions, dict(completion_only_loss=True)),
+        ("ddp", "prompt+completion", completions, dict(completion_only_loss=False)),
+    )
+    for impl, mask, dataset, kw in runs:
         cfg = args(
-            d,
+            out / f"sft-{impl}-{mask}",
             cls=SFTConfig,
             max_steps=10,
             lr_scheduler_type="linear",
             bf16=False,
             gradient_checkpointing=False,
-            assistant_only_loss=only,
             max_length=64,
+            **kw,
         )
         model = llama(vocab_size=len(tok), pad_token_id=0, eos_token_id=1)
         trainer = trainer_class(impl, SFTTrainer)(
-            model=model, args=cfg, train_dataset=chats(100), processing_class=tok
+            model=model, args=cfg, train_dataset=dataset(100), processing_class=tok
         )
         trainer.train()
-        res[f"{impl}/{'assistant' if only else 'all'}"] = {"logged": logged(trainer)}
+        res[f"{impl}/{mask}"] = {"logged": logged(trainer)}
     return res
 
 

@@ -21,6 +21,15 @@ def test_sft_assistant_only_loss_matches_ddp() -> None:
     assert _rel(res["ddp/all"]["logged"], ddp_log, 1) > 1e-2
 
 
+def test_sft_completion_only_loss_matches_ddp() -> None:
+    """Prompt/completion pairs, loss on the completion only (completion_only_loss)."""
+    res = section("main", "sft")
+    ls_log, ddp_log = res["ls/completion"]["logged"], res["ddp/completion"]["logged"]
+    assert _rel(ls_log, ddp_log, 1) < LOSS_RTOL
+    assert _rel(ls_log, ddp_log, 2) < GRAD_NORM_RTOL
+    assert _rel(res["ddp/prompt+completion"]["logged"], ddp_log, 1) > 1e-2
+
+
 def test_dpo_with_reference_model_matches_ddp() -> None:
     """DPOTrainer: the reference model (prepared for evaluation) is sharded as well."""
     res = section("main", "dpo")
