@@ -5,9 +5,11 @@ them instead of launching per test. Every launch has a timeout."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +26,9 @@ TIMEOUT_S = {"save4": 240, "main": 420}
 
 @functools.cache
 def _out() -> Path:
-    return Path(tempfile.mkdtemp(prefix="layershard-hf-"))
+    out = Path(tempfile.mkdtemp(prefix="layershard-hf-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    return out
 
 
 @functools.cache
