@@ -23,7 +23,7 @@ import inspect
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -61,17 +61,16 @@ SUPPORTED_OPTIM = frozenset(
 )
 
 
-class ShardedTrainerMixin:
-    """Put first in the bases of a ``transformers.Trainer`` subclass (``ls.hf.sharded`` does)."""
+# Type checkers see the mixin as a Trainer (its super() calls go to one); at runtime it is a
+# plain mixin, put first in the bases of any Trainer subclass.
+if TYPE_CHECKING:
+    _TrainerBase = transformers.Trainer
+else:
+    _TrainerBase = object
 
-    # Set by Trainer; declared for type checkers.
-    args: Any
-    model: Any
-    model_wrapped: Any
-    optimizer: Any
-    lr_scheduler: Any
-    accelerator: Any
-    state: Any
+
+class ShardedTrainerMixin(_TrainerBase):
+    """Put first in the bases of a ``transformers.Trainer`` subclass (``ls.hf.sharded`` does)."""
 
     def __init__(self, *args: Any, layershard: ShardingPlugin | None = None, **kwargs: Any):
         self._ls_plugin = layershard
@@ -103,13 +102,13 @@ class ShardedTrainerMixin:
     # -- the accelerator ---------------------------------------------------------------------------
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
-        built = super()._build_accelerator_args(**kwargs)  # type: ignore[misc]
+        built = super()._build_accelerator_args(**kwargs)
         self._ls_accelerator_args = built
         return built
 
     def create_accelerator_and_postprocess(self) -> None:
         self._ls_check_args()
-        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        super().create_accelerator_and_postprocess()
         # Trainer has no hook for the accelerator's class: build ours from the same arguments
         # (accelerate's state is a singleton; the second construction reuses it).
         self.accelerator = Accelerator(
@@ -171,18 +170,18 @@ class ShardedTrainerMixin:
         ``Trainer.save_model``. Collective once the model is sharded: call it on every rank."""
         sharded = self._ls_sharded()
         if sharded is None:  # never prepared: the whole model is still on every rank
-            return super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = self.accelerator.get_state_dict(sharded)  # collective; {} but on rank 0
-        self._save(output_dir, state_dict=state_dict)  # type: ignore[attr-defined]
+        self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)  # type: ignore[attr-defined]
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         self.accelerator.wait_for_everyone()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         sharded = self._ls_sharded()
         if sharded is None:
-            return super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+            return super()._save_optimizer_and_scheduler(output_dir)
         step = self.state.global_step
         ls.save_checkpoint(
             Path(output_dir) / CHECKPOINT_DIR / f"step_{step:06d}",
@@ -190,7 +189,7 @@ class ShardedTrainerMixin:
             inner_optimizer(self.optimizer),
             step=step,
         )
-        if self.args.should_save:
+        if self.args.should_save and self.lr_scheduler is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch's "save the optimizer too"
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -202,7 +201,7 @@ class ShardedTrainerMixin:
             return  # read with the optimizer, after prepare(): _load_optimizer_and_scheduler
         sharded = sharded_of(model if model is not None else self.model)
         if sharded is None:  # save_only_model checkpoint, model not yet sharded: Trainer's way
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         if _is_peft(sharded.module):
             raise ValueError(
                 f"ls.hf.Trainer: {resume_from_checkpoint} has no layershard/ folder (save_only_model) "
@@ -212,25 +211,27 @@ class ShardedTrainerMixin:
         ls.load_hf(sharded, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        folder = None if checkpoint is None else Path(checkpoint) / CHECKPOINT_DIR
         sharded = self._ls_sharded()
-        if folder is None or not folder.is_dir() or sharded is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        if (
+            checkpoint is None
+            or sharded is None
+            or not (Path(checkpoint) / CHECKPOINT_DIR).is_dir()
+        ):
+            return super()._load_optimizer_and_scheduler(checkpoint)
         # Trainer restores each rank's RNG itself (rng_state_<rank>.pth)
+        folder = Path(checkpoint) / CHECKPOINT_DIR
         ls.load_checkpoint(folder, sharded, inner_optimizer(self.optimizer), restore_rng=False)
-        assert checkpoint is not None
         scheduler = Path(checkpoint) / SCHEDULER_NAME
-        if scheduler.is_file():
+        if scheduler.is_file() and self.lr_scheduler is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_best_model(self) -> None:
-        sharded = self._ls_sharded()
-        folder = Path(self.state.best_model_checkpoint) / CHECKPOINT_DIR
-        if sharded is None or not folder.is_dir():
-            return super()._load_best_model()  # type: ignore[misc]
-        ls.load_checkpoint(folder, sharded, restore_rng=False)
+        sharded, best = self._ls_sharded(), self.state.best_model_checkpoint
+        if sharded is None or best is None or not (Path(best) / CHECKPOINT_DIR).is_dir():
+            return super()._load_best_model()
+        ls.load_checkpoint(Path(best) / CHECKPOINT_DIR, sharded, restore_rng=False)
 
 
 def _is_peft(model: Any) -> bool:
