@@ -20,6 +20,7 @@ __all__ = [
     "ShardedModule",
     "__version__",
     "export_hf",
+    "hf",
     "init_distributed",
     "load_checkpoint",
     "load_hf",
@@ -39,4 +40,8 @@ def __getattr__(name: str):
         import layershard.optim
 
         return layershard.optim
+    if name == "hf":  # ls.hf.Trainer, ls.hf.Accelerator: needs the `hf` extra, imported on use
+        import layershard.hf
+
+        return layershard.hf
     raise AttributeError(f"module 'layershard' has no attribute {name!r}")

@@ -1,0 +1,73 @@
+"""``ShardingPlugin``: every ``ls.shard`` option, carried by ``ls.hf.Accelerator`` and
+``ls.hf.Trainer``, and how it meets what accelerate and ``TrainingArguments`` already say.
+
+A setting that both sides express (compute dtype, activation checkpointing) must agree: an
+unset side takes the other's value, and two different values are a one-line error before any
+model is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from layershard.precision import MixedPrecision
+from layershard.strategy import CPUOffload
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ShardingPlugin:
+    """The options of ``ls.shard(model, ...)`` (see its docstring and the README's API table).
+
+    ``mixed_precision=None`` follows accelerate / ``TrainingArguments``: ``bf16=True`` computes in
+    bf16 (``ls.MixedPrecision(torch.bfloat16)``, fp32 reduction), ``fp16=True`` in fp16 with an
+    all-reducing loss scaler; neither is fp32. ``activation_checkpointing=K`` recomputes the first
+    K blocks; ``TrainingArguments(gradient_checkpointing=True)`` is the Hugging Face way to ask for
+    all of them (the model's own checkpointing), and the two cannot be combined.
+    """
+
+    layers: Iterable[nn.Module | str] | None = None
+    mixed_precision: MixedPrecision | None = None
+    strategy: str = "full"
+    activation_checkpointing: int = 0
+    process_group: dist.ProcessGroup | None = None
+    device: torch.device | str | None = None
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    shard_size: int | None = None
+    reshard_after_forward: bool | int = True
+    mesh: Any = None
+    offload: CPUOffload | None = None
+    compile: bool | dict = False
+
+    def shard_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``ls.shard(model, **kwargs)``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def with_amp(self, mixed_precision: str | None) -> ShardingPlugin:
+        """This plugin with accelerate's ``mixed_precision`` ("no", "bf16", "fp16") folded in;
+        raises ``ValueError`` when the two name different compute dtypes."""
+        amp = _AMP_DTYPES.get(str(mixed_precision or "no"))
+        if amp is None:
+            if str(mixed_precision or "no") not in ("no", "None"):
+                raise ValueError(
+                    f"layershard: mixed_precision={mixed_precision!r} is not supported; use "
+                    "'bf16', 'fp16' or 'no' (ShardingPlugin(mixed_precision=ls.MixedPrecision(...)) "
+                    "for other combinations)"
+                )
+            return self
+        if self.mixed_precision is None:
+            return replace(self, mixed_precision=MixedPrecision(param_dtype=amp))
+        if self.mixed_precision.param_dtype != amp:
+            raise ValueError(
+                f"layershard: mixed precision {mixed_precision!r} (bf16/fp16 in TrainingArguments "
+                "or accelerate) contradicts ShardingPlugin(mixed_precision=MixedPrecision("
+                f"param_dtype={self.mixed_precision.param_dtype})); set only one of them"
+            )
+        return self

@@ -1,0 +1,265 @@
+"""``ls.hf.Trainer`` and ``ls.hf.sharded(TrainerClass)``: a ``transformers.Trainer`` (or any
+subclass: trl's ``SFTTrainer``, ``DPOTrainer``, ...) that trains through ``ls.hf.Accelerator``.
+
+The constructor and every argument stay Trainer's; ``layershard=ls.hf.ShardingPlugin(...)`` is
+the one addition. Trainer's own loop does the rest: it builds the optimizer from the unsharded
+model (weight-decay groups by name), ``prepare()`` shards the model and points the optimizer at
+the slices of the same names, accumulation runs micro-batches under ``accelerator.no_sync``, and
+``accelerator.clip_grad_norm_`` clips by the norm over all ranks. What changes is where a sharded
+model's state goes:
+
+- ``save_model()`` gathers the full weights and writes them with the model's ``save_pretrained``
+  (HF safetensors + config; only the adapters of a PEFT model). Collective: every rank calls it.
+- A checkpoint (``save_steps``) holds, besides that, ``layershard/``: the model's slices and the
+  optimizer state in layershard's sharded format (each rank writes its own), loadable at any world
+  size; ``resume_from_checkpoint`` reads the model and optimizer from it after ``prepare()``.
+- ``load_best_model_at_end`` reads the best checkpoint's ``layershard/`` into the sharded model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import transformers
+from transformers.trainer import SCHEDULER_NAME
+
+import layershard as ls
+from layershard.hf.accelerator import (
+    _ATTR,
+    Accelerator,
+    inner_optimizer,
+    refuse_wrapped,
+    sharded_of,
+)
+from layershard.hf.plugin import ShardingPlugin
+from layershard.sharded import ShardedModule
+
+# Inside checkpoint-N/: a layershard checkpoints folder (``step_<N>/`` and ``latest``, as
+# `layershard train` writes them): model slices and optimizer state, any world size.
+CHECKPOINT_DIR = "layershard"
+
+# Trainer's `optim` values whose update is elementwise, so that stepping 1-D slices is stepping
+# the model. Factored (Adafactor), low-rank (GaLore, APOLLO), fused-into-backward (LOMO) and
+# blockwise-quantized (8-bit, 4-bit) optimizers see a parameter's shape or blocks, not a slice.
+SUPPORTED_OPTIM = frozenset(
+    {
+        "adamw_torch",
+        "adamw_torch_fused",
+        "sgd",
+        "adagrad",
+        "rmsprop",
+        "schedule_free_adamw",
+        "schedule_free_sgd",
+        "schedule_free_radam",
+    }
+)
+
+
+# Type checkers see the mixin as a Trainer (its super() calls go to one); at runtime it is a
+# plain mixin, put first in the bases of any Trainer subclass.
+if TYPE_CHECKING:
+    _TrainerBase = transformers.Trainer
+else:
+    _TrainerBase = object
+
+
+class ShardedTrainerMixin(_TrainerBase):
+    """Put first in the bases of a ``transformers.Trainer`` subclass (``ls.hf.sharded`` does)."""
+
+    def __init__(self, *args: Any, layershard: ShardingPlugin | None = None, **kwargs: Any):
+        self._ls_plugin = layershard
+        model = kwargs["model"] if "model" in kwargs else (args[0] if args else None)
+        if isinstance(model, ShardedModule):  # sharded by the user (e.g. built on meta)
+            if layershard is not None:
+                raise ValueError(
+                    "ls.hf.Trainer: the model is already sharded (ls.shard); drop layershard=... "
+                    "or pass the unsharded model"
+                )
+            object.__setattr__(model.module, _ATTR, model)
+            if "model" in kwargs:
+                kwargs["model"] = model.module
+            else:
+                args = (model.module, *args[1:])
+        super().__init__(*args, **kwargs)
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        if (
+            self.optimizer is None
+            and getattr(self, "optimizer_cls_and_kwargs", None) is None
+            and optim not in SUPPORTED_OPTIM
+        ):
+            raise ValueError(
+                f"ls.hf.Trainer: optim={optim!r} is not supported on sharded parameters "
+                f"(each rank steps 1-D slices); use one of {sorted(SUPPORTED_OPTIM)}, or pass "
+                "optimizers=(...) with an elementwise optimizer"
+            )
+
+    # -- the accelerator ---------------------------------------------------------------------------
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        built = super()._build_accelerator_args(**kwargs)
+        self._ls_accelerator_args = built
+        return built
+
+    def create_accelerator_and_postprocess(self) -> None:
+        self._ls_check_args()
+        super().create_accelerator_and_postprocess()
+        # Trainer has no hook for the accelerator's class: build ours from the same arguments
+        # (accelerate's state is a singleton; the second construction reuses it).
+        self.accelerator = Accelerator(
+            **self._ls_accelerator_args, layershard=self._ls_plugin or ShardingPlugin()
+        )
+        gather = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(gather).parameters:
+            gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
+        self.gather_function = gather
+
+    def _ls_check_args(self) -> None:
+        a = self.args
+        if a.fsdp:
+            raise ValueError(
+                "ls.hf.Trainer: TrainingArguments(fsdp=...) asks for torch FSDP; layershard shards "
+                "the model instead, so remove fsdp (and fsdp_config)"
+            )
+        if a.deepspeed:
+            raise ValueError(
+                "ls.hf.Trainer: TrainingArguments(deepspeed=...) asks for DeepSpeed; layershard "
+                "shards the model instead, so remove deepspeed"
+            )
+        if self.model is not None and not isinstance(self.model, ShardedModule):
+            refuse_wrapped(self.model)
+        plugin = self._ls_plugin
+        if plugin is not None and plugin.activation_checkpointing and a.activation_checkpointing:
+            raise ValueError(
+                "ls.hf.Trainer: gradient_checkpointing=True (the model's own checkpointing of every "
+                f"layer) and ShardingPlugin(activation_checkpointing={plugin.activation_checkpointing}) "
+                "would recompute twice; set only one"
+            )
+        if a.save_only_model and a.load_best_model_at_end:
+            raise ValueError(
+                "ls.hf.Trainer: save_only_model=True with load_best_model_at_end=True is not "
+                "supported (as with FSDP): the best model is read from the sharded checkpoint"
+            )
+        if a.auto_find_batch_size:
+            raise ValueError(
+                "ls.hf.Trainer: auto_find_batch_size is not supported; set "
+                "per_device_train_batch_size (a sharded model is not re-wrapped per attempt)"
+            )
+        if a.fp16_full_eval or a.bf16_full_eval:
+            raise ValueError(
+                "ls.hf.Trainer: fp16_full_eval/bf16_full_eval cast the model, which a sharded model "
+                "cannot do; evaluation computes in the training dtype (bf16=True / fp16=True)"
+            )
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        # ls.shard places the slices (ShardingPlugin(device=...)): the whole model never moves.
+        return None
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def _ls_sharded(self) -> ShardedModule | None:
+        return sharded_of(self.model_wrapped) or sharded_of(self.model)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Hugging Face weights + config (adapters for PEFT) into ``output_dir``, as
+        ``Trainer.save_model``. Collective once the model is sharded: call it on every rank."""
+        sharded = self._ls_sharded()
+        if sharded is None:  # never prepared: the whole model is still on every rank
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.accelerator.get_state_dict(sharded)  # collective; {} but on rank 0
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        self.accelerator.wait_for_everyone()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        sharded = self._ls_sharded()
+        if sharded is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        step = self.state.global_step
+        ls.save_checkpoint(
+            Path(output_dir) / CHECKPOINT_DIR / f"step_{step:06d}",
+            sharded,
+            inner_optimizer(self.optimizer),
+            step=step,
+        )
+        if self.args.should_save and self.lr_scheduler is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch's "save the optimizer too"
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if (Path(resume_from_checkpoint) / CHECKPOINT_DIR).is_dir():
+            return  # read with the optimizer, after prepare(): _load_optimizer_and_scheduler
+        sharded = sharded_of(model if model is not None else self.model)
+        if sharded is None:  # save_only_model checkpoint, model not yet sharded: Trainer's way
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if _is_peft(sharded.module):
+            raise ValueError(
+                f"ls.hf.Trainer: {resume_from_checkpoint} has no layershard/ folder (save_only_model) "
+                "and the PEFT model is already sharded; resume before evaluating, or save with "
+                "save_only_model=False"
+            )
+        ls.load_hf(sharded, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        sharded = self._ls_sharded()
+        if (
+            checkpoint is None
+            or sharded is None
+            or not (Path(checkpoint) / CHECKPOINT_DIR).is_dir()
+        ):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # Trainer restores each rank's RNG itself (rng_state_<rank>.pth)
+        folder = Path(checkpoint) / CHECKPOINT_DIR
+        ls.load_checkpoint(folder, sharded, inner_optimizer(self.optimizer), restore_rng=False)
+        scheduler = Path(checkpoint) / SCHEDULER_NAME
+        if scheduler.is_file() and self.lr_scheduler is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        sharded, best = self._ls_sharded(), self.state.best_model_checkpoint
+        if sharded is None or best is None or not (Path(best) / CHECKPOINT_DIR).is_dir():
+            return super()._load_best_model()
+        ls.load_checkpoint(Path(best) / CHECKPOINT_DIR, sharded, restore_rng=False)
+
+
+def _is_peft(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+class Trainer(ShardedTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` sharded by layershard: same constructor and arguments, plus
+    ``layershard=ls.hf.ShardingPlugin(...)``. Launch with ``torchrun`` or ``accelerate launch``
+    as for DDP (on CPU: ``TrainingArguments(use_cpu=True)``)."""
+
+
+@functools.cache
+def sharded(trainer_cls: type) -> type:
+    """``trainer_cls`` (``transformers.Trainer`` or a subclass, e.g. ``trl.SFTTrainer``) training
+    through layershard: ``ls.hf.sharded(trl.SFTTrainer)(model=..., args=SFTConfig(...), ...)``."""
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
+        raise TypeError(f"ls.hf.sharded(): {trainer_cls!r} is not a transformers.Trainer subclass")
+    if issubclass(trainer_cls, ShardedTrainerMixin):
+        return trainer_cls
+    if trainer_cls is transformers.Trainer:
+        return Trainer
+    return type(
+        trainer_cls.__name__,
+        (ShardedTrainerMixin, trainer_cls),
+        {"__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__},
+    )

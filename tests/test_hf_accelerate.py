@@ -1,0 +1,36 @@
+"""A user's own accelerate loop: ``ls.hf.Accelerator`` against ``accelerate.Accelerator`` (DDP),
+the same loop (tests/_hf_script.py ``accelerate_loop``; tolerances: test_hf_trainer.py)."""
+
+from __future__ import annotations
+
+from _hf_launch import section
+from _parity import LOSS_RTOL
+from test_hf_trainer import GRAD_NORM_RTOL, PARAM_TOL
+
+
+def _rel(a: list, b: list, col: int) -> float:
+    return max(abs(x[col] - y[col]) / abs(y[col]) for x, y in zip(a, b))
+
+
+def test_accelerate_loop_matches_ddp() -> None:
+    """accumulate() over 2 micro-batches, clip_grad_norm_, a scheduler, weight-decay groups built
+    before prepare()."""
+    res = section("main", "accelerate_loop")
+    ls_run, ddp = res["ls"], res["ddp"]
+    assert len(ls_run["losses"]) == len(ddp["losses"]) == 8
+    assert _rel(ls_run["losses"], ddp["losses"], 0) < LOSS_RTOL
+    assert _rel(ls_run["losses"], ddp["losses"], 1) < GRAD_NORM_RTOL
+    assert res["param_diff"] < PARAM_TOL
+
+
+def test_accelerate_save_state_load_state_and_save_model() -> None:
+    """save_state() at micro-step 8 writes the model and optimizer as a layershard sharded
+    checkpoint; load_state() and replaying the remaining micro-batches ends on the same weights
+    and losses; save_model() writes a folder that from_pretrained loads."""
+    ls_run = section("main", "accelerate_loop")["ls"]
+    assert "layershard_model_0" in ls_run["state_files"]
+    assert "optimizer.bin" not in ls_run["state_files"]
+    assert ls_run["replay"] == ls_run["losses"][len(ls_run["losses"]) - len(ls_run["replay"]) :]
+    assert ls_run["replay_param_diff"] == 0.0
+    assert {"config.json", "model.safetensors"} <= set(ls_run["model_files"])
+    assert ls_run["saved_diff"] == 0.0
