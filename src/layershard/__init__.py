@@ -7,6 +7,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 """
 
 from layershard.distributed import init_distributed
+from layershard.loss import chunked_loss
 from layershard.precision import GradScaler, MixedPrecision
 from layershard.sharded import ShardedModule, shard
 from layershard.strategy import CPUOffload
@@ -19,6 +20,7 @@ __all__ = [
     "MixedPrecision",
     "ShardedModule",
     "__version__",
+    "chunked_loss",
     "export_hf",
     "init_distributed",
     "load_checkpoint",
