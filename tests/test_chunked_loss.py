@@ -101,6 +101,24 @@ def test_bf16_weight_gradient_is_the_plain_ones_and_hidden_gradient_as_close_to_
     assert _rel(got[0], fp64[0]) <= 1.5 * _rel(plain[0], fp64[0])
 
 
+def test_the_weight_is_saved_through_autograds_saved_tensors():
+    """The engine gathers a unit's weights again for its backward when autograd unpacks a saved
+    tensor that views them (saved-tensor hooks; a divergent unit's come from a buffer of its
+    own): the loss must save the weight itself, not keep it on ctx."""
+    hidden, weight, labels = _inputs()
+    weight.requires_grad_()
+    packed = []
+
+    def pack(t):
+        packed.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = chunked_causal_lm_loss(hidden, weight, labels, 4)
+    assert weight.untyped_storage().data_ptr() in packed
+    loss.backward()
+
+
 def test_bad_chunks_and_labels_are_refused():
     hidden, weight, labels = _inputs()
     for bad in (0, -1, 2.0, True):
@@ -305,46 +323,54 @@ def _hf_llama_512():
 def _parity(rank: int, world: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    cases = {  # installed on the plain model before ls.shard, or on the ShardedModule after
-        "llama untied, installed after shard": (tiny_llama(vocab_size=512), "after"),
-        "llama tied, installed before shard": (
-            tiny_llama(vocab_size=512, tie_embeddings=True), "before"),
-        "transformers llama, installed before shard": (_hf_llama_512(), "before"),
+    # per model: the sharded runs, each (strategy, chunked_loss installed on the plain model
+    # "before" ls.shard or on the ShardedModule "after")
+    cases = {
+        "llama untied": (tiny_llama(vocab_size=512), [("full", "after"), ("grad_op", "before")]),
+        "llama tied": (tiny_llama(vocab_size=512, tie_embeddings=True),
+                       [("full", "before"), ("no_shard", "before")]),
+        "transformers llama": (_hf_llama_512(), [("full", "before")]),
     }  # fmt: skip
-    for name, (base, when) in cases.items():
+    for name, (base, runs) in cases.items():
         ref, ddp = clone(base), DDP(clone(base))
-        ours = ls.shard(ls.chunked_loss(clone(base), 4) if when == "before" else clone(base))
-        if when == "after":
-            ls.chunked_loss(ours, 4)
-        plain = ls.shard(clone(base)) if when == "after" else None  # for its collectives
-        opts = [_sgd(m) for m in (ref, ddp, ours, plain) if m is not None]
+        ours = {}
+        for strategy, when in runs:
+            model = ls.chunked_loss(clone(base), 4) if when == "before" else clone(base)
+            ours[strategy] = ls.shard(model, strategy=strategy)
+            if when == "after":
+                ls.chunked_loss(ours[strategy], 4)
+        plain = ls.shard(clone(base)) if name == "llama untied" else None  # for its collectives
+        opts = [_sgd(m) for m in (ref, ddp, plain, *ours.values()) if m is not None]
         for step, batch in enumerate(batches(STEPS, vocab=512)):
             x = local(batch, rank, world)
             ref_loss = ref(input_ids=batch, labels=batch).loss
             ref_loss.backward()
             ddp(input_ids=x, labels=x).loss.backward()
-            ours.comm_stats(reset=True)
-            out = ours(input_ids=x, labels=x)
-            assert out.logits is None
-            out.loss.backward()
-            if plain is not None:  # the head is gathered once per forward, and again for its
-                chunked_stats = ours.comm_stats()  # backward: the plain loss's collectives
-                plain.comm_stats(reset=True)
+            for model in ours.values():
+                model.comm_stats(reset=True)
+                out = model(input_ids=x, labels=x)
+                assert out.logits is None
+                out.loss.backward()
+                loss = global_mean(out.loss)
+                assert abs(loss - ref_loss.item()) <= 1e-6 * ref_loss.item(), (name, step)
+            if plain is not None:  # the collectives of the plain loss: the head gathered once
+                plain.comm_stats(reset=True)  # for its forward, once for its backward
                 plain(input_ids=x, labels=x).loss.backward()
-                assert chunked_stats == plain.comm_stats(), (name, step)
+                assert ours["full"].comm_stats() == plain.comm_stats(), (name, step)
             for o in opts:
                 o.step()
                 o.zero_grad()
-            ours_loss = global_mean(out.loss)
-            assert abs(ours_loss - ref_loss.item()) <= 1e-6 * ref_loss.item(), (name, step)
-        full = ours.full_state_dict()
         ddp_full = {k.removeprefix("module."): v for k, v in ddp.state_dict().items()}
+        fulls = {strategy: model.full_state_dict() for strategy, model in ours.items()}
         if rank == 0:
-            dev, where = max_diff(full, ref)
             ddp_dev, _ = max_diff(ddp_full, ref)
-            print(f"{name}: max |param - ref| chunked {dev:.2e} ({where}), DDP {ddp_dev:.2e}")
             assert ddp_dev <= CHUNKED_TOL, f"calibration drifted: DDP now {ddp_dev:.2e}"
-            assert dev <= CHUNKED_TOL, (name, dev, where)
+            for strategy, full in fulls.items():
+                dev, where = max_diff(full, ref)
+                print(
+                    f"{name}, {strategy}: max |param - ref| {dev:.2e} ({where}), DDP {ddp_dev:.2e}"
+                )
+                assert dev <= CHUNKED_TOL, (name, strategy, dev, where)
 
 
 def test_training_with_the_chunked_loss_matches_the_single_process_reference():
