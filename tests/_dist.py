@@ -145,12 +145,16 @@ class RankChecks:
         self._verdicts: dict[str, list[str | None]] | None = None
         self._module: str | None = None
 
-    def check(self, fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
-        name = fn.__name__.lstrip("_")
+    def check(
+        self, fn: Callable[[int, int], None], name: str | None = None, doc: str | None = None
+    ) -> Callable[[int, int], None]:
+        """Register ``fn`` (module level) as the check ``name`` (default: its own name)."""
+        name = name or fn.__name__.lstrip("_")
         self.names.append(name)
-        self.docs[name] = fn.__doc__ or ""
-        self._module = fn.__module__
-        fn.__globals__[f"_rank_check_{name}"] = fn
+        self.docs[name] = doc or fn.__doc__ or ""
+        func = getattr(fn, "func", fn)  # a functools.partial: the function it calls
+        self._module = func.__module__
+        sys.modules[func.__module__].__dict__[f"_rank_check_{name}"] = fn  # found by name in a rank
         return fn
 
     def collect(self, namespace: dict) -> None:

@@ -4,12 +4,13 @@ and HF transformers' Llama with units found automatically (meta-device init: tes
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
+from _dist import RankChecks, run_ranks
 from _parity import (
     LOSS_RTOL,
     LR,
@@ -178,14 +179,23 @@ def _train_variant(rank, world, variant: str) -> None:
         assert dev <= PARAM_TOL, (variant, dev, where)
 
 
-def _variants(rank, world):
-    for v in ("checkpoint", "reentrant", "reentrant_hpz", "accumulate", "no_sync", "clip_2",
-              "clip_inf"):  # fmt: skip
-        _train_variant(rank, world, v)
-
-
-def test_checkpointing_accumulation_and_clipping():
-    run_ranks(_variants, 2)
+VARIANTS = {
+    "checkpoint": "activation checkpointing of the first two blocks (non-reentrant)",
+    "reentrant": "reentrant checkpointing of whole blocks (hooks run again in backward)",
+    "reentrant_hpz": "reentrant checkpointing with reshard_after_forward=1 (the 1/K copy)",
+    "accumulate": "two micro-batches, both reduced",
+    "no_sync": "two micro-batches, the first under no_sync()",
+    "clip_2": "clip_grad_norm_ (2-norm), the same value on every rank",
+    "clip_inf": "clip_grad_norm_ (inf-norm), the same value on every rank",
+}
+variants = RankChecks(world_size=2, suffix="_trains_as_one_process")
+for _v, _doc in VARIANTS.items():
+    variants.check(
+        functools.partial(_train_variant, variant=_v),
+        name=_v,
+        doc=f"{_doc}: 6 AdamW steps against the single-process reference",
+    )
+variants.collect(globals())
 
 
 # ---- bf16 mixed precision ---------------------------------------------------------------------------

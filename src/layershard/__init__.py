@@ -9,6 +9,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 from layershard.distributed import init_distributed
 from layershard.engine.precision import GradScaler, MixedPrecision
 from layershard.engine.strategy import CPUOffload
+from layershard.loss import chunked_loss
 from layershard.sharded import ShardedModule, shard
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __all__ = [
     "MixedPrecision",
     "ShardedModule",
     "__version__",
+    "chunked_loss",
     "export_hf",
     "hf",
     "init_distributed",

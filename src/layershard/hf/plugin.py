@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layershard.precision import MixedPrecision
-from layershard.strategy import CPUOffload
+from layershard.engine.precision import MixedPrecision
+from layershard.engine.strategy import CPUOffload
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

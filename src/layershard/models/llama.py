@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layershard.loss import chunked_causal_lm_loss
+
 if TYPE_CHECKING:  # transformers is optional; imported lazily in hf_llama_config()
     import transformers
 
@@ -136,6 +138,16 @@ class LMHead(Linear):
     def reset_parameters(self) -> None:
         if not self.tied:
             super().reset_parameters()
+
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor | None = None, loss_chunks: int = 0
+    ) -> torch.Tensor:
+        """The logits, or with ``labels`` and ``loss_chunks`` the chunked loss computed from
+        ``x`` (``layershard.loss``) without the logits. Either way within this one call, so
+        under ``ls.shard`` the head's weight is gathered once for it."""
+        if labels is None or not loss_chunks:
+            return super().forward(x)
+        return chunked_causal_lm_loss(x, self.weight, labels, loss_chunks)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -353,14 +365,18 @@ class Block(nn.Module):
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None under the chunked loss when labels are given
     loss: torch.Tensor | None = None
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """``loss_chunks`` (0: off; set by ``layershard.chunked_loss``): with labels, the LM head
+    computes the loss in that many chunks of tokens and the output's ``logits`` are None."""
+
+    def __init__(self, cfg: LlamaConfig, loss_chunks: int = 0) -> None:
         super().__init__()
         self.config = cfg
+        self.loss_chunks = loss_chunks
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -380,7 +396,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(t, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
+        x = self.norm(x)
+        if labels is not None and self.loss_chunks:
+            loss = self.lm_head(x, labels=labels, loss_chunks=self.loss_chunks)
+            return CausalLMOutput(logits=None, loss=loss)
+        logits = self.lm_head(x)
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels)
@@ -406,7 +426,9 @@ class LlamaForCausalLM(nn.Module):
         ids = input_ids
         for _ in range(max_new_tokens):
             context = ids[:, -self.config.max_seq_len :]
-            logits = self(context).logits[:, -1, :].float()
+            out = self(context).logits
+            assert out is not None  # no labels: the logits
+            logits = out[:, -1, :].float()
             if temperature <= 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:

@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accumulate micro-batches under no_sync() (unsharded accumulators, one reduce/step)",
     )
+    r.add_argument("--loss-chunks", type=int, default=0, metavar="K",
+                   help="the chunked loss (ls.chunked_loss) in K chunks: no full fp32 logits "
+                   "(default 0: the plain loss)")  # fmt: skip
     r.add_argument(
         "--checkpoint-layers",
         default="0",
@@ -134,7 +137,13 @@ def render(plan: Plan) -> str:
     lines += [
         f"  {'= model states (memory_report total)':38s}{_gib(mem['model_states'])}",
         f"  {'activations (saved for backward)':38s}{_gib(mem['activations'])}",
-        f"  {'logits + loss':38s}{_gib(mem['logits'])}",
+        f"  {_logits_label(s.loss_chunks):38s}{_gib(mem['logits'])}",
+    ]
+    if "loss_head_grad" in mem:
+        lines.append(
+            f"  {'head weight grad (in the chunked loss)':38s}{_gib(mem['loss_head_grad'])}"
+        )
+    lines += [
         f"  {'one unit unsharded grads (backward)':38s}{_gib(mem['unit_grads'])}",
         f"  {'= peak on the GPU (max of fwd, bwd)':38s}{_gib(mem['peak'])}",
         f"  {f'usable ({1 - plan.headroom:.0%} of GPU memory)':38s}{_gib(plan.budget)}"
@@ -190,6 +199,10 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _logits_label(chunks: int) -> str:
+    return f"logits + loss ({chunks} chunks)" if chunks else "logits + loss"
+
+
 def render_suggestion(sug: Suggestion, requested: Settings) -> str:
     lines = [f"Suggestion: {sug.message}"]
     if sug.plan is not None:
@@ -202,6 +215,8 @@ def render_suggestion(sug: Suggestion, requested: Settings) -> str:
             flags.append(f"--reshard-after-forward {s.reshard_after_forward}")
         if s.offload:
             flags.append("--offload")
+        if s.loss_chunks:
+            flags.append(f"--loss-chunks {s.loss_chunks}")
         flags += [
             f"--micro-batch {s.micro_batch}",
             f"--grad-accum {s.grad_accum}",
@@ -255,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
         eff = replace(eff, pcie=args.pcie_eff)
     ck = args.checkpoint_layers
     k = shape.n_layers if str(ck).lower() == "all" else int(ck)
+    if args.loss_chunks < 0:
+        print("layershard plan: --loss-chunks must be >= 0 (0: the plain loss)", file=sys.stderr)
+        return 2
     if not 0 <= k <= shape.n_layers:
         print(f"layershard plan: --checkpoint-layers must be 0..{shape.n_layers}", file=sys.stderr)
         return 2
@@ -278,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         reshard_after_forward=args.reshard_after_forward,
         offload=args.offload,
+        loss_chunks=args.loss_chunks,
     )
     kw = {"latency_s": args.latency_us * 1e-6}
     out: dict = {}

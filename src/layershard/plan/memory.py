@@ -285,6 +285,45 @@ def logits_bytes_per_token(shape: ModelShape, compute_dtype: Any = "bf16") -> in
     return (dtype_bytes(compute_dtype) + 12) * shape.vocab_size
 
 
+def chunked_logits_bytes(
+    shape: ModelShape, tokens: int, chunks: int, compute_dtype: Any = "bf16"
+) -> int:
+    """Peak bytes of the chunked loss (``layershard.loss``, ``loss_chunks=K``) beyond the LM
+    head's input, except the head's weight gradient (``loss_head_grad_bytes``), for ``tokens``
+    tokens; reached in its backward, which goes ``v = ceil(V / K)`` vocabulary rows at a time.
+    With T = tokens, c = bytes of the compute dtype:
+
+        saved for backward   16 T     int64 targets, fp32 log-sum-exp, fp32 target mask
+        hidden-state grad    4 d T    summed over the chunks in fp32
+        row scales           4 T      fp32
+        one chunk, 16-bit    max((c + 4) v T + 12 T, c v T + c d T): the chunk's logits
+                             and their fp32 copy, with the targets' columns (int64) and
+                             -1 entries (fp32) of that chunk; later the gradient cast to c and
+                             its product with the weight rows, in c
+        one chunk, fp32      4 v T + 12 T (no copies; the product is added in place)
+
+    The plain loss's ``(c + 12) V`` per token becomes about ``(c + 4) V / K + 4 d + 32`` (8 B
+    a token for fp32 logits); the forward (``ceil(T / K)`` tokens at a time) holds no gradient
+    and peaks lower. Plus three fp32 scalars per step, not counted. Measured with MemTracker in
+    tests/test_chunked_loss.py."""
+    c = dtype_bytes(compute_dtype)
+    t = int(tokens)
+    v = -(-shape.vocab_size // int(chunks))
+    d = shape.dim
+    if c == 4:
+        chunk = 4 * v * t + 12 * t
+    else:
+        chunk = max((c + 4) * v * t + 12 * t, c * v * t + c * d * t)
+    return 16 * t + 4 * d * t + 4 * t + chunk
+
+
+def loss_head_grad_bytes(shape: ModelShape, compute_dtype: Any = "bf16") -> int:
+    """The LM head's weight gradient in the compute dtype, c V d: the chunked loss's backward
+    returns it whole, so it is alive at the loss's peak (the plain loss's is made later, in the
+    head's own backward, and counted there as a unit's gradients)."""
+    return dtype_bytes(compute_dtype) * shape.vocab_size * shape.dim
+
+
 def predict_activations(
     config: Any,
     micro_batch: int,
@@ -292,6 +331,7 @@ def predict_activations(
     checkpoint_layers: int = 0,
     compute_dtype: Any = "bf16",
     repeat_kv: bool | None = None,
+    loss_chunks: int = 0,
 ) -> dict[str, int]:
     """Peak activation bytes per rank, at the start of backward (all saved tensors alive).
 
@@ -302,7 +342,9 @@ def predict_activations(
       input (c d), and the RoPE tables in a 16-bit compute dtype (2 s hd c, shared by all blocks:
       casts of Rotary's fp32 buffers; in fp32 they are views of the buffers, in
       ``module_buffers``).
-    - Logits: ``logits_bytes_per_token`` per token.
+    - Logits: ``logits_bytes_per_token`` per token, or with ``loss_chunks=K`` the chunked loss's
+      ``chunked_logits_bytes``, and then also a key ``loss_head_grad``: the head's weight
+      gradient, alive at the chunked loss's peak.
 
     ``repeat_kv`` (default: only in fp32, as on CUDA, where flash attention, the kernel with
     grouped heads, runs 16-bit dtypes only): see ``layer_activation_bytes_per_token``.
@@ -318,8 +360,13 @@ def predict_activations(
     blocks = (L - k) * per_layer + k * c * shape.dim * tokens + (per_layer if k else 0)
     rope = 0 if c == 4 else 2 * int(seq_len) * shape.hd * c
     tail = (2 * c * shape.dim + 4) * tokens + rope
-    logits = logits_bytes_per_token(shape, compute_dtype) * tokens
-    return {"activations": blocks + tail, "logits": logits}
+    out = {"activations": blocks + tail}
+    if loss_chunks:
+        out["logits"] = chunked_logits_bytes(shape, tokens, loss_chunks, compute_dtype)
+        out["loss_head_grad"] = loss_head_grad_bytes(shape, compute_dtype)
+    else:
+        out["logits"] = logits_bytes_per_token(shape, compute_dtype) * tokens
+    return out
 
 
 def unit_grad_bytes(config: Any, world_size: int, compute_dtype: Any = "bf16") -> int:
@@ -334,12 +381,15 @@ def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int) -> int
 
     - at the loss (its forward, and its backward, which runs before any unit's backward):
       model states without the gradient slots and their reduce scratch (they exist only during
-      a unit's backward) + activations + logits;
+      a unit's backward) + activations + logits (+ the head's weight gradient under the
+      chunked loss, whose backward is also the head's);
     - backward, at a unit's post-backward: model states + the activations still saved (at most
       all of them) + that unit's unsharded gradients (``unit_grad_bytes``).
     """
     states = mem["total"]
     backward_only = mem["grad_buffers"] + mem.get("reduce_scratch", 0)
-    forward = states - backward_only + act["activations"] + act["logits"]
+    forward = (
+        states - backward_only + act["activations"] + act["logits"] + act.get("loss_head_grad", 0)
+    )
     backward = states + act["activations"] + unit_grads
     return max(forward, backward)

@@ -54,6 +54,7 @@ class Settings:
     shard_size: int | None = None  # hybrid: ranks per shard group (default: a node)
     reshard_after_forward: bool | int = True  # full: an int K is hpZ over K ranks
     offload: bool = False  # ls.CPUOffload()
+    loss_chunks: int = 0  # the chunked loss (layershard.loss) in K chunks; 0: the plain loss
 
     def strategy_kwargs(self) -> dict[str, Any]:
         return {
@@ -152,7 +153,10 @@ def make_plan(
         s.no_sync, shard_size=layout.shard if layout.strategy == "hybrid" else None,
         reshard_after_forward=layout.hpz if layout.hpz > 1 else True, offload=s.offload,
     )  # fmt: skip
-    act = predict_activations(shape, s.micro_batch, s.seq_len, s.checkpoint_layers, s.param_dtype)
+    act = predict_activations(
+        shape, s.micro_batch, s.seq_len, s.checkpoint_layers, s.param_dtype,
+        loss_chunks=s.loss_chunks,
+    )  # fmt: skip
     unit_grads = unit_grad_bytes(shape, layout.shard, s.param_dtype)
     host = sum(mem.get(k, 0) for k in HOST_KEYS) if s.offload else 0
     device = dict(mem)
@@ -180,6 +184,7 @@ def make_plan(
         shape, gpu, cluster, s.micro_batch, s.seq_len, s.checkpoint_layers, s.grad_accum,
         s.param_dtype, s.reduce_dtype, s.strategy, s.no_sync, compute_eff, comm_eff, latency_s,
         s.shard_size, s.reshard_after_forward, s.offload, s.optimizer, eff,
+        loss_chunks=s.loss_chunks,
     )  # fmt: skip
     return Plan(shape, gpu, cluster, s, mem, t, headroom)
 

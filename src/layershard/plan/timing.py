@@ -44,7 +44,8 @@ App. B: attention counted without the causal halving):
 
     block forward     2 P_mm T + 4 s h hd T      (P_mm = block matmul weights)
     LM head forward   2 V d T
-    backward          2 x forward;  a checkpointed block also recomputes its forward
+    backward          2 x forward;  a checkpointed block also recomputes its forward, and
+                      the chunked loss (``loss_chunks``) the LM head's
     model FLOPs       6 (L P_mm + V d) T + 12 L s h hd T     (no recompute: used for MFU)
 
 A stage's compute time is FLOPs / (peak * eff.compute).
@@ -267,9 +268,11 @@ def build_stages(
     checkpoint_layers: int,
     param_bytes: int,
     reduce_bytes: int,
+    loss_chunks: int = 0,
 ) -> tuple[list[Stage], Stage | None]:
     """Stages in forward order, and the root unit's (gathered at the start of the forward,
-    kept all step, reduced at the end of the backward; no compute of its own)."""
+    kept all step, reduced at the end of the backward; no compute of its own). The chunked
+    loss (``loss_chunks``) computes the logits again in the head's backward."""
     tokens = micro_batch * seq_len
     k = max(0, min(checkpoint_layers, shape.n_layers))
     bf = block_fwd_flops(shape, tokens, seq_len)
@@ -277,7 +280,7 @@ def build_stages(
     stages = [Stage("embed")]
     for i in range(shape.n_layers):
         stages.append(Stage(f"layers.{i}", bf, 2 * bf + (bf if i < k else 0.0)))
-    stages += [Stage("norm"), Stage("lm_head", head, 2 * head)]
+    stages += [Stage("norm"), Stage("lm_head", head, 2 * head + (head if loss_chunks else 0.0))]
     by_name = {s.name: s for s in stages}
     us = units(shape)
     sharded = [u for u in us if not u.persistent]
@@ -509,6 +512,7 @@ def predict_time(
     offload: bool = False,
     optimizer: str = "adamw",
     eff: Efficiency | None = None,
+    loss_chunks: int = 0,
 ) -> TimePlan:
     """Step time of one optimizer step. Efficiencies: ``eff`` (default: the GPU's), with
     ``compute_eff`` / ``comm_eff`` (NVLink and network alike) overriding its fields."""
@@ -522,7 +526,9 @@ def predict_time(
         strategy, cluster.gpus, shard_size, reshard_after_forward, cluster.gpus_per_node, offload
     )
     c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
-    stages, root = build_stages(shape, layout, micro_batch, seq_len, checkpoint_layers, c, r)
+    stages, root = build_stages(
+        shape, layout, micro_batch, seq_len, checkpoint_layers, c, r, loss_chunks
+    )
     flops_rate = gpu.peak_flops * e.compute
     intra = gpu.intra_bw_gbs * 1e9 * e.nvlink
     inter = gpu.inter_bw_gbs * 1e9 * e.network

@@ -50,6 +50,7 @@ _HELP = {
     "grad_clip": "clip the global gradient norm (0: off)",
     "precision": "auto (bf16 on GPU, fp32 on CPU), fp32 or bf16",
     "activation_checkpointing": "number of blocks recomputed in backward",
+    "loss_chunks": "compute the loss in K chunks, never holding the full fp32 logits (0: off)",
     "seed": "seed of the init and the data order",
     "eval_interval": "validate every N steps (0: only at start and end)",
     "eval_sequences": "validation sequences per evaluation",

@@ -54,6 +54,7 @@ class TrainConfig:
     # --- execution ----------------------------------------------------------------------------
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     activation_checkpointing: int = 0  # number of blocks to recompute in backward
+    loss_chunks: int = 0  # the chunked loss (ls.chunked_loss) in K chunks; 0: the plain loss
     seed: int = 0
     # --- evaluation, checkpoints, output ------------------------------------------------------
     eval_interval: int = 50  # steps; 0 disables periodic evaluation (start and end remain)
@@ -212,6 +213,7 @@ def validate(cfg: TrainConfig) -> None:
     non_negative = (
         "warmup_steps",
         "activation_checkpointing",
+        "loss_chunks",
         "eval_interval",
         "eval_sequences",
         "checkpoint_interval",
@@ -224,6 +226,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"max_bad_steps must be at least 1, got {cfg.max_bad_steps}")
     if cfg.max_files is not None and cfg.max_files < 1:
         raise ConfigError(f"max_files must be at least 1, got {cfg.max_files}")
+    if cfg.loss_chunks and cfg.task == "sft":
+        # the loop runs a micro-batch with no response token backward through its logits,
+        # which the chunked loss never materializes
+        raise ConfigError("loss_chunks is not supported with task sft yet; use loss_chunks 0")
     if cfg.hf_config and cfg.init_from:
         raise ConfigError(
             "--hf-config and --init-from both choose the model; pass one "

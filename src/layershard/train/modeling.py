@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layershard.loss import chunked_loss
 from layershard.models import PRESETS, LlamaConfig, LlamaForCausalLM, build_config
 from layershard.models.hf import load_hf_config
 from layershard.train.config import ConfigError, TrainConfig
@@ -103,6 +104,15 @@ def check_model(cfg: TrainConfig, kind: str, spec: Any) -> None:
     where = cfg.hf_config or cfg.init_from
     assert where, "model_spec() gives kind 'hf' only for --hf-config or --init-from"
     check_causal_lm(spec, where)
+    if cfg.loss_chunks:  # refused architectures (logits transformed before the loss) say so now
+        import transformers
+
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(spec, trust_remote_code=False)
+        try:
+            chunked_loss(model, cfg.loss_chunks)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--loss-chunks {cfg.loss_chunks}: {e}") from None
     if cfg.init_from:
         folder = Path(cfg.init_from)
         if not any(folder.glob("*.safetensors")):
@@ -202,10 +212,10 @@ def build_model(kind: str, spec: Any, cfg: TrainConfig, meta: bool = False) -> n
     ctx = torch.device("meta") if meta else torch.device("cpu")
     if kind == "preset":
         with ctx:
-            return LlamaForCausalLM(spec)
+            return LlamaForCausalLM(spec, loss_chunks=cfg.loss_chunks)
     import transformers
 
     with ctx:
         # (no dtype= here: it would put a torch.dtype into the config, which is not JSON)
         model = transformers.AutoModelForCausalLM.from_config(spec, trust_remote_code=False)
-    return model.float()
+    return chunked_loss(model.float(), cfg.loss_chunks) if cfg.loss_chunks else model.float()
