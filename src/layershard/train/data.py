@@ -36,6 +36,9 @@ class TokenSplit:
     n_tokens: int
 
     def open(self) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.n_tokens == 0:  # an empty file cannot be memory-mapped
+            empty = np.empty(0, dtype=self.dtype)
+            return empty, (None if self.mask_path is None else empty.astype(np.uint8))
         tokens = np.memmap(self.tokens_path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
         mask = None
         if self.mask_path is not None:

@@ -109,7 +109,7 @@ def bpe_texts(files: list[Path], cfg: TrainConfig) -> Iterator[str]:
         return
     taken = 0
     with _bar(total, "reading the BPE's sample" if share < 1 else "reading") as bar:
-        for piece in text_pieces(files, names, cfg, route, bar.update):
+        for piece in text_pieces(files, names, cfg, route, bar.update, blank=True):
             yield piece.data.decode("utf-8")
             taken += len(piece.data)
             if taken >= 2 * BPE_SAMPLE:  # the sample is drawn at random: bound it for sure
@@ -136,14 +136,11 @@ def prepare_splits(
 ) -> dict[str, Any]:
     """The tokenized corpus, prepared now or by an earlier (or concurrent) launch. Returns the
     manifest: {"train": TokenSplit dict, "val": ..., "docs": {...}, "sources": [...], ...}."""
-    key = f"{chash[:16]}-{_tokenizer_hash(tok)[:12]}-{cfg.task}"
-    if cfg.task == "sft":
-        key += f"-{cfg.sft_packing}-{cfg.seq_len}"
-    final = cache_dir() / "tokens" / key
+    final = entry_folder(cfg, tok, chash)
     manifest = load_entry(final)
     if manifest is not None:
         return manifest
-    with exclusive(final.with_name(key + ".lock"), "tokenizing this corpus"):
+    with exclusive(lock_path(final), "tokenizing this corpus"):
         manifest = load_entry(final)  # prepared by the process this one waited for
         if manifest is not None:
             return manifest
@@ -152,7 +149,7 @@ def prepare_splits(
         remove_stale_scratch(final)
         tmp = scratch_dir(final)
         try:
-            _prepare(files, cfg, tok, tmp, key)
+            _prepare(files, cfg, tok, tmp, final.name)
             publish(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -160,6 +157,18 @@ def prepare_splits(
     manifest = load_entry(final)
     assert manifest is not None, f"{final} was just written but does not load"
     return manifest
+
+
+def entry_folder(cfg: TrainConfig, tok: TextTokenizer, chash: str) -> Path:
+    """The cache entry of a corpus (fingerprint ``chash``) tokenized by ``tok`` for ``cfg``."""
+    key = f"{chash[:16]}-{_tokenizer_hash(tok)[:12]}-{cfg.task}"
+    if cfg.task == "sft":
+        key += f"-{cfg.sft_packing}-{cfg.seq_len}"
+    return cache_dir() / "tokens" / key
+
+
+def lock_path(entry: Path) -> Path:
+    return entry.with_name(entry.name + ".lock")
 
 
 def load_entry(folder: Path) -> dict[str, Any] | None:

@@ -388,11 +388,17 @@ def text_pieces(
     cfg: TrainConfig,
     route: Callable[[str], str | None],
     progress: Callable[[int], None] = lambda n: None,
+    blank: bool = False,
 ) -> Iterator[Piece]:
     """The pre-training text of the corpus in order, as pieces of at most ``PIECE`` bytes.
     ``route(name)`` gives each document's split, or None to leave it out. Blank documents
-    (whitespace only) are left out, as are their end-of-text tokens. ``progress(n)`` is told of
-    every n bytes read."""
+    (whitespace only) are left out unless ``blank`` (they add no tokens, and no end-of-text
+    token, but the BPE counted their whitespace). ``progress(n)`` is told of every n bytes
+    read."""
+    if blank:
+        _blank_doc: Callable[[bytes | bytearray], bool] = lambda data: False  # noqa: E731
+    else:
+        _blank_doc = _blank
     for f, name in zip(files, names):
         if f.is_dir() or f.suffix == ".jsonl":
             told, done, size = 0, 0, source_bytes(f)
@@ -402,7 +408,7 @@ def text_pieces(
                     progress(done - told)
                     told = done
                 split = route(doc)
-                if split is None or not text.strip():
+                if split is None or (not blank and not text.strip()):
                     continue
                 parts = pieces(text.encode("utf-8"))
                 for j, p in enumerate(parts):
@@ -415,7 +421,7 @@ def text_pieces(
         for block in text_blocks(f):
             split = route(block_name(name, block.k))
             if split != run_split and run_split is not None:
-                if run_has_text or not _blank(run):
+                if run_has_text or not _blank_doc(run):
                     yield Piece(run_split, bytes(run), True)
                 run, run_has_text = bytearray(), False
             run_split = split
@@ -427,8 +433,8 @@ def text_pieces(
                 c = cut(run, PIECE)
                 head = bytes(run[:c])
                 del run[:c]
-                if run_has_text or not _blank(head):
+                if run_has_text or not _blank_doc(head):
                     run_has_text = True
                     yield Piece(split, head, False)
-        if run_split is not None and (run_has_text or not _blank(run)):
+        if run_split is not None and (run_has_text or not _blank_doc(run)):
             yield Piece(run_split, bytes(run), True)
