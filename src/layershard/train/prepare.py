@@ -107,6 +107,12 @@ def bpe_texts(files: list[Path], cfg: TrainConfig) -> Iterator[str]:
                 if route(doc):  # learn the vocabulary of every message
                     yield from (p.decode("utf-8") for p in pieces(_sft_text(rec).encode()))
         return
+    if share < 1:
+        print(
+            f"training the BPE on a sample of ~{BPE_SAMPLE / 1e6:.0f} MB of the "
+            f"{total / 1e6:,.0f} MB corpus",
+            flush=True,
+        )
     taken = 0
     with _bar(total, "reading the BPE's sample" if share < 1 else "reading") as bar:
         for piece in text_pieces(files, names, cfg, route, bar.update, blank=True):
