@@ -395,46 +395,66 @@ def text_pieces(
     (whitespace only) are left out unless ``blank`` (they add no tokens, and no end-of-text
     token, but the BPE counted their whitespace). ``progress(n)`` is told of every n bytes
     read."""
-    if blank:
-        _blank_doc: Callable[[bytes | bytearray], bool] = lambda data: False  # noqa: E731
-    else:
-        _blank_doc = _blank
     for f, name in zip(files, names):
         if f.is_dir() or f.suffix == ".jsonl":
-            told, done, size = 0, 0, source_bytes(f)
-            for doc, text in records(f, name, cfg):
-                done += len(text)  # characters, not bytes: close enough for a progress bar
-                if done - told > 1 << 20 and done < size:
-                    progress(done - told)
-                    told = done
-                split = route(doc)
-                if split is None or (not blank and not text.strip()):
-                    continue
-                parts = pieces(text.encode("utf-8"))
-                for j, p in enumerate(parts):
-                    yield Piece(split, p, j == len(parts) - 1)
-            progress(size - told)
+            yield from _record_pieces(f, name, cfg, route, progress, blank)
+        else:
+            yield from _file_pieces(f, name, route, progress, blank)
+
+
+def _record_pieces(
+    f: Path,
+    name: str,
+    cfg: TrainConfig,
+    route: Callable[[str], str | None],
+    progress: Callable[[int], None],
+    blank: bool,
+) -> Iterator[Piece]:
+    told, done, size = 0, 0, source_bytes(f)
+    for doc, text in records(f, name, cfg):
+        done += len(text)  # characters, not bytes: close enough for a progress bar
+        if done - told > 1 << 20 and done < size:
+            progress(done - told)
+            told = done
+        split = route(doc)
+        if split is None or (not blank and not text.strip()):
             continue
-        run_split: str | None = None
-        run = bytearray()
-        run_has_text = False
-        for block in text_blocks(f):
-            split = route(block_name(name, block.k))
-            if split != run_split and run_split is not None:
-                if run_has_text or not _blank_doc(run):
-                    yield Piece(run_split, bytes(run), True)
-                run, run_has_text = bytearray(), False
-            run_split = split
-            progress(len(block.data))
-            if split is None:
-                continue
-            run += block.data
-            while len(run) > PIECE:
-                c = cut(run, PIECE)
-                head = bytes(run[:c])
-                del run[:c]
-                if run_has_text or not _blank_doc(head):
-                    run_has_text = True
-                    yield Piece(split, head, False)
-        if run_split is not None and (run_has_text or not _blank_doc(run)):
-            yield Piece(run_split, bytes(run), True)
+        parts = pieces(text.encode("utf-8"))
+        for j, p in enumerate(parts):
+            yield Piece(split, p, j == len(parts) - 1)
+    progress(size - told)
+
+
+def _file_pieces(
+    f: Path,
+    name: str,
+    route: Callable[[str], str | None],
+    progress: Callable[[int], None],
+    blank: bool,
+) -> Iterator[Piece]:
+    """A text file's runs of consecutive blocks in one split, each one document, in pieces."""
+    split: str | None = None  # of the current run
+    run = bytearray()  # its text not yet given out
+    has_text = blank  # whether the run has given out a piece: then it is not blank
+
+    def end_of_run() -> Iterator[Piece]:
+        if split is not None and (has_text or not _blank(run)):
+            yield Piece(split, bytes(run), True)
+
+    for block in text_blocks(f):
+        progress(len(block.data))
+        block_split = route(block_name(name, block.k))
+        if block_split != split:
+            yield from end_of_run()
+            split, run, has_text = block_split, bytearray(), blank
+        if split is None:
+            continue
+        run += block.data
+        while len(run) > PIECE:
+            c = cut(run, PIECE)
+            head = bytes(run[:c])
+            del run[:c]
+            if has_text or not _blank(head):  # blank text before any text is left out
+                has_text = True
+                yield Piece(split, head, False)
+    yield from end_of_run()
