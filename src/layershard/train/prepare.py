@@ -186,16 +186,19 @@ def load_entry(folder: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         return None
-    for split in ("train", "val"):
-        s = m[split]
-        itemsize = np.dtype(s["dtype"]).itemsize
-        for k, size in (("tokens_path", itemsize), ("mask_path", 1)):
-            if s[k] is None:
-                continue
-            path = folder / s[k]
-            if not path.is_file() or path.stat().st_size != s["n_tokens"] * size:
-                return None
-            s[k] = str(path)
+    try:
+        for split in ("train", "val"):
+            s = m[split]
+            itemsize = np.dtype(s["dtype"]).itemsize
+            for k, size in (("tokens_path", itemsize), ("mask_path", 1)):
+                if s[k] is None:
+                    continue
+                path = folder / s[k]
+                if not path.is_file() or path.stat().st_size != s["n_tokens"] * size:
+                    return None
+                s[k] = str(path)
+    except (KeyError, TypeError, ValueError):  # a manifest that is not one of ours
+        return None
     m["cache"] = str(folder)
     return m
 
