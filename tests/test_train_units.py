@@ -221,7 +221,7 @@ def test_cli_errors_are_one_line_and_touch_nothing(tmp_path, capsys, cache):
 
 @pytest.mark.parametrize("packing", ["pack", "pad"])
 def test_sft_pipeline_labels_only_responses(tmp_path, cache, packing):
-    from layershard.train.data import prepare_splits
+    from layershard.train.prepare import prepare_splits
 
     data = tmp_path / "chat.jsonl"
     rows = [{"prompt": f"Q{i}: add {i} and 1", "response": f"A{i}: {i + 1}"} for i in range(40)]

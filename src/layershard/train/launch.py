@@ -31,8 +31,9 @@ from layershard.train.config import (
     load_yaml,
     resolve,
 )
-from layershard.train.data import corpus_hash, find_files, iter_documents, prepare_splits, val_names
 from layershard.train.modeling import check_model, check_seq_len, model_spec
+from layershard.train.prepare import bpe_texts, corpus_hash, prepare_splits
+from layershard.train.sources import find_files
 from layershard.train.tokenizer import load_tokenizer, train_or_load_bpe
 
 
@@ -348,22 +349,8 @@ def _tokenizer(cfg: TrainConfig, files: list[Path], chash: str):
             )
         return load_tokenizer(cfg.init_from)
 
-    def train_texts():
-        held_out = val_names(files, cfg)
-        for name, doc in iter_documents(files, cfg):
-            if name in held_out:
-                continue
-            if isinstance(doc, str):
-                yield doc
-            else:  # an SFT record: learn the vocabulary of every message
-                msgs = doc.get("messages") or [
-                    {"content": doc.get("prompt", "")},
-                    {"content": doc.get("response", "")},
-                ]
-                yield "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
-
     t0 = time.perf_counter()
-    tok, trained = train_or_load_bpe(train_texts, chash, cfg.vocab_size)
+    tok, trained = train_or_load_bpe(lambda: bpe_texts(files, cfg), chash, cfg.vocab_size)
     if trained:
         print(
             f"trained a {tok.vocab_size}-token BPE on the corpus in "

@@ -1,7 +1,8 @@
 """Tokenizers: a byte-level BPE trained on the corpus (cached), or any HF ``tokenizer.json``.
 
 The trained tokenizer is cached under ``$LAYERSHARD_CACHE`` (default ``~/.cache/layershard``),
-keyed by the corpus content hash and the vocabulary size, so only the first run pays for it.
+keyed by the corpus fingerprint and the vocabulary size, so only the first run pays for it;
+concurrent launches train it once (``cache.exclusive``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from layershard.train.cache import cache_dir, exclusive
 from layershard.train.config import ConfigError
+from layershard.train.sources import PIECE, pieces
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -22,10 +25,6 @@ SPECIAL_TOKENS = [EOS, PAD, SYSTEM, USER, ASSISTANT]
 
 # Names other tokenizers use for end-of-text, tried in order when no tokenizer_config says.
 _EOS_NAMES = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LAYERSHARD_CACHE") or Path.home() / ".cache" / "layershard")
 
 
 class TextTokenizer:
@@ -46,10 +45,17 @@ class TextTokenizer:
         return self.tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; a text over ``PIECE`` bytes is encoded in pieces cut where the
+        pre-tokenizer splits anyway (``sources.cut``), which bounds the tokenizer's memory."""
+        if len(text) * 4 <= PIECE:  # at most 4 bytes a character: one piece
+            return self.tok.encode(text, add_special_tokens=False).ids
+        return [i for ids in self.encode_batch([text]) for i in ids]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        parts = [pieces(t.encode("utf-8")) for t in texts]
+        flat = [p.decode("utf-8") for ps in parts for p in ps]
+        encoded = iter(self.tok.encode_batch(flat, add_special_tokens=False))
+        return [[i for _ in ps for i in next(encoded).ids] for ps in parts]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
@@ -97,10 +103,19 @@ def train_or_load_bpe(
     texts: Callable[[], Iterable[str]], corpus_hash: str, vocab_size: int
 ) -> tuple[TextTokenizer, bool]:
     """The cached BPE for this corpus and vocabulary size, training it first if needed.
-    ``texts`` is called only on a cache miss. Returns (tokenizer, trained_now)."""
+    ``texts`` is called only on a cache miss; it should yield bounded pieces of text (the
+    trainer counts pre-tokens, so pieces cut where the pre-tokenizer splits train the same BPE
+    as whole documents). Returns (tokenizer, trained_now)."""
     path = bpe_cache_path(corpus_hash, vocab_size)
     if path.is_file():
         return load_tokenizer(path), False
+    with exclusive(path.with_name(path.name + ".lock"), "training this BPE"):
+        if path.is_file():  # another process trained it while this one waited
+            return load_tokenizer(path), False
+        return _train_bpe(texts, path, vocab_size), True
+
+
+def _train_bpe(texts: Callable[[], Iterable[str]], path: Path, vocab_size: int) -> TextTokenizer:
     tok = Tokenizer(models.BPE())
     # Byte-level: every string encodes, no unknown token.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -117,4 +132,4 @@ def train_or_load_bpe(
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tok.save(str(tmp))
     os.replace(tmp, path)
-    return load_tokenizer(path), True
+    return load_tokenizer(path)
