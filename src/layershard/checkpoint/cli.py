@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 args.max_shard_size,
                 verify=not args.no_verify,
             )
-        except (CheckpointError, ValueError) as e:
+        except (CheckpointError, ValueError, OSError) as e:
             print(f"layershard checkpoint export: {e}", file=sys.stderr)
             return 1
         print(f"exported {args.path} -> {out} ({args.dtype}) in {time.perf_counter() - t0:.1f} s")

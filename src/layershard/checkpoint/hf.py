@@ -15,8 +15,10 @@ on any rank. The model can come from the meta device (``ls.shard(meta_model)``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -31,8 +33,9 @@ from layershard.checkpoint.errors import (
     CheckpointNotFoundError,
 )
 from layershard.checkpoint.manifest import check_tensor, model_config, model_kind
-from layershard.checkpoint.safe_read import dcp_load, read_dcp_metadata
+from layershard.checkpoint.safe_read import dcp_load
 from layershard.checkpoint.shards import buffers, dtype_from_name, params
+from layershard.checkpoint.validate import open_checkpoint
 from layershard.engine.agreement import agreed
 from layershard.engine.waits import waiting
 
@@ -143,11 +146,64 @@ class ShardedSafetensorsWriter:
         return names
 
 
-def _prepare_out(out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in list(out_dir.glob("model-*-of-*.safetensors")) + [out_dir / INDEX, out_dir / SINGLE]:
-        if old.exists():  # a previous export with another file count must not linger
-            old.unlink()
+def _ours(name: str) -> bool:
+    """Files an export writes (and replaces); everything else in the folder is the user's."""
+    return name in (INDEX, SINGLE, "config.json") or bool(
+        re.fullmatch(r"model-\d+-of-\d+\.safetensors", name)
+    )
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # the same bytes, no copy (the old folder is deleted after the swap)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+class _Staging:
+    """An export's output folder, written in a temporary sibling and swapped in only when
+    complete: a failed export leaves what ``out`` held untouched (and nothing else behind). The
+    user's files in ``out`` that an export does not write (a tokenizer, a README) are kept."""
+
+    def __init__(self, out: Path):
+        if out.exists() and not out.is_dir():
+            raise CheckpointError(
+                f"{out}: exists and is not a folder; choose another output folder"
+            )
+        self.out = out
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = out.parent / f".{out.name}{pub.TMP_MARK}{uuid.uuid4().hex[:10]}"
+            self.tmp.mkdir()
+        except OSError as e:
+            raise CheckpointError(f"cannot write to {out}: {e}") from None
+
+    def commit(self) -> None:
+        out, tmp = self.out, self.tmp
+        if out.is_dir():
+            for p in out.iterdir():
+                if _ours(p.name) or (tmp / p.name).exists():
+                    continue
+                if p.is_dir() and not p.is_symlink():
+                    shutil.copytree(p, tmp / p.name, symlinks=True, copy_function=_link_or_copy)
+                elif p.is_symlink():
+                    os.symlink(os.readlink(p), tmp / p.name)
+                else:
+                    _link_or_copy(str(p), str(tmp / p.name))
+            pub.fsync_dir(tmp)
+            if pub.exchange(tmp, out):  # one atomic step: `out` is the new folder now
+                old = tmp
+            else:
+                old = out.parent / f".{out.name}{pub.TRASH_MARK}{uuid.uuid4().hex[:8]}"
+                os.rename(out, old)
+                os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+        pub.fsync_dir(out.parent)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 # ---- export from a live sharded model ------------------------------------------------------------
@@ -174,19 +230,20 @@ def export_hf(
     cap = parse_size(max_shard_size)
 
     writer: ShardedSafetensorsWriter | None = None
+    staging: _Staging | None = None
     with agreed(group):
         if rank == 0:
             try:
-                _prepare_out(out)
-                writer = ShardedSafetensorsWriter(out, cap)
-            except OSError as e:
-                raise CheckpointError(f"export_hf: cannot write to {out}: {e}") from None
+                staging = _Staging(out)
+            except CheckpointError as e:
+                raise CheckpointError(f"export_hf: {e}") from None
+            writer = ShardedSafetensorsWriter(staging.tmp, cap)
 
     err: Exception | None = None  # rank 0's, kept until every unit is gathered
     for f in model.flat_params:
         buf = model.gather_flat(f)  # over the shard group (each replica holds the same)
         if rank == 0 and err is None:
-            assert writer is not None  # rank 0 created it, or _agree raised
+            assert writer is not None  # rank 0 created it, or agreed raised
             try:
                 for slot, t in zip(f.slots, f.views(buf)):
                     writer.add(rename(slot.name), t.to("cpu", dtype, copy=True))
@@ -195,20 +252,22 @@ def export_hf(
         del buf
     with agreed(group):
         if rank == 0:
+            assert writer is not None and staging is not None  # rank 0 made them, or agreed raised
             try:
                 if err is not None:
                     raise err
-                assert writer is not None
                 for key, b in buffers(model):
                     writer.add(rename(key), b.detach().to("cpu", copy=True))
                 writer.close()
                 cfg = _hf_config_dict(kind, model_config(module), dtype)
                 if cfg is not None:
                     text = json.dumps(cfg, indent=2, sort_keys=True)
-                    pub.write_atomic(out / "config.json", text)
-            except CheckpointError:
-                raise
+                    pub.write_atomic(staging.tmp / "config.json", text)
+                staging.commit()
             except Exception as e:  # noqa: BLE001
+                staging.discard()  # `out` keeps what it held
+                if isinstance(e, CheckpointError):
+                    raise
                 raise CheckpointError(f"export_hf: writing {out} failed: {e}") from e
     return out if rank == 0 else None
 
@@ -227,21 +286,35 @@ def export_checkpoint(
     """Convert a layershard checkpoint into HF safetensors (+ config) in one process, without a
     process group or GPU, reading at most ``max_shard_size`` of parameters at a time."""
 
-    folder = pub.resolve(path)
-    manifest = pub.read_manifest(folder)
-    if verify:
-        msg = pub.verify_files(folder, manifest)
-        if msg:
-            raise CheckpointCorruptError(msg)
-    md = read_dcp_metadata(folder)
+    # the validation load_checkpoint and `checkpoint info` run; with `verify` it hashes every
+    # file DCP reads below (check_storage: DCP reads only files the manifest lists and hashes)
+    folder, manifest, md = open_checkpoint(path, digest=verify)
     info = manifest["model"]
     kind = info["kind"]
     rename = _namer(kind)
-    out = Path(out_dir)
-    _prepare_out(out)
     cap = parse_size(max_shard_size)
-    writer = ShardedSafetensorsWriter(out, cap)
+    try:
+        cfg = _hf_config_dict(kind, info.get("config"), dtype)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise CheckpointCorruptError(
+            f"{folder / pub.MANIFEST}: model.config does not describe a {kind} model ({e})"
+        ) from None
+    staging = _Staging(Path(out_dir))
+    try:
+        _export_tensors(
+            folder, info, md, ShardedSafetensorsWriter(staging.tmp, cap), rename, dtype, cap
+        )
+        if cfg is not None:
+            text = json.dumps(cfg, indent=2, sort_keys=True)
+            pub.write_atomic(staging.tmp / "config.json", text)
+        staging.commit()
+    except BaseException:
+        staging.discard()  # the output folder keeps what it held
+        raise
+    return Path(out_dir)
 
+
+def _export_tensors(folder: Path, info: dict, md, writer, rename, dtype: torch.dtype, cap: int):
     entries = [(name, rec["shape"], "float32") for name, rec in info["params"].items()]
     entries += [(key, rec["shape"], rec["dtype"]) for key, rec in info["buffers"].items()]
     batch: list[tuple[str, list[int], str]] = []
@@ -249,9 +322,7 @@ def export_checkpoint(
     def run(batch):
         sd = {}
         for name, shape, dt in batch:
-            numel = 1
-            for s in shape:
-                numel *= s
+            numel = math.prod(shape)
             is_param = name in info["params"]
             msg = check_tensor(
                 md, f"model/{name}", [numel] if is_param else list(shape), dt, folder, is_param
@@ -268,9 +339,7 @@ def export_checkpoint(
 
     size = 0
     for e in entries:
-        n = 4
-        for s in e[1]:
-            n *= s
+        n = 4 * math.prod(e[1])
         if batch and size + n > cap:
             run(batch)
             batch, size = [], 0
@@ -279,10 +348,6 @@ def export_checkpoint(
     if batch:
         run(batch)
     writer.close()
-    cfg = _hf_config_dict(kind, info.get("config"), dtype)
-    if cfg is not None:
-        pub.write_atomic(out / "config.json", json.dumps(cfg, indent=2, sort_keys=True))
-    return out
 
 
 # ---- load_hf ------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -25,7 +24,7 @@ from layershard.checkpoint.manifest import (
     rng_entries,
     validate,
 )
-from layershard.checkpoint.safe_read import dcp_load, read_dcp_metadata
+from layershard.checkpoint.safe_read import dcp_load
 from layershard.checkpoint.shards import (
     broadcast_from_rank0,
     buffers,
@@ -34,6 +33,7 @@ from layershard.checkpoint.shards import (
     params,
     sharded_1d,
 )
+from layershard.checkpoint.validate import check_files, open_checkpoint
 from layershard.engine.agreement import agreed
 from layershard.engine.waits import waiting
 
@@ -43,15 +43,8 @@ log = logging.getLogger("layershard")
 def _check_on_rank0(path, model, optimizer, strict: bool, verify: bool) -> tuple[Path, dict]:
     """Rank 0: find the checkpoint, read its manifest, check everything that needs no data."""
     try:
-        folder = pub.resolve(path)
-        manifest = pub.read_manifest(folder)
-        if "model" not in manifest or "files" not in manifest:
-            raise CheckpointCorruptError(f"{folder / pub.MANIFEST}: incomplete manifest")
-        if verify:  # sizes first (cheap): a truncated file is named before anything is parsed
-            msg = pub.verify_files(folder, manifest, digest=False)
-            if msg:
-                raise CheckpointCorruptError(msg)
-        md = read_dcp_metadata(folder)
+        # manifest, file sizes (hashes below, a share per rank), metadata, storage paths
+        folder, manifest, md = open_checkpoint(path, digest=False)
         validate(model, optimizer, folder, manifest, md, strict)
     except CheckpointError:
         raise
@@ -98,12 +91,7 @@ def load_checkpoint(
     if verify:
         with agreed(group):  # each rank hashes a share of the files
             names = sorted(manifest["files"])
-            try:
-                msg = pub.verify_files(folder, manifest, names[rank::world])
-            except OSError as e:
-                msg = f"{folder}: {e}"
-            if msg:
-                raise CheckpointCorruptError(msg)
+            check_files(folder, manifest, names[rank::world])
 
     saved_world = manifest["world_size"]
     same_world = saved_world == world

@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resume-fallback", action="store_true", default=argparse.SUPPRESS,
                      help="with --resume: if the latest checkpoint is corrupt, resume from the "
                      "newest intact one (named on the terminal)")  # fmt: skip
+    run.add_argument("--allow-data-change", action="store_true", default=argparse.SUPPRESS,
+                     help="with --resume: continue on a corpus that changed since the run's last "
+                     "launch (with the run's own tokenizer); refused without it")  # fmt: skip
     run.add_argument("--stop-at-step", type=int, default=argparse.SUPPRESS, metavar="N",
                      help="checkpoint and stop at step N (the schedule still plans --steps)")  # fmt: skip
     run.add_argument("--dry-run", action="store_true", default=argparse.SUPPRESS,

@@ -22,6 +22,7 @@ import yaml
 
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import CheckpointError
+from layershard.train import identity
 from layershard.train import status as st
 from layershard.train.config import (
     ConfigError,
@@ -53,6 +54,7 @@ class LaunchOptions:
     rdzv_id: str | None = None
     max_restarts: int = 0
     resume_fallback: bool = False
+    allow_data_change: bool = False  # --resume on a changed corpus (train/identity.py)
     timeout: float | None = None
     dry_run: bool = False
     notes: list[str] = field(default_factory=list)
@@ -117,6 +119,8 @@ def _check_launch_options(opts: LaunchOptions) -> None:
         raise ConfigError(f"--stop-at-step must be at least 1, got {opts.stop_at_step}")
     if opts.resume_fallback and not opts.resume:
         raise ConfigError("--resume-fallback goes with --resume")
+    if opts.allow_data_change and not opts.resume:
+        raise ConfigError("--allow-data-change goes with --resume")
 
 
 def _unusable(ckpt: Path) -> str:
@@ -245,6 +249,7 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
         base.pop("_resolved", None)
     cfg = resolve(base, yaml_layer, cli_layer)
     cfg.run_dir = str(run_dir)
+    identity.absolute_paths(cfg)
 
     world = world_size(opts)
     ga = grad_accum_for(cfg, world) if world else None
@@ -255,10 +260,12 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
 
     resume_from = None
     if opts.resume:
+        identity.check_resume(run_dir, base, cfg, opts.allow_data_change)  # model, corpus
         finished = _finished(run_dir, cfg)
         if finished:
             raise AlreadyFinished(finished)
         resume_from = _choose_resume(run_dir, opts)
+        print(identity.resume_note(run_dir, resume_from, opts.resume != "latest"), flush=True)
     elif run_dir.exists() and any(run_dir.iterdir()) and opts.node_rank == 0:
         if not opts.overwrite:
             raise ConfigError(
@@ -277,7 +284,9 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
 
     files = find_files(cfg)
     chash = corpus_hash(files, cfg)
-    tok = _tokenizer(cfg, files, chash)
+    tok = (identity.run_tokenizer(run_dir) if opts.resume else None) or _tokenizer(
+        cfg, files, chash
+    )
     if cfg.task == "sft" and tok.eos_id is None:
         raise ConfigError("--task sft needs a tokenizer with an end-of-text token")
     manifest = prepare_splits(files, cfg, tok, chash)
