@@ -26,6 +26,12 @@ from layershard.engine.buffers import nbytes
 from layershard.engine.build import build_schedule, make_storage
 from layershard.engine.flat import FlatParam
 from layershard.engine.init import fill_shards
+from layershard.engine.model_checks import (
+    check_dtypes,
+    check_same_layout,
+    check_shared_modules,
+    layout,
+)
 from layershard.engine.precision import FULL_PRECISION, MixedPrecision
 from layershard.engine.schedule import Phase, Schedule
 from layershard.engine.strategy import CPUOffload, Sharding
@@ -110,6 +116,16 @@ def shard(
             f"shard(activation_checkpointing={activation_checkpointing}): must be between 0 and "
             f"the number of blocks ({n_blocks})"
         )
+    with agreed(group):  # a check that fails on one rank alone fails on every rank
+        check_shared_modules(model, specs)
+        check_dtypes(specs)
+    shard_options = dict(
+        strategy=strategy, shard_size=shard_size, reshard_after_forward=reshard_after_forward,
+        mesh=mesh is not None, offload=offload is not None, compile=bool(compile),
+        param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+        activation_checkpointing=activation_checkpointing,
+    )  # fmt: skip
+    check_same_layout(group, layout(specs, shard_options))  # other models on other ranks: say so
     state_keys = list(model.state_dict(keep_vars=True).items())
     hf_init = getattr(model, "_init_weights", None)
     if param_init_fn is None and callable(hf_init):

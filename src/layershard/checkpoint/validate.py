@@ -23,7 +23,11 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from layershard.checkpoint import publish as pub
-from layershard.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from layershard.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+)
 from layershard.checkpoint.safe_read import read_dcp_metadata
 from layershard.checkpoint.shards import dtype_from_name
 
@@ -243,8 +247,8 @@ def check_tensors(folder: Path, manifest: dict, md: Metadata) -> None:
     for key, shape, dtype, sharded in todo:
         dtype_from_name(dtype, f"{folder / pub.MANIFEST}: {key}")
         msg = check_tensor(md, key, shape, dtype, folder, sharded)
-        if msg:
-            raise CheckpointCorruptError(msg)
+        if msg:  # as load's validate(): a wrong shape or dtype is a mismatch, a gap corruption
+            raise CheckpointMismatchError(msg) if "expected" in msg else CheckpointCorruptError(msg)
 
 
 def open_checkpoint(path: str | os.PathLike, digest: bool = True) -> tuple[Path, dict, Metadata]:
