@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from layershard.plan.calibrate import against_plan
 from layershard.train import status as st
 from layershard.train.config import ConfigError, TrainConfig, check_launch, field_infos
 from layershard.train.launch import (
@@ -223,4 +224,7 @@ def run(args: argparse.Namespace) -> int:
             f" on {s['world_size']} ranks. Run folder: {run_dir}/ (config.yaml, metrics.jsonl, "
             "loss.png, checkpoints/, final/, sample.txt)"
         )
+        versus = against_plan(s)
+        if versus:
+            print(f"{versus} (summary.json)")
     return 0

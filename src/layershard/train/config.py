@@ -7,6 +7,7 @@ run folder records the resolved config as ``config.yaml``; a resumed run starts 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import asdict, field, fields
 from pathlib import Path
@@ -130,6 +131,10 @@ class TrainConfig:
                 "runs/<name>; for a run folder elsewhere use --run-dir"
             )
         _check_run_folder(self.run_dir, self.name)
+        for key in ("model_overrides", "compile", "plan"):
+            where = _non_finite(getattr(self, key))
+            if where is not None:
+                raise ValueError(f"{key}: {where[0]} must be a finite number, got {where[1]!r}")
         try:
             check_strategy_options(self.strategy, None, self.shard_size, self.reshard_after_forward)
         except ValueError as e:
@@ -151,6 +156,24 @@ class TrainConfig:
                 "special tokens); use at least 260"
             )
         return self
+
+
+def _non_finite(value: Any, path: str = "") -> tuple[str, float] | None:
+    """The first ``.inf`` / ``.nan`` inside a YAML mapping (its dotted key), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "value", value
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for k, v in items:
+        found = _non_finite(v, f"{path}.{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def _flags(engine_message: str) -> str:
@@ -289,7 +312,11 @@ def resolve(*layers: dict[str, Any]) -> TrainConfig:
     """Merge override layers (later wins) over the defaults and validate against the schema."""
     merged: dict[str, Any] = {}
     for layer in layers:
+        overrides = merged.get("model_overrides")
         merged.update(layer)
+        if isinstance(overrides, dict) and isinstance(layer.get("model_overrides"), dict):
+            # --model-override dim=256 changes one field of the file's (or the run's) overrides
+            merged["model_overrides"] = {**overrides, **layer["model_overrides"]}
     try:
         return TrainConfig(**merged)
     except ValidationError as e:

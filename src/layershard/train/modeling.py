@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,17 @@ def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]
         want = fields_.get(key)
         ok = {
             "int": isinstance(value, int) and not isinstance(value, bool) and value > 0,
-            "float": isinstance(value, int | float) and not isinstance(value, bool),
+            "float": isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value),
             "bool": isinstance(value, bool),
         }.get(str(want), True)  # unknown keys: build_config names the valid ones
         if not ok:
-            kind = {"int": "a positive integer", "float": "a number", "bool": "true or false"}
+            kind = {
+                "int": "a positive integer",
+                "float": "a finite number",
+                "bool": "true or false",
+            }
             raise ConfigError(
                 f"--model-override {key}={value!r}: {key} must be {kind[str(want)]}, e.g. "
                 f"--model-override {key}={getattr(build_config(cfg.model), key, 1)}"
