@@ -54,6 +54,7 @@ class Measurement:
     settings: Settings
     step_s: float
     detail: str = ""
+    predicted: str = ""  # a train run made from `plan --write-config`: its plan against it
 
 
 # --- reading run folders -----------------------------------------------------------------------
@@ -130,11 +131,9 @@ def read_train_run(
     step, detail = _median_step(run_dir / "metrics.jsonl")
     if precision == "auto":
         detail += f"; precision auto taken as {pd}"
-    if predicted:
-        detail += f"; {predicted}"
     cluster = Cluster(int(world), min(int(world), gpus_per_node))
     label = f"{run_dir.name}: {_describe(shape, cluster, settings)}"
-    return [Measurement(label, shape, cluster, settings, step, detail)]
+    return [Measurement(label, shape, cluster, settings, step, detail, predicted)]
 
 
 def against_plan(summary: dict[str, Any]) -> str:
@@ -513,6 +512,8 @@ def render(f: Fit) -> str:
             f"  {m.label[:58]:58s}{m.step_s:11.4g}{b:11.4g}{(b / m.step_s - 1) * 100:7.1f}%"
             f"{a:11.4g}{(a / m.step_s - 1) * 100:7.1f}%"
         )
+        if m.predicted:
+            lines.append(f"    {m.predicted}")
     names = {"compute": "compute", "nvlink": "nvlink", "network": "network"}
     moved = "; ".join(
         f"{label} {getattr(f.before, k):.3g} -> {getattr(f.after, k):.3g}"

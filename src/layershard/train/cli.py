@@ -50,6 +50,7 @@ _HELP = {
     "beta2": "AdamW beta2",
     "grad_clip": "clip the global gradient norm (0: off)",
     "precision": "auto (bf16 on GPU, fp32 on CPU), fp32, bf16 or fp16 (with ls.GradScaler)",
+    "loss_scale": "fp16: the initial loss scale (halved at each overflow)",
     "strategy": "ls.shard strategy: full (ZeRO-3), grad_op (ZeRO-2), no_shard (DDP-like), hybrid",
     "shard_size": "hybrid: ranks per shard group (default: the ranks of a node)",
     "reshard_after_forward": "full: true, false (= grad_op) or K: keep each unit sharded over K "

@@ -80,6 +80,8 @@ class TrainConfig:
     grad_clip: Rate = 1.0  # 0 disables clipping (the norm is still logged)
     # --- execution: ls.shard's options ----------------------------------------------------------
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # fp16: ls.GradScaler's initial loss scale (halved at each overflow, doubled after 2000 steps)
+    loss_scale: Annotated[Number, Field(gt=0, description="a number > 0")] = 65536.0
     strategy: Literal["full", "grad_op", "no_shard", "hybrid"] = "full"
     shard_size: Ranks = None  # hybrid: ranks per shard group (default: the ranks of a node)
     reshard_after_forward: Annotated[

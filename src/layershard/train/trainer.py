@@ -124,7 +124,7 @@ class Trainer:
         self.model = ls.shard(model, **shard_options(cfg, precision, device))
         # fp16: gradients are scaled so that they do not underflow; a step whose gradients
         # overflowed is skipped by the scaler on every rank (its inf check is all-reduced)
-        self.scaler = ls.GradScaler() if precision == "fp16" else None
+        self.scaler = ls.GradScaler(init_scale=cfg.loss_scale) if precision == "fp16" else None
         self.skipped_steps = 0  # steps not applied (non-finite or overflowed), for the metrics
         self.flops_per_token = flops_per_token(self.kind, self.spec, self.n_params, cfg.seq_len)
         self.peak_flops = peak_flops(device)
