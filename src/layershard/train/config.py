@@ -239,7 +239,9 @@ class LaunchSchema:
     timeout: Annotated[
         Number | None,
         Field(
-            gt=0, le=MAX_TIMEOUT_S, description=f"a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]"
+            gt=0,
+            le=MAX_TIMEOUT_S,
+            description=f"a number of seconds > 0 (at most {MAX_TIMEOUT_S:.0f})",
         ),
     ] = None
 
