@@ -78,8 +78,16 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         from layershard.checkpoint.errors import CheckpointError
-        from layershard.checkpoint.hf import export_checkpoint
+        from layershard.checkpoint.hf import export_checkpoint, parse_size
 
+        try:  # refused before anything is read or written
+            if parse_size(args.max_shard_size) < 1:
+                raise ValueError(
+                    f"--max-shard-size must be at least 1 byte (e.g. 2GB), got {args.max_shard_size!r}"
+                )
+        except ValueError as e:
+            print(f"layershard checkpoint export: error: {e}", file=sys.stderr)
+            return 2
         t0 = time.perf_counter()
         try:
             out = export_checkpoint(

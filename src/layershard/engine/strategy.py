@@ -110,6 +110,46 @@ def _local_world_size(world: int) -> int:
     return k if 0 < k <= world and world % k == 0 else world
 
 
+def check_options(
+    strategy: str,
+    world: int | None,
+    shard_size: int | None = None,
+    reshard_after_forward: bool | int = True,
+    mesh: bool = False,
+    local_world: int | None = None,
+) -> None:
+    """The rules of ``shard()``'s strategy options, without any process group, so that a launcher
+    can refuse a bad combination before ranks start (``layershard train``). ``world=None`` checks
+    only what does not depend on the world size. Raises ``ValueError``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"shard(strategy={strategy!r}): unknown strategy; use one of {', '.join(STRATEGIES)}"
+        )
+    if shard_size is not None and strategy != "hybrid":
+        raise ValueError(f"shard(shard_size=...) applies to strategy='hybrid', not {strategy!r}")
+    if reshard_after_forward is not True and strategy != "full":
+        raise ValueError(
+            f"shard(reshard_after_forward=...) applies to strategy='full' (grad_op never "
+            f"reshards after forward), not {strategy!r}"
+        )
+    if mesh and strategy != "hybrid":
+        raise ValueError("shard(mesh=...) applies to strategy='hybrid'")
+    if world is None:
+        return
+    if strategy == "full" and reshard_after_forward not in (True, False):
+        k = int(reshard_after_forward)
+        if k < 1 or world % k:
+            raise ValueError(
+                f"shard(reshard_after_forward={k}): must divide the world size {world}"
+            )
+    if strategy == "hybrid" and not mesh:
+        k = shard_size if shard_size is not None else (local_world or _local_world_size(world))
+        if k < 1 or world % k:
+            raise ValueError(
+                f"shard(strategy='hybrid', shard_size={k}): must divide the world size {world}"
+            )
+
+
 def resolve(
     strategy: str,
     group: dist.ProcessGroup,
@@ -118,28 +158,12 @@ def resolve(
     mesh: DeviceMesh | None = None,
 ) -> Sharding:
     """Build the groups of ``strategy`` over ``group`` (collective: every rank calls it)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(
-            f"shard(strategy={strategy!r}): unknown strategy; use one of {', '.join(STRATEGIES)}"
-        )
     world = dist.get_world_size(group)
-    if shard_size is not None and strategy != "hybrid":
-        raise ValueError(f"shard(shard_size=...) applies to strategy='hybrid', not {strategy!r}")
-    if reshard_after_forward is not True and strategy != "full":
-        raise ValueError(
-            f"shard(reshard_after_forward=...) applies to strategy='full' (grad_op never "
-            f"reshards after forward), not {strategy!r}"
-        )
-    if mesh is not None and strategy != "hybrid":
-        raise ValueError("shard(mesh=...) applies to strategy='hybrid'")
+    check_options(strategy, world, shard_size, reshard_after_forward, mesh is not None)
     if strategy == "full":
         hpz = None
         if reshard_after_forward is not True and reshard_after_forward is not False:
             k = int(reshard_after_forward)
-            if k < 1 or world % k:
-                raise ValueError(
-                    f"shard(reshard_after_forward={k}): must divide the world size {world}"
-                )
             if k < world:
                 if group is not dist.group.WORLD:
                     raise ValueError("shard(reshard_after_forward=K) needs the default group")
@@ -158,10 +182,6 @@ def resolve(
         shard_group, replicate_group = mesh.get_group(1), mesh.get_group(0)
     else:
         k = shard_size if shard_size is not None else _local_world_size(world)
-        if k < 1 or world % k:
-            raise ValueError(
-                f"shard(strategy='hybrid', shard_size={k}): must divide the world size {world}"
-            )
         if group is not dist.group.WORLD:
             raise ValueError("shard(strategy='hybrid') builds its groups over the default group")
         from torch.distributed.device_mesh import init_device_mesh

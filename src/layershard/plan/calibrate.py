@@ -54,6 +54,7 @@ class Measurement:
     settings: Settings
     step_s: float
     detail: str = ""
+    predicted: str = ""  # a train run made from `plan --write-config`: its plan against it
 
 
 # --- reading run folders -----------------------------------------------------------------------
@@ -101,8 +102,11 @@ def read_train_run(
         shape = ModelShape.from_config(build_config(raw.get("model", "tiny"), **overrides))
         shape = replace(shape, name=raw.get("model", "tiny"))
     summary = run_dir / "summary.json"
+    predicted = ""
     if summary.is_file():
-        params = json.loads(summary.read_text()).get("params")
+        recorded = json.loads(summary.read_text())
+        predicted = against_plan(recorded)
+        params = recorded.get("params")
         if params and params != shape.total_params:
             raise CalibrationError(
                 f"{run_dir}: the run's model has {params:,} parameters but the planner rebuilt "
@@ -129,7 +133,30 @@ def read_train_run(
         detail += f"; precision auto taken as {pd}"
     cluster = Cluster(int(world), min(int(world), gpus_per_node))
     label = f"{run_dir.name}: {_describe(shape, cluster, settings)}"
-    return [Measurement(label, shape, cluster, settings, step, detail)]
+    return [Measurement(label, shape, cluster, settings, step, detail, predicted)]
+
+
+def against_plan(summary: dict[str, Any]) -> str:
+    """One line comparing a run's measured step time and memory with what the plan that wrote
+    its config predicted (``summary.json``'s ``plan``); '' when the run had no plan."""
+    plan = summary.get("plan")
+    if not isinstance(plan, dict) or not isinstance(plan.get("step_s"), int | float):
+        return ""
+    measured = summary.get("step_time_s_median")
+    mem = summary.get("mem_mib_max")
+    kind = summary.get("mem_kind", "peak")
+    key = "peak_bytes" if kind == "peak" else "model_states_bytes"
+    line = f"plan predicted {plan['step_s']:.4g} s/step"
+    if isinstance(measured, int | float):
+        line += f", measured {measured:.4g} s ({measured / plan['step_s']:.3g}x)"
+    if isinstance(plan.get(key), int | float):
+        line += f"; {kind.replace('_', ' ')} predicted {plan[key] / 2**20:,.1f} MiB"
+        if isinstance(mem, int | float):
+            line += f", measured {mem:,.1f} MiB"
+    if plan.get("gpus") and summary.get("world_size") and plan["gpus"] != summary["world_size"]:
+        line += f" (the plan was for {plan['gpus']} ranks, the run had {summary['world_size']})"
+    gpu = plan.get("gpu")
+    return line + (f" [plan for {gpu}]" if gpu else "")
 
 
 def _solve_vocab(shape: ModelShape, params: int) -> ModelShape | None:
@@ -485,6 +512,8 @@ def render(f: Fit) -> str:
             f"  {m.label[:58]:58s}{m.step_s:11.4g}{b:11.4g}{(b / m.step_s - 1) * 100:7.1f}%"
             f"{a:11.4g}{(a / m.step_s - 1) * 100:7.1f}%"
         )
+        if m.predicted:
+            lines.append(f"    {m.predicted}")
     names = {"compute": "compute", "nvlink": "nvlink", "network": "network"}
     moved = "; ".join(
         f"{label} {getattr(f.before, k):.3g} -> {getattr(f.after, k):.3g}"

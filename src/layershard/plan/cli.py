@@ -8,6 +8,10 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass
 
 from layershard.plan.calibrate import CalibrationError, read_runs
 from layershard.plan.calibrate import fit as fit_runs
@@ -17,6 +21,7 @@ from layershard.plan.memory import OPTIMIZER_BYTES, STRATEGIES
 from layershard.plan.model import load_model
 from layershard.plan.planner import DEFAULT_HEADROOM, Plan, Settings, Suggestion, make_plan, suggest
 from layershard.plan.timing import DEFAULT_LATENCY_S
+from layershard.validation import NonNegativeInt, Number, PositiveInt, PositiveNumber, one_line
 
 GIB = 2**30
 
@@ -31,6 +36,45 @@ _LABELS = {
     "no_sync": "no_sync accumulators",
 }
 _HOST = ("params", "grads", "optimizer", "no_sync")
+
+
+Efficiency = Annotated[Number | None, Field(gt=0, le=1, description="in (0, 1]")]
+
+
+@dataclass(config=ConfigDict(extra="ignore"))
+class PlanInput:
+    """What ``layershard plan`` accepts: every size and rate positive (the schema; argparse only
+    reads the numbers)."""
+
+    gpus: PositiveInt = 8
+    gpus_per_node: PositiveInt = 8
+    seq_len: PositiveInt | None = None
+    micro_batch: PositiveInt = 1
+    grad_accum: PositiveInt = 1
+    shard_size: PositiveInt | None = None
+    loss_chunks: NonNegativeInt = 0
+    gpu_memory: PositiveNumber | None = None
+    tflops: PositiveNumber | None = None
+    intra_bw: PositiveNumber | None = None
+    inter_bw: PositiveNumber | None = None
+    pcie_bw: PositiveNumber | None = None
+    host_memory: PositiveNumber | None = None
+    headroom: Annotated[Number, Field(ge=0, lt=1, description="in [0, 1)")] = DEFAULT_HEADROOM
+    compute_eff: Efficiency = None
+    comm_eff: Efficiency = None
+    network_eff: Efficiency = None
+    pcie_eff: Efficiency = None
+    latency_us: Annotated[Number, Field(ge=0, description="a number of microseconds >= 0")] = 0.0
+
+
+def check_input(args: argparse.Namespace) -> str:
+    """The first bad value of ``args`` as one line, or ''."""
+    given = {k: v for k, v in vars(args).items() if k in PlanInput.__dataclass_fields__}
+    try:
+        PlanInput(**given)
+    except ValidationError as e:
+        return one_line(e, dict(PlanInput.__pydantic_fields__), given, prefix="--")  # type: ignore[attr-defined]  # pydantic dataclass
+    return ""
 
 
 def _ras(value: str) -> bool | int:
@@ -101,6 +145,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--fit", default="auto", choices=["auto", "compute"],
                    help="auto: compute, plus communication when the runs separate them")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    p.add_argument("--write-config", metavar="YAML",
+                   help="write the chosen settings (the suggestion, else the given ones) as a "
+                   "`layershard train --config` file, with this plan's predictions")  # fmt: skip
     p.add_argument("--no-suggest", action="store_true", help="skip the search for settings")
     p.add_argument("--keep-strategy", action="store_true",
                    help="suggest checkpointing and micro-batch only, for the given strategy")  # fmt: skip
@@ -249,6 +296,10 @@ def render_suggestion(sug: Suggestion, requested: Settings) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    bad = check_input(args)
+    if bad:
+        print(f"layershard plan: error: {bad}", file=sys.stderr)
+        return 2
     try:
         shape = load_model(args.model, args.hf_config)
         gpu = get_gpu(
@@ -346,7 +397,69 @@ def run(args: argparse.Namespace) -> int:
         }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    if args.write_config:
+        chosen = plan if args.no_suggest or sug.plan is None else sug.plan
+        if not chosen.fits:
+            print(
+                "layershard plan: error: --write-config: these settings do not fit and no "
+                "setting that fits was found; no config written",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            text = train_yaml(chosen, args)
+        except ValueError as e:
+            print(f"layershard plan: error: --write-config: {e}", file=sys.stderr)
+            return 2
+        Path(args.write_config).write_text(text)
+        print(f"\nwrote {args.write_config}: layershard train --config {args.write_config}")
     return 0
+
+
+def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
+    """The plan's settings as a ``layershard train`` YAML, with the predictions recorded under
+    ``plan:`` (the run folder puts them next to the measured step time and memory)."""
+    import yaml
+
+    s, cl = plan.settings, plan.cluster
+    if s.reduce_dtype != "fp32":
+        raise ValueError(f"layershard train reduces gradients in fp32, not {s.reduce_dtype}")
+    if s.optimizer not in ("adamw", "muon"):
+        raise ValueError(f"layershard train has no optimizer {s.optimizer!r} (adamw, muon)")
+    cfg: dict[str, Any] = (
+        {"hf_config": str(args.hf_config)} if args.hf_config else {"model": args.model}
+    )
+    cfg.update(
+        seq_len=s.seq_len,
+        micro_batch=s.micro_batch,
+        grad_accum=s.grad_accum,
+        precision=s.param_dtype,
+        optimizer=s.optimizer,
+        strategy=s.strategy,
+        activation_checkpointing=s.checkpoint_layers,
+        offload=s.offload,
+        loss_chunks=s.loss_chunks,
+    )
+    if s.strategy == "hybrid" and s.shard_size:
+        cfg["shard_size"] = s.shard_size
+    if s.strategy == "full" and s.reshard_after_forward is not True:
+        cfg["reshard_after_forward"] = s.reshard_after_forward
+    cfg["plan"] = {
+        "gpus": cl.gpus,
+        "gpus_per_node": cl.local,
+        "gpu": plan.gpu.name,
+        "step_s": plan.time.step_s,
+        "peak_bytes": int(plan.memory["peak"]),
+        "model_states_bytes": int(plan.memory["model_states"]),
+        "tokens_per_s_per_gpu": plan.time.tokens_per_s_per_gpu,
+        "mfu": plan.time.mfu,
+    }
+    nodes = f" --nnodes {cl.nodes}" if cl.nodes > 1 else ""
+    head = (
+        f"# layershard plan's settings for {cl.gpus} x {plan.gpu.name}; run with:\n"
+        f"#   layershard train --config THIS_FILE --nproc-per-node {cl.local}{nodes}\n"
+    )
+    return head + yaml.safe_dump(cfg, sort_keys=False)
 
 
 def out_settings(plan: Plan) -> dict:

@@ -12,8 +12,9 @@ from typing import Any
 
 import yaml
 
+from layershard.plan.calibrate import against_plan
 from layershard.train import status as st
-from layershard.train.config import ConfigError, TrainConfig
+from layershard.train.config import ConfigError, TrainConfig, check_launch, field_infos
 from layershard.train.launch import (
     DEFAULT_TIMEOUT_S,
     AlreadyFinished,
@@ -48,7 +49,14 @@ _HELP = {
     "beta1": "AdamW beta1",
     "beta2": "AdamW beta2",
     "grad_clip": "clip the global gradient norm (0: off)",
-    "precision": "auto (bf16 on GPU, fp32 on CPU), fp32 or bf16",
+    "precision": "auto (bf16 on GPU, fp32 on CPU), fp32, bf16 or fp16 (with ls.GradScaler)",
+    "loss_scale": "fp16: the initial loss scale (halved at each overflow)",
+    "strategy": "ls.shard strategy: full (ZeRO-3), grad_op (ZeRO-2), no_shard (DDP-like), hybrid",
+    "shard_size": "hybrid: ranks per shard group (default: the ranks of a node)",
+    "reshard_after_forward": "full: true, false (= grad_op) or K: keep each unit sharded over K "
+    "ranks between forward and backward (hpZ)",
+    "offload": "ls.CPUOffload(): shards, gradients and optimizer state in CPU memory",
+    "compile": "torch.compile each block's forward (YAML: a mapping of torch.compile options)",
     "activation_checkpointing": "number of blocks recomputed in backward",
     "loss_chunks": "compute the loss in K chunks, never holding the full fp32 logits (0: off)",
     "seed": "seed of the init and the data order",
@@ -94,22 +102,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="change a preset field, e.g. --model-override dim=256 (repeatable)")  # fmt: skip
 
     cfg_group = parser.add_argument_group("training (also YAML keys)")
+    schema = field_infos(TrainConfig)
     for f in fields(TrainConfig):
-        if f.name == "model_overrides":
+        if f.name in ("model_overrides", "plan"):  # YAML only
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": _HELP.get(f.name, "")}
         if default not in (None, [], {}):
             kwargs["help"] += f" (default: {default})"
-        if f.type == "bool":
+        # argparse only splits words and reads numbers; the schema checks every value
+        annotation = repr(schema[f.name].annotation)
+        if f.name == "reshard_after_forward":
+            kwargs["type"], kwargs["metavar"] = _bool_or_int, "true|false|K"
+        elif annotation == "<class 'bool'>" or f.name == "compile":
             kwargs["action"] = argparse.BooleanOptionalAction
         elif f.name in ("data", "no_decay"):
             kwargs["nargs"] = "*" if f.name == "no_decay" else "+"
             kwargs["metavar"] = "PATH" if f.name == "data" else "PATTERN"
-        elif f.type in ("int", "int | None"):
+        elif "int" in annotation:
             kwargs["type"] = int
-        elif f.type in ("float",):
+        elif "float" in annotation:
             kwargs["type"] = float
         cfg_group.add_argument(flag, **kwargs)
 
@@ -132,6 +145,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       f"{DEFAULT_TIMEOUT_S:.0f}; LAYERSHARD_TIMEOUT_S)")  # fmt: skip
 
 
+def _bool_or_int(value: str) -> bool | int:
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected true, false or a number, got {value!r}"
+        ) from None
+
+
 def _split_args(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchOptions]:
     given = vars(args)
     keys = {f.name for f in fields(TrainConfig)}
@@ -150,10 +175,11 @@ def _split_args(args: argparse.Namespace) -> tuple[dict[str, Any], LaunchOptions
                     "a string), e.g. dim=256"
                 ) from None
         cli_layer["model_overrides"] = overrides
-    opts = LaunchOptions(
-        **{f.name: given[f.name] for f in fields(LaunchOptions) if f.name in given}
-    )
-    opts.nnodes = str(opts.nnodes)
+    launch_given = {f.name: given[f.name] for f in fields(LaunchOptions) if f.name in given}
+    if "nnodes" in launch_given:
+        launch_given["nnodes"] = str(launch_given["nnodes"])
+    check_launch(launch_given)
+    opts = LaunchOptions(**launch_given)
     return cli_layer, opts
 
 
@@ -202,4 +228,7 @@ def run(args: argparse.Namespace) -> int:
             f" on {s['world_size']} ranks. Run folder: {run_dir}/ (config.yaml, metrics.jsonl, "
             "loss.png, checkpoints/, final/, sample.txt)"
         )
+        versus = against_plan(s)
+        if versus:
+            print(f"{versus} (summary.json)")
     return 0

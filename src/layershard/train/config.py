@@ -6,70 +6,201 @@ run folder records the resolved config as ``config.yaml``; a resumed run starts 
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import math
-from dataclasses import asdict, dataclass, field, fields
+import os
+from dataclasses import asdict, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+from pydantic import model_validator as _model_validator
+from pydantic.dataclasses import dataclass
+
+from layershard.engine.strategy import check_options as check_strategy_options
+from layershard.validation import (
+    Int,
+    NonNegativeInt,
+    Number,
+    PositiveInt,
+    one_line,
+    unknown_key,
+)
 
 
 class ConfigError(ValueError):
     """A problem the user can fix; reported as one line, exit code 2."""
 
 
-@dataclass
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value  # `data: corpus/` means one path
+
+
+Paths = Annotated[list[StrictStr], BeforeValidator(_as_list)]
+Rate = Annotated[Number, Field(ge=0, description="a finite number >= 0")]
+Beta = Annotated[Number, Field(ge=0, lt=1, description="in [0, 1)")]
+Ranks = Annotated[PositiveInt | None, Field(description="a number of ranks >= 1")]
+
+
+@dataclass(config=ConfigDict(extra="forbid", validate_assignment=False))
 class TrainConfig:
+    """The schema of a run: every field is a YAML key and a ``--flag``; its type and ``Field``
+    constraints, and the checks in ``_check`` below, are all the validation there is."""
+
     # --- model --------------------------------------------------------------------------------
-    model: str = "tiny"  # a layershard.models preset (an architecture, not weights)
+    model: StrictStr = "tiny"  # a layershard.models preset (an architecture, not weights)
     model_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {dim: 256}
-    hf_config: str | None = None  # a transformers config.json (or its folder): random init
-    init_from: str | None = None  # a folder with HF config.json + *.safetensors: fine-tuning
-    tokenizer: str | None = None  # tokenizer.json or a folder with one; None: train a BPE
-    vocab_size: int = 4096  # size of the BPE trained when no tokenizer is given
+    hf_config: StrictStr | None = None  # a transformers config.json (or its folder): random init
+    init_from: StrictStr | None = None  # a folder with HF config.json + *.safetensors: fine-tuning
+    tokenizer: StrictStr | None = None  # tokenizer.json or a folder with one; None: train a BPE
+    vocab_size: PositiveInt = 4096  # size of the BPE trained when no tokenizer is given
     # --- data ---------------------------------------------------------------------------------
-    task: str = "pretrain"  # pretrain | sft
-    data: list[str] = field(default_factory=list)  # files/folders; empty: Python's stdlib
-    text_key: str = "text"  # the field holding text in JSONL / datasets records
-    val_fraction: float = 0.05  # share of files (or records) held out for validation
-    max_files: int | None = None  # use only the first N files (sorted): quick experiments
-    sft_packing: str = "pack"  # pack | pad
+    task: Literal["pretrain", "sft"] = "pretrain"
+    data: Paths = field(default_factory=list)  # files/folders; empty: Python's stdlib
+    text_key: StrictStr = "text"  # the field holding text in JSONL / datasets records
+    val_fraction: Annotated[Number, Field(ge=0, lt=1, description="in [0, 1)")] = 0.05
+    max_files: PositiveInt | None = None  # use only the first N files (sorted): quick experiments
+    sft_packing: Literal["pack", "pad"] = "pack"
     # --- batch --------------------------------------------------------------------------------
-    seq_len: int = 256
-    micro_batch: int = 8  # sequences per rank per forward/backward
-    grad_accum: int | None = None  # micro-batches per step; derived from batch_tokens if unset
-    batch_tokens: int | None = None  # global tokens per optimizer step
+    seq_len: PositiveInt = 256
+    micro_batch: PositiveInt = 8  # sequences per rank per forward/backward
+    grad_accum: PositiveInt | None = None  # micro-batches per step; from batch_tokens if unset
+    batch_tokens: PositiveInt | None = None  # global tokens per optimizer step
     # --- optimization -------------------------------------------------------------------------
-    optimizer: str = "adamw"  # adamw | muon (ls.optim.Muon: Muon for 2-D block weights)
-    steps: int = 150
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias", "*embed*"])
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
-    # --- execution ----------------------------------------------------------------------------
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    activation_checkpointing: int = 0  # number of blocks to recompute in backward
-    loss_chunks: int = 0  # the chunked loss (ls.chunked_loss) in K chunks; 0: the plain loss
-    seed: int = 0
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: ls.optim.Muon for 2-D block weights
+    steps: PositiveInt = 150
+    lr: Rate = 3e-3
+    min_lr_ratio: Annotated[Number, Field(ge=0, le=1, description="in [0, 1]")] = 0.1
+    warmup_steps: NonNegativeInt = 20
+    weight_decay: Rate = 0.1
+    no_decay: Paths = field(default_factory=lambda: ["*norm*", "*bias", "*embed*"])
+    beta1: Beta = 0.9
+    beta2: Beta = 0.95
+    grad_clip: Rate = 1.0  # 0 disables clipping (the norm is still logged)
+    # --- execution: ls.shard's options ----------------------------------------------------------
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # fp16: ls.GradScaler's initial loss scale (halved at each overflow, doubled after 2000 steps)
+    loss_scale: Annotated[Number, Field(gt=0, description="a number > 0")] = 65536.0
+    strategy: Literal["full", "grad_op", "no_shard", "hybrid"] = "full"
+    shard_size: Ranks = None  # hybrid: ranks per shard group (default: the ranks of a node)
+    reshard_after_forward: Annotated[
+        StrictBool | PositiveInt,
+        Field(description="true, false or a number of ranks K >= 1 (hpZ)"),
+    ] = True
+    offload: StrictBool = False  # ls.CPUOffload(): shards and optimizer state in CPU memory
+    compile: Annotated[
+        StrictBool | dict[str, Any],
+        Field(description="true, false or a mapping of torch.compile options"),
+    ] = False
+    activation_checkpointing: NonNegativeInt = 0  # number of blocks to recompute in backward
+    loss_chunks: NonNegativeInt = 0  # the chunked loss (ls.chunked_loss) in K chunks; 0: off
+    seed: Int = 0
     # --- evaluation, checkpoints, output ------------------------------------------------------
-    eval_interval: int = 50  # steps; 0 disables periodic evaluation (start and end remain)
-    eval_sequences: int = 64  # validation sequences per evaluation (whole global batches)
-    checkpoint_interval: int = 0  # steps; 0: only the final checkpoint
-    async_checkpoint: bool = False  # write periodic checkpoints in the background (DCP async_save)
-    max_bad_steps: int = 3  # non-finite steps (loss or gradient norm) in a row before stopping
-    log_interval: int = 1
-    run_dir: str | None = None  # default runs/<name or timestamp>
-    name: str | None = None
-    sample_tokens: int = 120  # tokens generated from sample_prompt at the end
-    sample_prompt: str = "def "
+    eval_interval: NonNegativeInt = 50  # steps; 0: only at the start and the end
+    eval_sequences: NonNegativeInt = 64  # validation sequences per evaluation
+    checkpoint_interval: NonNegativeInt = 0  # steps; 0: only the final checkpoint
+    async_checkpoint: StrictBool = False  # periodic checkpoints in the background (DCP)
+    max_bad_steps: PositiveInt = 3  # non-finite steps (loss or gradient norm) in a row
+    log_interval: PositiveInt = 1
+    run_dir: StrictStr | None = None  # default runs/<name or timestamp>
+    name: StrictStr | None = None
+    sample_tokens: NonNegativeInt = 120  # tokens generated from sample_prompt at the end
+    sample_prompt: StrictStr = "def "
+    # what `layershard plan --write-config` predicted for these settings (recorded, compared)
+    plan: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @_model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        """Rules that relate several keys (a ``ValueError`` becomes the one-line error)."""
+        for key in ("data", "no_decay"):
+            if any(not p.strip() for p in getattr(self, key)):
+                raise ValueError(
+                    f"{key} has an empty entry ({getattr(self, key)!r}); name files or folders "
+                    "(an empty path would mean the current folder)"
+                )
+        for key in ("hf_config", "init_from", "tokenizer", "run_dir", "name", "text_key"):
+            if getattr(self, key) is not None and not getattr(self, key).strip():
+                raise ValueError(f"{key} is empty; leave it out or give a value")
+        if self.name is not None and (
+            self.name in (".", "..") or "/" in self.name or os.sep in self.name
+        ):
+            raise ValueError(
+                f"name {self.name!r} must be a folder name (no '/', not '..'): the run goes to "
+                "runs/<name>; for a run folder elsewhere use --run-dir"
+            )
+        _check_run_folder(self.run_dir, self.name)
+        for key in ("model_overrides", "compile", "plan"):
+            where = _non_finite(getattr(self, key))
+            if where is not None:
+                raise ValueError(f"{key}: {where[0]} must be a finite number, got {where[1]!r}")
+        try:
+            check_strategy_options(self.strategy, None, self.shard_size, self.reshard_after_forward)
+        except ValueError as e:
+            raise ValueError(f"strategy options: {_flags(str(e))}") from None
+        if self.precision == "fp16" and self.optimizer == "muon":
+            raise ValueError("precision fp16 (loss scaling) is not supported with optimizer muon")
+        if self.loss_chunks and self.task == "sft":
+            # the loop runs a micro-batch with no response token backward through its logits,
+            # which the chunked loss never materializes
+            raise ValueError("loss_chunks is not supported with task sft yet; use loss_chunks 0")
+        if self.hf_config and self.init_from:
+            raise ValueError(
+                "--hf-config and --init-from both choose the model; pass one "
+                "(--init-from already reads the config.json next to the weights)"
+            )
+        if self.vocab_size < 260 and not self.tokenizer:
+            raise ValueError(
+                f"vocab_size={self.vocab_size} is too small for a byte-level BPE (256 bytes + "
+                "special tokens); use at least 260"
+            )
+        return self
+
+
+def _non_finite(value: Any, path: str = "") -> tuple[str, float] | None:
+    """The first ``.inf`` / ``.nan`` inside a YAML mapping (its dotted key), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "value", value
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for k, v in items:
+        found = _non_finite(v, f"{path}.{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+def _flags(engine_message: str) -> str:
+    """The engine's wording of a strategy rule, in the words of the command line."""
+    return (
+        engine_message.replace("shard(strategy=", "strategy ")
+        .replace("shard(shard_size=...)", "shard_size")
+        .replace("shard(reshard_after_forward=...)", "reshard_after_forward")
+        .replace("shard(reshard_after_forward=", "reshard_after_forward ")
+        .replace("strategy='hybrid', shard_size=", "hybrid with shard_size ")
+        .replace("):", ":")
+    )
+
+
+def _check_run_folder(run_dir: str | None, name: str | None) -> None:
+    """The run folder (or the first of its parents that exists) must be a folder."""
+    folder = Path(run_dir) if run_dir else Path("runs") / (name or "<timestamp>")
+    for p in [folder, *folder.parents]:
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                raise ValueError(
+                    f"run folder {folder}: {p} is a file, not a folder; choose another "
+                    "--run-dir / --name"
+                )
+            return
 
 
 # Options that shape one invocation but are not part of the run (never recorded).
@@ -89,25 +220,76 @@ LAUNCH_KEYS = (
     "timeout",
 )
 
-CHOICES = {
-    "task": ("pretrain", "sft"),
-    "sft_packing": ("pack", "pad"),
-    "precision": ("auto", "fp32", "bf16"),
-    "optimizer": ("adamw", "muon"),
-}
+# The longest process-group timeout: torch keeps it as a timedelta in milliseconds.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+@dataclass(config=ConfigDict(extra="ignore"))
+class LaunchSchema:
+    """The launch options of ``layershard train`` (flags only, never recorded)."""
+
+    config: StrictStr | None = None
+    resume: StrictStr | None = None
+    resume_fallback: StrictBool = False
+    allow_data_change: StrictBool = False
+    stop_at_step: PositiveInt | None = None
+    nproc_per_node: PositiveInt | None = None
+    nnodes: Annotated[StrictStr, Field(description="N or MIN:MAX nodes, each at least 1")] = "1"
+    node_rank: NonNegativeInt = 0
+    max_restarts: NonNegativeInt = 0
+    timeout: Annotated[
+        Number | None,
+        Field(
+            gt=0,
+            le=MAX_TIMEOUT_S,
+            description=f"a number of seconds > 0 (at most {MAX_TIMEOUT_S:.0f})",
+        ),
+    ] = None
+
+    @_model_validator(mode="after")
+    def _check(self) -> LaunchSchema:
+        parts = self.nnodes.split(":")
+        try:
+            counts = [int(x) for x in parts]
+        except ValueError:
+            counts = []
+        if not 1 <= len(counts) <= 2 or min(counts) < 1 or counts[0] > counts[-1]:
+            raise ValueError(
+                f"--nnodes must be a number of nodes >= 1 or MIN:MAX (1 <= MIN <= MAX), got "
+                f"{self.nnodes!r}"
+            )
+        if self.node_rank >= counts[-1]:
+            raise ValueError(
+                f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes} (the nodes "
+                f"are numbered 0..{counts[-1] - 1})"
+            )
+        if self.resume_fallback and not self.resume:
+            raise ValueError("--resume-fallback goes with --resume")
+        if self.allow_data_change and not self.resume:
+            raise ValueError("--allow-data-change goes with --resume")
+        if self.config is not None and not self.config.strip():
+            raise ValueError("--config is empty; name a YAML file")
+        return self
+
+
+def check_launch(options: dict[str, Any]) -> None:
+    """Validate ``layershard train``'s launch options (a dict of the flags given)."""
+    given = {k: v for k, v in options.items() if k in _FIELDS_LAUNCH}
+    try:
+        LaunchSchema(**given)
+    except ValidationError as e:
+        raise ConfigError(one_line(e, field_infos(LaunchSchema), given, prefix="--")) from None
 
 
 def config_keys() -> list[str]:
     return [f.name for f in fields(TrainConfig)]
 
 
-def _unknown_key_error(key: str, where: str) -> ConfigError:
-    keys = config_keys()
-    close = difflib.get_close_matches(key, keys, n=1)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return ConfigError(
-        f"unknown config key '{key}' in {where}; {hint}valid keys: {', '.join(keys)}"
-    )
+def field_infos(cls: Any) -> dict[str, Any]:
+    return dict(cls.__pydantic_fields__)
+
+
+_FIELDS_LAUNCH = {f.name for f in dataclasses.fields(LaunchSchema)}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -118,128 +300,47 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {p} is not valid YAML ({e}); fix the syntax") from e
+        raise ConfigError(
+            f"config file {p} is not valid YAML ({' '.join(str(e).split())}); fix the syntax"
+        ) from e
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {p} must hold a mapping of key: value")
     out = {}
-    valid = set(config_keys())
+    valid = config_keys()
     for key, value in raw.items():
         k = str(key).replace("-", "_")
         if k not in valid:
-            raise _unknown_key_error(str(key), str(p))
+            raise ConfigError(unknown_key(str(key), valid, str(p)))
         out[k] = value
     return out
 
 
 def resolve(*layers: dict[str, Any]) -> TrainConfig:
-    """Merge override layers (later wins) over the defaults and check types and choices."""
+    """Merge override layers (later wins) over the defaults and validate against the schema."""
     merged: dict[str, Any] = {}
     for layer in layers:
+        overrides = merged.get("model_overrides")
         merged.update(layer)
-    types = {f.name: f for f in fields(TrainConfig)}
-    for k in merged:
-        if k not in types:
-            raise _unknown_key_error(k, "the overrides")
-    cfg = TrainConfig(**merged)
-    _coerce(cfg)
-    validate(cfg)
-    return cfg
+        if isinstance(overrides, dict) and isinstance(layer.get("model_overrides"), dict):
+            # --model-override dim=256 changes one field of the file's (or the run's) overrides
+            merged["model_overrides"] = {**overrides, **layer["model_overrides"]}
+    try:
+        return TrainConfig(**merged)
+    except ValidationError as e:
+        raise ConfigError(one_line(e, field_infos(TrainConfig), merged)) from None
 
 
-def _coerce(cfg: TrainConfig) -> None:
-    """Normalize what YAML and flags give (one data path as a str, ints for floats) and refuse
-    values of the wrong type, naming the key."""
-    if isinstance(cfg.data, str):
-        cfg.data = [cfg.data]
-    if isinstance(cfg.no_decay, str):
-        cfg.no_decay = [cfg.no_decay]
-    for f in fields(TrainConfig):
-        v = getattr(cfg, f.name)
-        if f.type in ("float",):
-            if isinstance(v, bool) or not isinstance(v, int | float | str):
-                raise ConfigError(f"{f.name} must be a number, got {v!r}")
-            try:
-                setattr(cfg, f.name, float(v))
-            except ValueError:
-                raise ConfigError(f"{f.name} must be a number, got {v!r}") from None
-        elif f.type in ("int", "int | None"):
-            if v is None and f.type == "int | None":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
-                raise ConfigError(f"{f.name} must be an integer, got {v!r}")
-            setattr(cfg, f.name, int(v))
-        elif f.type == "bool":
-            if not isinstance(v, bool):
-                raise ConfigError(f"{f.name} must be true or false, got {v!r}")
-        elif f.type in ("str", "str | None"):
-            if v is None and f.type == "str | None":
-                continue
-            if not isinstance(v, str):
-                raise ConfigError(f"{f.name} must be a string, got {v!r}")
-        elif f.type == "list[str]":
-            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-                raise ConfigError(f"{f.name} must be a list of strings, got {v!r}")
-        elif f.name == "model_overrides" and not isinstance(v, dict):
-            raise ConfigError("model_overrides must be a mapping such as {dim: 256, n_layers: 6}")
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Checks that need nothing but the config itself."""
-    for name, choices in CHOICES.items():
-        if getattr(cfg, name) not in choices:
-            raise ConfigError(
-                f"{name} must be one of {', '.join(choices)}, got {getattr(cfg, name)!r}"
-            )
-    positive = ("seq_len", "micro_batch", "steps", "vocab_size", "log_interval")
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("grad_accum", "batch_tokens"):
-        v = getattr(cfg, name)
-        if v is not None and v < 1:
-            raise ConfigError(f"{name} must be at least 1, got {v}")
-    if not 0.0 <= cfg.val_fraction < 1.0:
-        raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
-    for name in ("lr", "weight_decay", "grad_clip"):
-        v = getattr(cfg, name)
-        if not math.isfinite(v) or v < 0:
-            raise ConfigError(f"{name} must be a finite number >= 0, got {v}")
-    for name in ("beta1", "beta2"):
-        v = getattr(cfg, name)
-        if not 0.0 <= v < 1.0:  # also refuses nan
-            raise ConfigError(f"{name} must be in [0, 1), got {v} (AdamW's betas)")
-    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        raise ConfigError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
-    non_negative = (
-        "warmup_steps",
-        "activation_checkpointing",
-        "loss_chunks",
-        "eval_interval",
-        "eval_sequences",
-        "checkpoint_interval",
-        "sample_tokens",
-    )
-    for name in non_negative:
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"{name} must be at least 0, got {getattr(cfg, name)}")
-    if cfg.max_bad_steps < 1:
-        raise ConfigError(f"max_bad_steps must be at least 1, got {cfg.max_bad_steps}")
-    if cfg.max_files is not None and cfg.max_files < 1:
-        raise ConfigError(f"max_files must be at least 1, got {cfg.max_files}")
-    if cfg.loss_chunks and cfg.task == "sft":
-        # the loop runs a micro-batch with no response token backward through its logits,
-        # which the chunked loss never materializes
-        raise ConfigError("loss_chunks is not supported with task sft yet; use loss_chunks 0")
-    if cfg.hf_config and cfg.init_from:
-        raise ConfigError(
-            "--hf-config and --init-from both choose the model; pass one "
-            "(--init-from already reads the config.json next to the weights)"
+def check_world(cfg: TrainConfig, world: int | None, local_world: int | None) -> None:
+    """The strategy's rules that need the world size (``shard()``'s own checks)."""
+    try:
+        check_strategy_options(
+            cfg.strategy, world, cfg.shard_size, cfg.reshard_after_forward, local_world=local_world
         )
-    if cfg.vocab_size < 260 and not cfg.tokenizer:
+    except ValueError as e:
         raise ConfigError(
-            f"vocab_size={cfg.vocab_size} is too small for a byte-level BPE (256 bytes + "
-            "special tokens); use at least 260"
-        )
+            f"strategy options: {_flags(str(e))}; change --nproc-per-node / --nnodes or the "
+            "strategy options"
+        ) from None
 
 
 def grad_accum_for(cfg: TrainConfig, world_size: int) -> int:
@@ -275,3 +376,11 @@ def read_run_config(path: str | Path) -> TrainConfig:
     raw = yaml.safe_load(Path(path).read_text()) or {}
     raw.pop("_resolved", None)
     return resolve(raw)
+
+
+def resolved_strategy(cfg: TrainConfig, world: int | None, local_world: int) -> dict[str, Any]:
+    """What ``ls.shard`` will do with the config's strategy options, for the run's record."""
+    out: dict[str, Any] = {"strategy": cfg.strategy}
+    if cfg.strategy == "hybrid":
+        out["shard_size"] = cfg.shard_size or local_world
+    return out

@@ -4,6 +4,7 @@ launcher (``python -m torch.distributed.run``), which also covers multi-node run
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,13 +25,17 @@ from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import CheckpointError
 from layershard.train import identity
 from layershard.train import status as st
+from layershard.train.checks import check_prepared
 from layershard.train.config import (
     ConfigError,
     TrainConfig,
+    check_launch,
+    check_world,
     dump_yaml,
     grad_accum_for,
     load_yaml,
     resolve,
+    resolved_strategy,
 )
 from layershard.train.modeling import check_model, check_seq_len, model_spec
 from layershard.train.prepare import bpe_texts, corpus_hash, prepare_splits
@@ -107,20 +112,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _check_launch_options(opts: LaunchOptions) -> None:
-    if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node must be at least 1, got {opts.nproc_per_node}")
-    if opts.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be at least 0, got {opts.max_restarts}")
-    if opts.node_rank < 0:
-        raise ConfigError(f"--node-rank must be at least 0, got {opts.node_rank}")
-    if opts.timeout is not None and not opts.timeout > 0:
-        raise ConfigError(f"--timeout must be a number of seconds > 0, got {opts.timeout}")
-    if opts.stop_at_step is not None and opts.stop_at_step < 1:
-        raise ConfigError(f"--stop-at-step must be at least 1, got {opts.stop_at_step}")
-    if opts.resume_fallback and not opts.resume:
-        raise ConfigError("--resume-fallback goes with --resume")
-    if opts.allow_data_change and not opts.resume:
-        raise ConfigError("--allow-data-change goes with --resume")
+    check_launch(dataclasses.asdict(opts))  # the schema in config.py
 
 
 def _unusable(ckpt: Path) -> str:
@@ -253,6 +245,7 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
 
     world = world_size(opts)
     ga = grad_accum_for(cfg, world) if world else None
+    check_world(cfg, world, nproc(opts))
     kind, spec, max_len = model_spec(cfg, None)
     check_seq_len(cfg, max_len)
     check_model(cfg, kind, spec)
@@ -290,6 +283,7 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
     if cfg.task == "sft" and tok.eos_id is None:
         raise ConfigError("--task sft needs a tokenizer with an end-of-text token")
     manifest = prepare_splits(files, cfg, tok, chash)
+    check_prepared(cfg, tok.vocab_size, manifest)
     n_train = manifest["train"]["n_tokens"]
     if n_train == 0:
         raise ConfigError(
@@ -327,6 +321,7 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
     resolved = {
         "world_size": world,
         "grad_accum": ga,
+        **resolved_strategy(cfg, world, nproc(opts)),
         "tokens_per_step": cfg.seq_len * cfg.micro_batch * ga * world if world and ga else None,
         "vocab_size": tok.vocab_size,
         "corpus_files": len(files),

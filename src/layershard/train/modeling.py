@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]
             )
         if vocab_size is not None and hf.vocab_size < vocab_size and not cfg.init_from:
             hf.vocab_size = round_up(vocab_size)  # random init: room for every token
+        _check_vocab(hf.vocab_size, vocab_size, where)
         max_len = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 0)
         return "hf", hf, int(max_len or 1 << 30)
     overrides = dict(cfg.model_overrides)
@@ -60,11 +62,17 @@ def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]
         want = fields_.get(key)
         ok = {
             "int": isinstance(value, int) and not isinstance(value, bool) and value > 0,
-            "float": isinstance(value, int | float) and not isinstance(value, bool),
+            "float": isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value),
             "bool": isinstance(value, bool),
         }.get(str(want), True)  # unknown keys: build_config names the valid ones
         if not ok:
-            kind = {"int": "a positive integer", "float": "a number", "bool": "true or false"}
+            kind = {
+                "int": "a positive integer",
+                "float": "a finite number",
+                "bool": "true or false",
+            }
             raise ConfigError(
                 f"--model-override {key}={value!r}: {key} must be {kind[str(want)]}, e.g. "
                 f"--model-override {key}={getattr(build_config(cfg.model), key, 1)}"
@@ -77,7 +85,19 @@ def model_spec(cfg: TrainConfig, vocab_size: int | None) -> tuple[str, Any, int]
         lc = build_config(cfg.model, **overrides)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--model {cfg.model}: {e}") from e
+    _check_vocab(lc.vocab_size, vocab_size, f"--model {cfg.model}")
     return "preset", lc, lc.max_seq_len
+
+
+def _check_vocab(model_vocab: int, tokenizer_vocab: int | None, where: str) -> None:
+    """Every token id must have a row in the embedding: a smaller model vocabulary would fail
+    in the ranks' first forward (an index error), after the run folder is written."""
+    if tokenizer_vocab is not None and model_vocab < tokenizer_vocab:
+        raise ConfigError(
+            f"{where}: the model's vocabulary ({model_vocab} tokens) is smaller than the "
+            f"tokenizer's ({tokenizer_vocab}); raise vocab_size (at least {tokenizer_vocab}) or "
+            "use the model's own tokenizer"
+        )
 
 
 def n_layers(kind: str, spec: Any) -> int | None:

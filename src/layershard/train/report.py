@@ -1,17 +1,37 @@
-"""What a run leaves behind: metrics as JSONL and a loss-curve PNG (train and validation)."""
+"""What a run leaves behind: metrics as JSONL and TensorBoard event files, and a loss-curve PNG
+(train and validation)."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
+# metrics.jsonl key -> TensorBoard tag (mem_mib, a list per rank, is written per rank and as max)
+TB_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "step_time_s": "train/step_time_s",
+    "mfu": "train/mfu",
+    "skipped_steps": "train/skipped_steps",
+    "loss_scale": "train/loss_scale",
+    "val_loss": "val/loss",
+}
+
 
 class MetricsLog:
-    """Append-only JSONL, one record per line. On resume, records after the resumed step are
-    dropped first: they belong to the part of the run that the checkpoint does not contain."""
+    """Append-only JSONL, one record per line, and the same numbers as TensorBoard scalars in
+    ``tensorboard`` (when the tensorboard package is installed). On resume, records after the
+    resumed step are dropped first: they belong to the part of the run that the checkpoint does
+    not contain (TensorBoard purges them the same way)."""
 
-    def __init__(self, path: Path, resume_step: int | None = None) -> None:
+    def __init__(
+        self, path: Path, resume_step: int | None = None, tensorboard: Path | None = None
+    ) -> None:
         self.path = path
         if resume_step is not None and path.is_file():
             keep = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
@@ -19,13 +39,47 @@ class MetricsLog:
         elif resume_step is None and path.exists():
             path.unlink()
         self.fh = path.open("a")
+        self.tb = _summary_writer(tensorboard, resume_step) if tensorboard is not None else None
 
     def write(self, record: dict[str, Any]) -> None:
         self.fh.write(json.dumps(record) + "\n")
         self.fh.flush()
+        if self.tb is None or "step" not in record:
+            return
+        step = int(record["step"])
+        for key, tag in TB_TAGS.items():
+            if isinstance(record.get(key), int | float) and not isinstance(record[key], bool):
+                self.tb.add_scalar(tag, record[key], step)
+        mem = record.get("mem_mib")
+        if isinstance(mem, list) and mem:
+            for r, m in enumerate(mem):
+                self.tb.add_scalar(f"memory/rank{r}_mib", m, step)
+            self.tb.add_scalar("memory/max_mib", max(mem), step)
 
     def close(self) -> None:
-        self.fh.close()
+        if not self.fh.closed:
+            self.fh.close()
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def _summary_writer(folder: Path, resume_step: int | None) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print(
+            "layershard train: note: tensorboard is not installed, so metrics go to "
+            "metrics.jsonl only (pip install 'layershard[tensorboard]')",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    if resume_step is None and folder.exists():
+        shutil.rmtree(folder)  # a fresh run: no events of an earlier one
+    # purge_step: events logged after the checkpoint by the interrupted part are dropped
+    purge = resume_step + 1 if resume_step is not None else None
+    return SummaryWriter(log_dir=str(folder), purge_step=purge)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

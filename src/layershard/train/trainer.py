@@ -121,13 +121,13 @@ class Trainer:
         meta = self.kind == "preset" and _preset_params(self.spec) >= 1e9
         model = build_model(self.kind, self.spec, cfg, meta=meta)
         self.n_params = sum(p.numel() for p in model.parameters())
-        bf16 = ls.MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" else None
-        self.model = ls.shard(
-            model,
-            mixed_precision=bf16,
-            activation_checkpointing=cfg.activation_checkpointing,
-            device=device if device.type != "cpu" else None,
-        )
+        self.model = ls.shard(model, **shard_options(cfg, precision, device))
+        # fp16: gradients are scaled so that they do not underflow; a step whose gradients
+        # overflowed is skipped by the scaler on every rank (its inf check is all-reduced)
+        self.scaler = ls.GradScaler(init_scale=cfg.loss_scale) if precision == "fp16" else None
+        self.skipped_steps = 0  # steps not applied (non-finite or overflowed), for the metrics
+        self.flops_per_token = flops_per_token(self.kind, self.spec, self.n_params, cfg.seq_len)
+        self.peak_flops = peak_flops(device)
         if cfg.init_from:  # read after sharding: each rank reads only its slices
             ls.load_hf(self.model, cfg.init_from)
         self.opt: torch.optim.Optimizer
@@ -165,6 +165,8 @@ class Trainer:
             self.val, cfg.seq_len, cfg.eval_sequences, world * cfg.micro_batch
         )
         self.step = 0
+        self.step_times: list[float] = []  # logged steps of this launch, for the summary
+        self.peak_mem_mib = 0.0  # the largest per-rank memory logged
         self.bad_steps = 0  # non-finite steps in a row
         self.pending: ls.checkpoint.AsyncCheckpoint | None = None  # async save in flight
         if device.type == "cuda":  # the logged peak is training's, not init's (load_hf, ...)
@@ -226,10 +228,12 @@ class Trainer:
                 out = self.model(self._to_device(x), labels=self._to_device(y))
                 if counts[i]:
                     weight = (counts[i] * self.world / total[0]).to(out.loss.dtype)
-                    (out.loss * weight).backward()
+                    self._backward(out.loss * weight)
                     loss_sum += out.loss.detach().double() * counts[i]
                 else:  # nothing to learn here, but every rank must run the same backward
-                    (out.logits.sum() * 0.0).backward()
+                    self._backward(out.logits.sum() * 0.0)
+        if self.scaler is not None:  # the norm and the clipping see the true gradients
+            self.scaler.unscale_(self.opt)
         # grad_clip 0: an infinite bound clips nothing but still returns the norm (for the log)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = self.model.clip_grad_norm_(max_norm)
@@ -237,15 +241,32 @@ class Trainer:
         stats: dict[str, Any] = {"loss": loss / max(n, 1), "lr": lr, "grad_norm": norm}
         if mem is not None:
             stats["mem_mib"] = mem
-        if math.isfinite(stats["loss"]) and math.isfinite(norm):
+        if self.scaler is not None and math.isfinite(stats["loss"]):
+            # an overflow (inf/NaN gradients) is the scaler's to skip: it lowers the scale
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.bad_steps = 0
+            stats["loss_scale"] = scale
+            if self.scaler.get_scale() < scale:
+                stats["skipped"] = stats["overflow"] = True
+        elif math.isfinite(stats["loss"]) and math.isfinite(norm):
             self.opt.step()
             self.bad_steps = 0
         else:  # every rank read the same numbers: every rank skips this step
             self.bad_steps += 1
             stats["skipped"] = True
+            if self.scaler is not None:
+                self.scaler.update()  # ends the step's unscale_ (and lowers the scale)
+        if stats.get("skipped"):
+            self.skipped_steps += 1
+        stats["skipped_steps"] = self.skipped_steps
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         return stats
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     @waiting("all-reduce of the step's loss and gradient norm")
     def _read_stats(
@@ -316,7 +337,10 @@ class Trainer:
         if rank0_decides(ckpt.exists):
             return ckpt
         self._refuse_non_finite(f"the checkpoint {ckpt.name}")
-        extra = {"loader": self.loader.state_dict(), "config": self.cfg.to_dict()}
+        extra: dict[str, Any] = {"loader": self.loader.state_dict(), "config": self.cfg.to_dict()}
+        if self.scaler is not None:  # the loss scale and its growth tracker, as plain numbers
+            extra["scaler"] = {k: v for k, v in self.scaler.state_dict().items()}
+        extra["skipped_steps"] = self.skipped_steps
         t0 = time.perf_counter()
         result = ls.save_checkpoint(
             ckpt,
@@ -368,6 +392,20 @@ class Trainer:
         self.model.train()
         return self.tok.decode(ids[0].tolist())
 
+    def _against_plan(self) -> dict[str, Any]:
+        """The measured step time and memory of this launch, next to what ``layershard plan``
+        predicted for these settings (when the run's config came from ``--write-config``)."""
+        times = sorted(self.step_times[min(10, len(self.step_times) // 5) :])
+        out: dict[str, Any] = {
+            "step_time_s_median": times[len(times) // 2] if times else None,
+            "mem_mib_max": self.peak_mem_mib or None,
+            # on GPU the CUDA peak; on CPU memory_report()'s total (model states, no activations)
+            "mem_kind": "peak" if self.device.type == "cuda" else "model_states",
+        }
+        if self.cfg.plan:
+            out["plan"] = self.cfg.plan
+        return out
+
     # --- the run --------------------------------------------------------------------------
 
     def resume_candidates(self) -> list[str]:
@@ -414,6 +452,10 @@ class Trainer:
                 )
             self.step = int(meta["step"])
             self.loader.load_state_dict(meta["extra"]["loader"])
+            self.skipped_steps = int(meta["extra"].get("skipped_steps", 0))
+            if self.scaler is not None and meta["extra"].get("scaler"):
+                # (a checkpoint of an fp32/bf16 run resumed in fp16 starts a fresh scale)
+                self.scaler.load_state_dict(meta["extra"]["scaler"])
             return meta
         if candidates:
             raise ConfigError(
@@ -428,7 +470,11 @@ class Trainer:
         t_start = time.perf_counter()
         resumed = self.resume() is not None
         metrics = (
-            MetricsLog(self.run_dir / "metrics.jsonl", self.step if resumed else None)
+            MetricsLog(
+                self.run_dir / "metrics.jsonl",
+                self.step if resumed else None,
+                tensorboard=self.run_dir / "tensorboard",
+            )
             if rank == 0
             else None
         )
@@ -444,6 +490,7 @@ class Trainer:
         cfg, rank = self.cfg, self.rank
         tokens_per_step = cfg.seq_len * cfg.micro_batch * self.ga * self.world
         train_time, cpu_time, steps_run = 0.0, 0.0, 0
+        peak_mem = 0.0
         while self.step < min(cfg.steps, stop_at):
             if self.status is not None:
                 self.status.step(self.step + 1)
@@ -454,7 +501,7 @@ class Trainer:
             train_time += dt
             cpu_time += time.process_time() - c0
             steps_run += 1
-            if stats.get("skipped"):
+            if stats.get("skipped") and not stats.get("overflow"):
                 log({"step": self.step, **stats, "step_time_s": dt})
                 if rank == 0:
                     print(
@@ -479,7 +526,14 @@ class Trainer:
                 record = {"step": self.step, **stats, "step_time_s": dt,
                           "tokens_per_s": tokens_per_step / dt, "tokens": self.step * tokens_per_step,
                           "mem_mib": mem}  # fmt: skip
+                if self.peak_flops:  # model FLOPs utilization, where the device's peak is known
+                    record["mfu"] = (
+                        self.flops_per_token * tokens_per_step / dt / (self.peak_flops * self.world)
+                    )
+                self.step_times.append(dt)
+                peak_mem = max(peak_mem, *mem)
                 log(record)
+                self.peak_mem_mib = max(self.peak_mem_mib, peak_mem)
                 if bar is not None:
                     bar.set_postfix_str(
                         f"loss {stats['loss']:.3f} | {tokens_per_step / dt:,.0f} tok/s | "
@@ -570,10 +624,52 @@ class Trainer:
                 "cpu_s_per_step": cpu_time / steps_run if steps_run else None,
                 "val_loss_start": val_start if val_start is not None else _first_val(self.run_dir),
                 "val_loss_end": val_end,
+                "skipped_steps": self.skipped_steps,
+                **self._against_plan(),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             print(f"--- sample (prompt {cfg.sample_prompt!r}) ---\n{text}\n---", flush=True)
         return 0
+
+
+def shard_options(cfg: TrainConfig, precision: str, device: torch.device) -> dict[str, Any]:
+    """``ls.shard`` keyword arguments for a run's config (the CLI and the Python API agree by
+    construction: the run's options are these, and nothing else)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return {
+        "mixed_precision": ls.MixedPrecision(param_dtype=dtype) if dtype is not None else None,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "device": device if device.type != "cpu" else None,
+        "strategy": cfg.strategy,
+        "shard_size": cfg.shard_size,
+        "reshard_after_forward": cfg.reshard_after_forward,
+        "offload": ls.CPUOffload() if cfg.offload else None,
+        "compile": cfg.compile,
+    }
+
+
+def flops_per_token(kind: str, spec: Any, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter plus attention's 12 * layers * seq_len * width
+    (the PaLM appendix's estimate, as the planner's model FLOPs)."""
+    layers = getattr(spec, "n_layers", None) or getattr(spec, "num_hidden_layers", 0) or 0
+    width = getattr(spec, "dim", None) or getattr(spec, "hidden_size", 0) or 0
+    return 6.0 * n_params + 12.0 * layers * seq_len * width
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak FLOP/s when known: ``LAYERSHARD_PEAK_TFLOPS``, else the
+    planner's table by GPU name (H100, H200, A100); None on CPU (no MFU is logged)."""
+    if os.environ.get("LAYERSHARD_PEAK_TFLOPS"):
+        return float(os.environ["LAYERSHARD_PEAK_TFLOPS"]) * 1e12
+    if device.type != "cuda":
+        return None
+    from layershard.plan.hardware import GPUS
+
+    name = torch.cuda.get_device_name(device).lower().replace(" ", "")
+    for key, gpu in GPUS.items():
+        if key.split("-")[0] in name and (key.endswith("40g") == ("40gb" in name)):
+            return gpu.peak_flops
+    return None
 
 
 def _preset_params(spec: Any) -> int:
