@@ -8,6 +8,9 @@ count, 0 by default):
     kill@3:1      rank 1 sends itself SIGKILL right after its step 3 (first attempt only)
     term_cli@3:0  rank 0 sends SIGTERM to `layershard train` (its grandparent) after step 3
     int_cli@3:0   the same with SIGINT (Ctrl-C)
+    kill_cli@3:0  the same with SIGKILL (`kill -9` of `layershard train`)
+    kill_node@3:1 rank 1 SIGKILLs `layershard train`, the agent and itself: its node dies
+                  (one rank per node)
 """
 
 import os
@@ -30,7 +33,11 @@ def _patch(loop, faults: list[tuple[str, int, int, int]]) -> None:
             if action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             cli = _parent(os.getppid())  # rank -> torchrun (the agent) -> layershard train
-            os.kill(cli, {"term_cli": signal.SIGTERM, "int_cli": signal.SIGINT}[action])
+            if action == "kill_node":
+                for pid in (cli, os.getppid(), os.getpid()):
+                    os.kill(pid, signal.SIGKILL)
+            sig = {"term_cli": signal.SIGTERM, "int_cli": signal.SIGINT, "kill_cli": signal.SIGKILL}
+            os.kill(cli, sig[action])
         return out
 
     loop.Trainer.train_step = train_step

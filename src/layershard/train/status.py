@@ -22,6 +22,8 @@ from typing import Any
 
 from layershard.train.config import ConfigError
 
+# Set by `layershard train` for its ranks: its --node-rank, recorded in each rank's status.
+NODE_ENV = "LAYERSHARD_NODE"
 STATE_DIR = ".layershard"
 LOCK = "lock"
 STOP = "stop.json"
@@ -183,6 +185,7 @@ class RankStatus:
         self.data: dict[str, Any] = {
             **me(),
             "rank": rank,
+            "node": int(os.environ[NODE_ENV]) if os.environ.get(NODE_ENV) else None,
             "launch_id": launch_id,
             "attempt": attempt,
             "step": None,
