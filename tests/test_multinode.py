@@ -241,7 +241,7 @@ def test_elastic_a_node_leaves_then_joins_and_the_loss_curve_continues(
         "LAYERSHARD_TIMEOUT_S": "30",
     }
     elastic = ["--max-restarts", "3",
-               "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"]  # fmt: skip
+               "--rdzv-conf", "last_call_timeout=1"]  # fmt: skip
     nodes, argv = _nodes(tmp_path, run, cache, "1:2", extra=elastic, env=fault)
     assert nodes[1].wait() == -signal.SIGKILL
     deadline = time.monotonic() + 120
@@ -266,3 +266,34 @@ def test_elastic_a_node_leaves_then_joins_and_the_loss_curve_continues(
         assert b[step] == pytest.approx(a[step], rel=LOSS_REL), (step, a, b)
     assert _val(run) == pytest.approx(_val(reference), rel=LOSS_REL)
     assert not processes_using(run)
+
+
+def test_hybrid_shards_within_a_node_and_replicates_across_nodes(tmp_path, no_leftovers):
+    """Two nodes x 2 ranks, each node's ranks started by `layershard train`'s torchrun agent
+    (`layershard.train.agent`, static rendezvous on 127.0.0.1): `ls.shard(strategy="hybrid")`
+    with the default shard size shards within each node (its LOCAL_WORLD_SIZE ranks) and
+    replicates across the nodes; gathers and reduce-scatters run on the node's group only, one
+    all-reduce per reduction across nodes; 3 AdamW steps match the single-process reference
+    (tests/_nodes_hybrid.py). `layershard train --strategy` itself is not wired here."""
+    port, script = _free_port(), Path(__file__).parent / "_nodes_hybrid.py"
+    procs = []
+    for k in (0, 1):
+        cmd = [sys.executable, "-m", "layershard.train.agent", str(tmp_path), "--nnodes", "2",
+               "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--nproc-per-node", "2", str(script), str(tmp_path)]  # fmt: skip
+        env = dict(_env("", k), OMP_NUM_THREADS="1", LAYERSHARD_TIMEOUT_S="60")
+        log = open(tmp_path / f"hybrid{k}.log", "w")  # noqa: SIM115
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log), log))
+    for p, log in procs:
+        try:
+            rc = p.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = None
+        log.close()
+        assert rc == 0, Path(log.name).read_text()[-3000:]
+    done = sorted(f.read_text().strip() for f in tmp_path.glob("rank*.ok"))
+    assert done == [
+        "node 0 shard [0, 1] replicate [0, 2]", "node 0 shard [0, 1] replicate [1, 3]",
+        "node 1 shard [2, 3] replicate [0, 2]", "node 1 shard [2, 3] replicate [1, 3]",
+    ], done  # fmt: skip

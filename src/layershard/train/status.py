@@ -91,8 +91,17 @@ def alive(record: dict[str, Any]) -> bool | None:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
+    if _zombie(pid):  # exited; its parent (init, in a container maybe never) has not reaped it
+        return False
     start = record.get("start")
     return start is None or _start_time(pid) in (None, start)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 # ---- the lock --------------------------------------------------------------------------------------
