@@ -297,3 +297,103 @@ def test_hybrid_shards_within_a_node_and_replicates_across_nodes(tmp_path, no_le
         "node 0 shard [0, 1] replicate [0, 2]", "node 0 shard [0, 1] replicate [1, 3]",
         "node 1 shard [2, 3] replicate [0, 2]", "node 1 shard [2, 3] replicate [1, 3]",
     ], done  # fmt: skip
+
+
+# ---- without processes: the launcher's options and the agent's rounds ---------------------------
+
+
+def test_node_options_are_refused_before_launch(capsys, tmp_path):
+    from _train import TINY as T
+    from _train import refused_one_line
+
+    one = list(T)
+    one[one.index("--nproc-per-node") + 1] = "1"
+    err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "0")
+    assert "--nnodes 0: need 1 <= MIN <= MAX" in err
+    err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "2:x")
+    assert "--nnodes must be a number of nodes or MIN:MAX" in err
+    err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "2", "--node-rank", "2")
+    assert "--node-rank 2 is not below --nnodes 2" in err
+    err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "1:3", "--batch-tokens", "512")
+    assert (
+        "elastic --nnodes 1:3 can run at 3 ranks, where batch_tokens=512 is not a multiple" in err
+    )
+
+
+def test_torchrun_command_node_0_hosts_the_rendezvous_on_loopback():
+    from layershard.train.launch import LaunchOptions, torchrun_command
+
+    def conf(**kw):
+        cmd = torchrun_command(Path("run"), LaunchOptions(nproc_per_node=1, **kw))
+        i = cmd.index("--rdzv-conf") if "--rdzv-conf" in cmd else None
+        backend = cmd[cmd.index("--rdzv-backend") + 1] if "--rdzv-backend" in cmd else None
+        return backend, (cmd[i + 1] if i else None)
+
+    ep = "127.0.0.1:29500"
+    assert conf(nnodes="1:2", node_rank=0, rdzv_endpoint=ep) == ("c10d", "is_host=1")
+    assert conf(nnodes="1:2", node_rank=1, rdzv_endpoint=ep, rdzv_conf="last_call_timeout=2") == (
+        "c10d",
+        "is_host=0,last_call_timeout=2",
+    )
+    assert conf(nnodes="2", node_rank=1, rdzv_endpoint=ep) == (None, None)  # static: node 0 hosts
+    assert conf(nnodes="1:2", node_rank=1, rdzv_endpoint="node0:29500") == ("c10d", None)
+
+
+def test_rounds_agree_across_agents_and_republish_the_ranks_store():
+    """Two agents' rendezvous handlers (fakes of torch's, over one real store): both get the same
+    round number, counted up each round, and the ranks' store address of the round's rank 0,
+    even where a handler returns a stale one (torch 2.13's c10d handler, for a node that joins
+    later or was not rank 0 before)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousHandler,
+        RendezvousInfo,
+        RendezvousStoreInfo,
+    )
+
+    from layershard.train.agent import Rounds
+    from layershard.train.faults import ROUND_ENV, attempt
+
+    base = dist.HashStore()
+    base.set_timeout(timedelta(seconds=5))
+
+    class Fake(RendezvousHandler):
+        def __init__(self, rank, boot):
+            self.rank, self.boot, self.round = rank, boot, 0
+
+        def next_rendezvous(self):
+            self.round += 1
+            store = dist.PrefixStore(f"torch.rendezvous.x.{self.round}", base)
+            return RendezvousInfo(store, self.rank, 2, self.boot)
+
+        def get_backend(self):
+            return "fake"
+
+        def is_closed(self):
+            return False
+
+        def set_closed(self):
+            pass
+
+        def num_nodes_waiting(self):
+            return 0
+
+        def get_run_id(self):
+            return "x"
+
+        def shutdown(self):
+            return True
+
+    head = Rounds(Fake(0, RendezvousStoreInfo("node0", 1234)), "layershard-fake")
+    stale = Rounds(Fake(1, RendezvousStoreInfo("gone", 999)), "layershard-fake")
+    try:
+        for n in (1, 2):
+            a, b = head.next_rendezvous(), stale.next_rendezvous()  # rank 0 first: no threads
+            assert os.environ[ROUND_ENV] == str(n) and attempt() == n - 1
+            for info in (a, b):
+                boot = info.bootstrap_store_info
+                assert (boot.master_addr, boot.master_port) == ("node0", 1234)
+    finally:
+        os.environ.pop(ROUND_ENV, None)
