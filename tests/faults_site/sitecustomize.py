@@ -8,6 +8,17 @@ count, 0 by default):
     kill@3:1      rank 1 sends itself SIGKILL right after its step 3 (first attempt only)
     term_cli@3:0  rank 0 sends SIGTERM to `layershard train` (its grandparent) after step 3
     int_cli@3:0   the same with SIGINT (Ctrl-C)
+    kill_cli@3:0  the same with SIGKILL (`kill -9` of `layershard train`)
+    kill_node@3:1 rank 1 SIGKILLs `layershard train`, the agent and itself: its node dies
+                  (one rank per node)
+    hold@5:0:1    rank 0 waits after step 5 (up to 120 s) until it receives a stop signal (as
+                  torchrun sends when a node joins an elastic job)
+
+With LS_TEST_FAULT_BY_NODE=1 the RANK field names a node (the launcher's --node-rank) instead:
+under an elastic rendezvous torchrun numbers the ranks in an order of its own.
+
+LS_TEST_WRITES=FILE (tests/test_multinode.py): every process appends to FILE one line per file
+it opens for writing or renames into place: its node (LS_TEST_NODE), pid and the path.
 """
 
 import os
@@ -29,8 +40,20 @@ def _patch(loop, faults: list[tuple[str, int, int, int]]) -> None:
                 continue
             if action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if action == "hold":
+                import time
+
+                for _ in range(1200):
+                    if self.stop.signum is not None:
+                        break
+                    time.sleep(0.1)
+                continue
             cli = _parent(os.getppid())  # rank -> torchrun (the agent) -> layershard train
-            os.kill(cli, {"term_cli": signal.SIGTERM, "int_cli": signal.SIGINT}[action])
+            if action == "kill_node":
+                for pid in (cli, os.getppid(), os.getpid()):
+                    os.kill(pid, signal.SIGKILL)
+            sig = {"term_cli": signal.SIGTERM, "int_cli": signal.SIGINT, "kill_cli": signal.SIGKILL}
+            os.kill(cli, sig[action])
         return out
 
     loop.Trainer.train_step = train_step
@@ -60,13 +83,40 @@ def _install(faults: list[tuple[str, int, int, int]]) -> None:
     sys.meta_path.insert(0, Finder())
 
 
+def _record_writes(log: str) -> None:
+    import sys
+
+    node = os.environ.get("LS_TEST_NODE", "?")
+
+    def hook(event, args):
+        if event == "open" and isinstance(args[0], str | bytes):
+            mode, flags = args[1] or "", args[2] or 0
+            if not any(c in mode for c in "wax+") and not flags & (os.O_WRONLY | os.O_RDWR):
+                return
+            path = args[0]
+        elif event in ("os.rename", "os.replace"):
+            path = args[1]
+        else:
+            return
+        path = os.fsdecode(path)
+        if path != log:
+            with open(log, "a") as fh:  # an open of the log itself: skipped above
+                fh.write(f"{node} {os.getpid()} {os.path.abspath(path)}\n")
+
+    sys.addaudithook(hook)
+
+
+if os.environ.get("LS_TEST_WRITES"):
+    _record_writes(os.environ["LS_TEST_WRITES"])
+
 _spec = os.environ.get("LS_TEST_FAULT")
 if _spec and "RANK" in os.environ and "TORCHELASTIC_RESTART_COUNT" in os.environ:
     _mine = []
+    _who = "LAYERSHARD_NODE" if os.environ.get("LS_TEST_FAULT_BY_NODE") else "RANK"
     for _one in _spec.split(","):
         _action, _, _where = _one.partition("@")
         _step, _rank, *_attempt = (int(x) for x in _where.split(":"))
-        if int(os.environ["RANK"]) == _rank and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == (
+        if int(os.environ[_who]) == _rank and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == (
             _attempt[0] if _attempt else 0
         ):
             _mine.append((_action, _step, _rank, _attempt[0] if _attempt else 0))

@@ -1,19 +1,34 @@
 """``python -m layershard.train.agent RUN_DIR TORCHRUN_ARGS...``: torchrun itself.
 
 It runs torchrun's own ``torch.distributed.run.run()`` (the elastic agent: rendezvous, worker
-processes, ``--max-restarts``, signal forwarding), with one addition: when ranks fail, what
-torchrun knows about them (exit code, signal, pid) is written to ``RUN_DIR/.layershard/
-failures.json``, so that ``layershard train`` can say which rank died and how, instead of
-leaving the user a peer's "connection reset".
+processes, ``--max-restarts``, signal forwarding), with three additions:
+
+- when ranks fail, what torchrun knows about them (exit code, signal, pid) is written to
+  ``RUN_DIR/.layershard/failures.json``, so that ``layershard train`` can say which rank died and
+  how, instead of leaving the user a peer's "connection reset";
+- it dies with ``layershard train`` (and its ranks with it), even when that is SIGKILLed;
+- with a dynamic rendezvous (c10d, etcd), the ranks learn which round of the rendezvous they
+  start in, a number every node agrees on (``LAYERSHARD_RDZV_ROUND``, see :class:`Rounds`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
 
 from layershard.train import status as st
+from layershard.train.faults import ROUND_ENV, die_with_parent
 
 
 def _launch_id(run_dir: Path) -> str | None:
@@ -23,14 +38,103 @@ def _launch_id(run_dir: Path) -> str | None:
         return None
 
 
+class Rounds(RendezvousHandler):
+    """The user's rendezvous handler (c10d, etcd, ...), unchanged, plus the number of the round
+    the ranks start in (1, 2, ... in this launch), the same on every node. Agents start their
+    ranks with their own environment, so ``next_rendezvous`` exports it there.
+
+    Why: torchrun's ``TORCHELASTIC_RESTART_COUNT`` is per agent. It counts that agent's failed
+    attempts, not membership changes (a node leaving or joining restarts the workers without
+    counting), so after a node dies and comes back the survivor says 1 and the newcomer 0. Ranks
+    that key torchrun's store by it never meet: gloo's connect waits for the peers' addresses
+    under their own key, for the full store timeout (``DistStoreError: wait timeout``, 300 s),
+    on every attempt. The round, counted in the rendezvous store that all nodes share, agrees."""
+
+    KEY = "layershard/round"
+
+    def __init__(self, inner: RendezvousHandler, name: str) -> None:
+        self._inner, self._name = inner, name
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = self._inner.next_rendezvous()
+        store, boot = info.store, info.bootstrap_store_info
+        addr, port = RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY
+        if info.rank == 0:
+            assert boot is not None, "torch's rendezvous gives rank 0 the ranks' store"
+            # One node counts the rounds; the round's own (prefixed) store carries the number.
+            shared = getattr(store, "underlying_store", store)
+            store.set(self.KEY, str(shared.add("layershard/rounds", 1)))
+            # Where the ranks' store is, published again every round. torch 2.13's c10d
+            # handler publishes it only in the round where its node first became rank 0: a
+            # node that joins later waits for it in vain (DistStoreError after 60 s, in both
+            # agents), and a node that was not rank 0 keeps the address of a store that may
+            # have died with the node that hosted it.
+            store.set(addr, boot.master_addr)
+            store.set(port, str(boot.master_port))
+        else:
+            boot = RendezvousStoreInfo(store.get(addr).decode(), int(store.get(port).decode()))
+        os.environ[ROUND_ENV] = store.get(self.KEY).decode()
+        return RendezvousInfo(store, info.rank, info.world_size, boot)
+
+    def get_backend(self) -> str:
+        return self._name
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+
+def count_rounds(args: Any) -> None:
+    """Route torchrun's dynamic rendezvous (``args.rdzv_backend``) through :class:`Rounds`."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    inner = args.rdzv_backend
+    if inner == "static" or args.standalone:  # one agent, or no membership changes
+        return
+    name = f"layershard-{inner}"
+
+    def create(params: RendezvousParameters) -> RendezvousHandler:
+        params.backend = inner
+        try:
+            return Rounds(registry.create_handler(params), name)
+        finally:
+            params.backend = name
+
+    registry.register(name, create)
+    args.rdzv_backend = name
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    run_dir, args = Path(argv[0]), argv[1:]
+    run_dir, args = Path(argv[0]), parse_args(argv[1:])
+    # Die with `layershard train`, even when it is SIGKILLed: SIGTERM makes torchrun stop the
+    # ranks as on a scheduler's SIGTERM (they agree on a step, checkpoint and exit). The ranks
+    # die with this agent (rank.py), which torchrun's Popen makes their parent.
+    launcher = os.environ.get("LAYERSHARD_LAUNCHER_PID")
+    if launcher:
+        die_with_parent(signal.SIGTERM, int(launcher))
+    os.environ["LAYERSHARD_AGENT_PID"] = str(os.getpid())
+    count_rounds(args)
     try:
-        run(parse_args(args))
+        run(args)
     except ChildFailedError as e:
         failures = {
             str(rank): {

@@ -137,6 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dist.add_argument("--rdzv-backend", default=argparse.SUPPRESS,
                       help="torchrun rendezvous backend (default static: rank 0 on node 0)")  # fmt: skip
     dist.add_argument("--rdzv-id", default=argparse.SUPPRESS, help="torchrun rendezvous id")
+    dist.add_argument("--rdzv-conf", default=argparse.SUPPRESS, metavar="KEY=VALUE,...",
+                      help="torchrun rendezvous options, e.g. last_call_timeout=5 "
+                      "(docs/train.md, Many nodes)")  # fmt: skip
     dist.add_argument("--max-restarts", type=int, default=argparse.SUPPRESS,
                       help="torchrun restarts after a failure, each from the latest checkpoint "
                       "(default 0)")  # fmt: skip

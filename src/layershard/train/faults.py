@@ -14,6 +14,7 @@ group), so they work while the process group is busy or stuck:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -31,12 +32,50 @@ from layershard.train.status import signal_name
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int, parent: int) -> None:
+    """Have the kernel send ``sig`` to this process when ``parent`` (its parent) exits, however
+    it exits, SIGKILL included: `layershard train` -> torchrun's agent -> the ranks, so that no
+    agent or rank trains on headless, holding the run folder, after its launcher is gone.
+
+    Linux's PR_SET_PDEATHSIG; elsewhere a thread that polls the parent's pid once a second.
+    A parent that died before this call is caught too: the process has been re-parented."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os.kill(os.getpid(), sig)
+
+        threading.Thread(target=watch, name="layershard-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # already gone before the kernel was told
+        os.kill(os.getpid(), sig)
+
+
+# Set by layershard.train.agent for its ranks: the rendezvous round they start in (1, 2, ...).
+ROUND_ENV = "LAYERSHARD_RDZV_ROUND"
+
+
+def attempt() -> int:
+    """Which start of the ranks this is in this launch (0: the first), the same on every rank of
+    every node: the rendezvous round under a dynamic rendezvous (agent.Rounds says why torchrun's
+    per-agent restart count is not), else torchrun's restart count (one agent, or static)."""
+    rnd = os.environ.get(ROUND_ENV)
+    if rnd:
+        return int(rnd) - 1
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
 
 def _prefix() -> str:
     # The agent's store outlives a restart of the workers: keys are per launch and per attempt.
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"layershard/{run_id}/{attempt}/"
+    return f"layershard/{run_id}/{attempt()}/"
 
 
 def connect_store(timeout_s: float = 30.0) -> dist.Store | None:

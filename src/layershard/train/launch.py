@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -57,6 +58,7 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     rdzv_backend: str | None = None
     rdzv_id: str | None = None
+    rdzv_conf: str | None = None
     max_restarts: int = 0
     resume_fallback: bool = False
     allow_data_change: bool = False  # --resume on a changed corpus (train/identity.py)
@@ -89,12 +91,57 @@ def nproc(opts: LaunchOptions) -> int:
     return opts.nproc_per_node if opts.nproc_per_node is not None else default_nproc()
 
 
+def node_range(opts: LaunchOptions) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` as (MIN, MAX); ConfigError when it is neither."""
+    low, sep, high = opts.nnodes.partition(":")
+    try:
+        lo, hi = int(low), int(high if sep else low)
+    except ValueError:
+        raise ConfigError(
+            f"--nnodes must be a number of nodes or MIN:MAX (elastic), got {opts.nnodes!r}"
+        ) from None
+    if lo < 1 or hi < lo:
+        raise ConfigError(
+            f"--nnodes {opts.nnodes}: need 1 <= MIN <= MAX (e.g. --nnodes 2, or --nnodes 1:4)"
+        )
+    return lo, hi
+
+
 def world_size(opts: LaunchOptions) -> int | None:
     """Total ranks when it is fixed (an elastic ``--nnodes MIN:MAX`` leaves it open)."""
-    try:
-        return int(opts.nnodes) * nproc(opts)
-    except ValueError:
-        return None
+    lo, hi = node_range(opts)
+    return lo * nproc(opts) if lo == hi else None
+
+
+def world_sizes(opts: LaunchOptions) -> list[int]:
+    """Every world size the job can have: one, or one per node count of ``MIN:MAX``."""
+    lo, hi = node_range(opts)
+    return [n * nproc(opts) for n in range(lo, hi + 1)]
+
+
+def _elastic_batch(cfg: TrainConfig, opts: LaunchOptions) -> None:
+    """An elastic job keeps its global batch when nodes leave or join: gradient accumulation
+    adjusts, so the batch must divide at every world size the job can have. Without
+    ``batch_tokens``, the batch is the one of the largest world (grad_accum micro-batches)
+    rounded up to one that divides at every size."""
+    sizes = world_sizes(opts)
+    if cfg.batch_tokens is None:
+        cfg.batch_tokens = cfg.seq_len * cfg.micro_batch * (cfg.grad_accum or 1) * math.lcm(*sizes)
+        cfg.grad_accum = None
+        print(
+            f"layershard train: note: elastic --nnodes {opts.nnodes}: the global batch is kept "
+            f"at {cfg.batch_tokens} tokens (--batch-tokens) at every world size "
+            f"({', '.join(map(str, sizes))} ranks); gradient accumulation adjusts",
+            file=sys.stderr,
+            flush=True,
+        )
+    for w in sizes:
+        try:
+            grad_accum_for(cfg, w)
+        except ConfigError as e:
+            raise ConfigError(
+                f"elastic --nnodes {opts.nnodes} can run at {w} ranks, where {e}"
+            ) from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -244,6 +291,8 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
     identity.absolute_paths(cfg)
 
     world = world_size(opts)
+    if elastic(opts):
+        _elastic_batch(cfg, opts)
     ga = grad_accum_for(cfg, world) if world else None
     check_world(cfg, world, nproc(opts))
     kind, spec, max_len = model_spec(cfg, None)
@@ -316,6 +365,12 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
         run_dir.mkdir(parents=True, exist_ok=True)
         opts.lock = st.acquire_lock(run_dir, opts.launch_id)
         st.clear_run_state(run_dir)
+    if opts.node_rank != 0:
+        # One node writes the run folder's files: node 0, whose agent hosts (or first joins)
+        # the rendezvous, so that no rank of any node starts before they are written. The
+        # other nodes prepared the same tokenizer and data (from the cache node 0 filled when
+        # the cache is shared).
+        return cfg, run_dir, manifest
     run_dir.mkdir(parents=True, exist_ok=True)
     tok.save(run_dir / "tokenizer.json")
     resolved = {
@@ -364,6 +419,25 @@ def _tokenizer(cfg: TrainConfig, files: list[Path], chash: str):
     return tok
 
 
+def elastic(opts: LaunchOptions) -> bool:
+    """``--nnodes MIN:MAX`` with MIN < MAX: nodes may leave and join while the job runs."""
+    low, _, high = opts.nnodes.partition(":")
+    return bool(high) and low != high
+
+
+def rdzv_backend(opts: LaunchOptions) -> str | None:
+    """The user's rendezvous backend; for an elastic ``--nnodes MIN:MAX``, c10d (torchrun's
+    default, static, needs a fixed number of nodes)."""
+    if opts.rdzv_backend:
+        return opts.rdzv_backend
+    return "c10d" if elastic(opts) else None
+
+
+def _loopback(endpoint: str | None) -> bool:
+    host = (endpoint or "").rpartition(":")[0] or (endpoint or "")
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
 def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
     """torchrun (``torch.distributed.run``) through ``layershard.train.agent``, which runs
     torchrun's own ``run()`` and records what it says about failed ranks."""
@@ -374,10 +448,19 @@ def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
         cmd += ["--nnodes", opts.nnodes, "--node-rank", str(opts.node_rank)]
         if opts.rdzv_endpoint:
             cmd += ["--rdzv-endpoint", opts.rdzv_endpoint]
-        if opts.rdzv_backend:
-            cmd += ["--rdzv-backend", opts.rdzv_backend]
+        backend = rdzv_backend(opts)
+        if backend:
+            cmd += ["--rdzv-backend", backend]
         if opts.rdzv_id:
             cmd += ["--rdzv-id", opts.rdzv_id]
+        conf = [c for c in (opts.rdzv_conf or "").split(",") if c]
+        if backend == "c10d" and _loopback(opts.rdzv_endpoint):
+            # Nodes simulated on one machine all match the endpoint's host, so by default the
+            # first launcher to bind would host c10d's rendezvous store, and the job would end
+            # with that node. Here, as across machines, node 0 (at the endpoint) hosts it.
+            conf.insert(0, f"is_host={int(opts.node_rank == 0)}")
+        if conf:
+            cmd += ["--rdzv-conf", ",".join(conf)]
     cmd += [
         "--nproc-per-node", str(nproc(opts)),
         "--max-restarts", str(opts.max_restarts),
@@ -397,6 +480,8 @@ def rank_env(opts: LaunchOptions) -> dict[str, str]:
         env["LAYERSHARD_TIMEOUT_S"] = str(opts.timeout)
     env.setdefault("LAYERSHARD_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
     env["LAYERSHARD_TRAIN_CLI"] = "1"  # the ranks leave the final one-line message to us
+    env["LAYERSHARD_LAUNCHER_PID"] = str(os.getpid())  # the agent dies with us (agent.py)
+    env[st.NODE_ENV] = str(opts.node_rank)  # in each rank's status: which node lost a rank
     return env
 
 
@@ -467,7 +552,15 @@ def outcome(run_dir: Path, opts: LaunchOptions, rc: int, signalled: str | None) 
     finish: a stop on request, non-finite steps, or which rank failed, how, and at which step."""
     state = st.state_dir(run_dir)
     stop = st.read_json(state / st.STOP)
-    if stop is not None and stop.get("launch_id") == opts.launch_id:
+    ranks = st.rank_statuses(run_dir, opts.launch_id)
+    last = max((s.get("attempt", 0) for s in ranks.values()), default=0)
+    # An elastic job's ranks also stop on purpose when nodes join (torchrun's SIGTERM), and go
+    # on in the next round: only a stop in the last round ended the run.
+    if (
+        stop is not None
+        and stop.get("launch_id") == opts.launch_id
+        and stop.get("attempt", 0) == last
+    ):
         if stop.get("reason") == "signal":
             return st.EXIT_STOPPED, (
                 f"stopped by {stop.get('signal')} at step {stop.get('step')}; checkpoint saved "
@@ -477,7 +570,6 @@ def outcome(run_dir: Path, opts: LaunchOptions, rc: int, signalled: str | None) 
         return 1, str(stop.get("message"))
     if rc == 0:
         return 0, ""
-    ranks = st.rank_statuses(run_dir, opts.launch_id)
     fails = st.read_json(state / st.FAILURES) or {}
     if fails.get("launch_id") != opts.launch_id:
         fails = {}
@@ -490,6 +582,9 @@ def outcome(run_dir: Path, opts: LaunchOptions, rc: int, signalled: str | None) 
         if s.get("exit") not in (None, 0) and not s.get("peer_lost"):
             first = str(s.get("error") or "").splitlines()[0] if s.get("error") else "an error"
             return 1, f"rank {r} failed at step {s.get('step')}: {first}{resume}"
+    lost = lost_nodes(ranks, opts)
+    if lost:
+        return 1, f"{lost}; this node's ranks were stopped{_resume_hint(run_dir, opts)}"
     silent = [r for r, s in sorted(ranks.items()) if "exit" not in s]
     silent += [int(r) for r in sorted(failures, key=int) if int(r) not in ranks]
     for r in silent:
@@ -510,8 +605,38 @@ def outcome(run_dir: Path, opts: LaunchOptions, rc: int, signalled: str | None) 
     return rc or 1, f"the training ranks failed (exit code {rc}); the first error above names it"
 
 
-def _resume_hint(run_dir: Path) -> str:
+def lost_nodes(ranks: dict[int, dict[str, Any]], opts: LaunchOptions) -> str:
+    """'' on one node; else the nodes whose ranks never said why they ended, as in "node 1 (vm,
+    ranks 2-3) was lost at step 14". A node that dies (its launcher, agent and ranks killed, or
+    the machine gone) writes nothing: its ranks' records stay those of running ranks, while this
+    node's ranks saw a peer go away."""
+    if world_size(opts) == nproc(opts) and not elastic(opts):
+        return ""
+    by_node: dict[int, list[dict[str, Any]]] = {}
+    for r, s in sorted(ranks.items()):
+        node = s.get("node")
+        if isinstance(node, int) and node != opts.node_rank and "exit" not in s:
+            if st.alive(s) is not True:  # dead here, or on another machine and silent
+                by_node.setdefault(node, []).append({**s, "rank": r})
+    if not by_node or not any(s.get("peer_lost") for s in ranks.values()):
+        return ""
+    parts = []
+    for node, gone in sorted(by_node.items()):
+        numbers = [g["rank"] for g in gone]
+        span = str(numbers[0]) if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]}"
+        steps = [g["step"] for g in gone if g.get("step") is not None]
+        when = f" at step {max(steps)}" if steps else " before training"
+        host = gone[0].get("host")
+        parts.append(
+            f"node {node} ({host}, rank{'s' if len(numbers) > 1 else ''} {span}) was lost{when}"
+        )
+    return "; ".join(parts) + " (the node died, or its launcher was killed)"
+
+
+def _resume_hint(run_dir: Path, opts: LaunchOptions | None = None) -> str:
     latest = latest_checkpoint(run_dir)
     if latest is None:
         return ""
+    if opts is not None and (elastic(opts) or world_size(opts) != nproc(opts)):
+        return f". Resume from {latest.name}: the same command with --resume, on every node"
     return f". Resume from {latest.name} with: layershard train --resume --run-dir {run_dir}"

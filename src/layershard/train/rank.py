@@ -20,7 +20,7 @@ from layershard.checkpoint import CheckpointError
 from layershard.engine.waits import waiting
 from layershard.train import status as st
 from layershard.train.config import ConfigError
-from layershard.train.faults import StopRequest, Watchdog, connect_store
+from layershard.train.faults import StopRequest, Watchdog, attempt, connect_store
 from layershard.train.trainer import StopRun, Trainer
 
 # Text of collective errors that mean "another rank is gone", not "this rank went wrong".
@@ -56,9 +56,9 @@ def _init_process_group() -> tuple[int, int]:
     connectFullMesh; with the prefix, 6 of 6 connected."""
     from layershard.distributed import DEFAULT_TIMEOUT, default_backend, init_distributed
 
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    under_torchrun = "TORCHELASTIC_RESTART_COUNT" in os.environ
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if attempt is not None and agent_store and not dist.is_initialized():
+    if under_torchrun and agent_store and not dist.is_initialized():
         backend = default_backend()
         if backend == "nccl":  # what init_distributed does before it creates the group
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -71,7 +71,7 @@ def _init_process_group() -> tuple[int, int]:
         )
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"layershard/attempt_{attempt}", store),
+            store=dist.PrefixStore(f"layershard/attempt_{attempt()}", store),
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
             timeout=DEFAULT_TIMEOUT,
@@ -93,9 +93,7 @@ def main(run_dir: str) -> int:
     store = connect_store() if world > 1 else None
     stop = StopRequest(store, announce=rank == 0)
     stop.install()  # before the status file exists: `layershard train` signals the ranks it lists
-    status = st.RankStatus(
-        path, rank, launch_id, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    )
+    status = st.RankStatus(path, rank, launch_id, attempt())
     trainer, watchdog = None, None
     code, error, peer_lost, agreed = 1, None, False, False
     try:
@@ -121,7 +119,13 @@ def main(run_dir: str) -> int:
         if rank == 0:  # `layershard train` reads it and says why, with the exit code that fits
             st.write_json(
                 st.state_dir(path) / st.STOP,
-                {"launch_id": launch_id, "reason": e.reason, "message": str(e), **e.info},
+                {
+                    "launch_id": launch_id,
+                    "attempt": attempt(),
+                    "reason": e.reason,
+                    "message": str(e),
+                    **e.info,
+                },  # fmt: skip
             )
     except (ConfigError, CheckpointError) as e:
         code, error = 2, str(e)
@@ -161,6 +165,13 @@ def _collectives(model) -> int:
 
 
 if __name__ == "__main__":
+    # A rank outlives neither its agent nor, through it, `layershard train` (agent.py).
+    if os.environ.get("LAYERSHARD_AGENT_PID"):
+        import signal
+
+        from layershard.train.faults import die_with_parent
+
+        die_with_parent(signal.SIGKILL, int(os.environ["LAYERSHARD_AGENT_PID"]))
     # Run the module's own main (not this __main__ copy of it), so that there is one Trainer.
     from layershard.train import rank as _rank
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from layershard.train.config import ConfigError
 
+# Set by `layershard train` for its ranks: its --node-rank, recorded in each rank's status.
+NODE_ENV = "LAYERSHARD_NODE"
 STATE_DIR = ".layershard"
 LOCK = "lock"
 STOP = "stop.json"
@@ -89,8 +91,17 @@ def alive(record: dict[str, Any]) -> bool | None:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
+    if _zombie(pid):  # exited; its parent (init, in a container maybe never) has not reaped it
+        return False
     start = record.get("start")
     return start is None or _start_time(pid) in (None, start)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 # ---- the lock --------------------------------------------------------------------------------------
@@ -183,6 +194,7 @@ class RankStatus:
         self.data: dict[str, Any] = {
             **me(),
             "rank": rank,
+            "node": int(os.environ[NODE_ENV]) if os.environ.get(NODE_ENV) else None,
             "launch_id": launch_id,
             "attempt": attempt,
             "step": None,

@@ -11,7 +11,6 @@ import contextlib
 import fnmatch
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -32,7 +31,7 @@ from layershard.models import LlamaForCausalLM
 from layershard.train import status as st
 from layershard.train.config import ConfigError, TrainConfig, grad_accum_for, read_run_config
 from layershard.train.data import BatchLoader, TokenSplit, eval_windows, read_windows
-from layershard.train.faults import StopRequest
+from layershard.train.faults import StopRequest, attempt
 from layershard.train.modeling import build_model, check_seq_len, model_spec
 from layershard.train.report import MetricsLog, plot_losses
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
@@ -414,8 +413,7 @@ class Trainer:
         ``--resume-fallback`` the older ones follow."""
         chosen = self.launch.get("resume")
         folder = self.run_dir / "checkpoints"
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if attempt > 0:
+        if attempt() > 0:  # a restart, or a new round of an elastic job (faults.attempt)
             from layershard.train.launch import latest_checkpoint
 
             latest = latest_checkpoint(self.run_dir)
