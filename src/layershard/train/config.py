@@ -260,8 +260,8 @@ class LaunchSchema:
             )
         if self.node_rank >= counts[-1]:
             raise ValueError(
-                f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes} (the nodes "
-                f"are numbered 0..{counts[-1] - 1})"
+                f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes}: number the "
+                f"nodes 0..{counts[-1] - 1}; node 0 is the one at --rdzv-endpoint"
             )
         if self.resume_fallback and not self.resume:
             raise ValueError("--resume-fallback goes with --resume")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import layershard as ls
 from layershard.loss import chunked_loss
 from layershard.models import PRESETS, LlamaConfig, LlamaForCausalLM, build_config
 from layershard.models.hf import load_hf_config
@@ -239,3 +240,19 @@ def build_model(kind: str, spec: Any, cfg: TrainConfig, meta: bool = False) -> n
         # (no dtype= here: it would put a torch.dtype into the config, which is not JSON)
         model = transformers.AutoModelForCausalLM.from_config(spec, trust_remote_code=False)
     return chunked_loss(model.float(), cfg.loss_chunks) if cfg.loss_chunks else model.float()
+
+
+def shard_options(cfg: TrainConfig, precision: str, device: torch.device) -> dict[str, Any]:
+    """``ls.shard`` keyword arguments for a run's config (the CLI and the Python API agree by
+    construction: the run's options are these, and nothing else)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return {
+        "mixed_precision": ls.MixedPrecision(param_dtype=dtype) if dtype is not None else None,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "device": device if device.type != "cpu" else None,
+        "strategy": cfg.strategy,
+        "shard_size": cfg.shard_size,
+        "reshard_after_forward": cfg.reshard_after_forward,
+        "offload": ls.CPUOffload() if cfg.offload else None,
+        "compile": cfg.compile,
+    }
