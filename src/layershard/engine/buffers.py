@@ -70,18 +70,42 @@ class GatherSlot:
         dtype: torch.dtype,
         device: torch.device,
         data: torch.Tensor | None = None,
+        transient: bool = False,
     ):
-        # ``data``: an existing buffer (no_shard in fp32: the unit's flat shards themselves)
-        self.data = torch.empty(numel, dtype=dtype, device=device) if data is None else data
-        self.alias = self.data.data
+        # ``data``: an existing buffer (no_shard in fp32: the unit's flat shards themselves).
+        # ``transient``: the storage of one unit larger than a block, allocated when its gather
+        # is issued and freed when it releases the slot (see the note above).
+        self.numel, self.dtype, self.device, self.transient = numel, dtype, device, transient
+        self.data: torch.Tensor | None = None
+        self.alias: torch.Tensor | None = None
+        self.generation = 0  # counts allocations: views of an earlier one are stale
+        if not transient:
+            self._allocate(data)
         self.state = SlotState.FREE
         self.owner: SlotUser | None = None
         self.pending: list[Pending] = []
         self.next: SlotUser | None = None  # a prefetch waiting for the owner to release it
 
+    def _allocate(self, data: torch.Tensor | None = None) -> None:
+        if self.data is None:
+            if data is None:
+                data = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self.data, self.alias = data, data.data
+            self.generation += 1
+
+    def _free(self) -> None:
+        """Transient storage only: drop it (nobody computes with it, nothing is in flight)."""
+        if self.transient:
+            self.data = self.alias = None
+
     @property
     def busy(self) -> bool:
         return self.state is SlotState.BUSY
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the slot holds (transient: while its unit is gathered)."""
+        return self.numel * self.dtype.itemsize
 
     def take(self, u: SlotUser) -> None:
         """Make ``u`` the owner, before its gather is issued into the slot (a gather is issued
@@ -93,6 +117,7 @@ class GatherSlot:
                 "computing with (an engine bug: please report it with the model's structure)"
             )
         self.wait()
+        self._allocate()
         self.owner, self.next, self.state = u, None, SlotState.GATHERING
 
     def wait(self) -> None:
@@ -115,6 +140,8 @@ class GatherSlot:
         """``u`` is done computing; returns the unit whose prefetch waited for the slot."""
         if self.owner is u and self.busy:
             self.state = SlotState.READY
+            if self.transient:  # resharded: gathered again for the unit's backward
+                self.reset()
         if self.busy or self.next is None:
             return None
         waiting, self.next = self.next, None
@@ -135,11 +162,14 @@ class GatherSlot:
         self.wait()
         self.hand_over()
         self.next = None
+        if self.transient:
+            self.reset()
 
     def reset(self) -> None:
         """A new forward: the slot holds nobody's weights that anyone may rely on."""
         self.wait()
         self.owner, self.next, self.state = None, None, SlotState.FREE
+        self._free()
 
 
 class GradSlot:
@@ -151,8 +181,13 @@ class GradSlot:
         shard_numel: int,
         scratch_numel: int,
         host: torch.device | None = None,
+        transient: bool = False,
     ):
-        self.numel, self.dtype, self.device = numel, dtype, device  # numel: the largest unit's
+        # numel: the largest unit's that uses the slot. ``transient``: the gradient buffer of
+        # units larger than a block, allocated at each one's size and freed at the next
+        # reduction (see the note above).
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.transient = transient
         self.shard_numel = shard_numel  # the largest unit's shard (host staging)
         self.scratch_numel = scratch_numel  # see Comm.scratch_numel (0: none)
         self.data: torch.Tensor | None = None  # exists only during backward (see the note)
@@ -174,10 +209,13 @@ class GradSlot:
             self.data = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self.data[:numel]
 
-    def get_scratch(self) -> torch.Tensor:
+    def get_scratch(self, numel: int) -> torch.Tensor:
+        """The reduce-scatter's scratch, ``numel`` elements of it (a transient slot allocates
+        just that; a shared one its full size, once per backward)."""
         if self.scratch is None:
-            self.scratch = torch.empty(self.scratch_numel, dtype=self.dtype, device=self.device)
-        return self.scratch
+            size = numel if self.transient else self.scratch_numel
+            self.scratch = torch.empty(size, dtype=self.dtype, device=self.device)
+        return self.scratch[:numel]
 
     def get_staging(self) -> torch.Tensor:
         """Host memory for one reduced chunk (CPU offload), kept: pinning is slow."""
