@@ -30,6 +30,27 @@ is) and freed at its end, after every reduce-scatter has been waited for. So the
 the forward's peak, which the loss's logits set. On CUDA the free comes after the compute stream
 has waited for the reduce-scatters' events: the caching allocator may then hand the memory to the
 compute stream without ``record_stream``.
+
+Note: units larger than a block. The shared slots (gather and gradient) are sized for the largest
+block (``gather_slots.slot_limit``), never for a larger unit: with a large vocabulary the
+embedding and the LM head are each several blocks (Llama 3 8B: 525M elements against 218M), and
+sizing every slot for them would hold head-sized buffers for the whole step (gather) or the
+whole backward (gradients). Such a unit takes storage of its own instead, a transient
+``GatherSlot``: allocated when its gather is issued, at its turn (when the unit two turns before
+it releases its slot, so the gather overlaps the unit before it, as a block's does); freed when
+it releases the slot after its forward; gathered again for its backward (its first op waits for
+that gather: nothing comes before it in the backward to overlap with, as under FSDP2) and freed
+after it. An embedding is not gathered again (its backward needs no weights). So at the plain
+loss, where the logits make the forward's peak, no large unit's weights exist; the chunked loss
+runs inside the head's call and holds them. Its gradients go through a transient ``GradSlot``
+of their own size (with its own reduce scratch), freed at the start of the next reduction (which
+waits for it: it had that unit's whole backward to finish) or at the end of backward; the
+weights are released before the copy into it. One all-gather per unit and use, one reduce-scatter
+per unit and use, on the same bytes as through a shared slot: results are bitwise the same. The
+price: the head's gather for its backward (kept weights would cost a head-sized buffer at the
+loss) and an allocation per large unit and use (page faults on CPU). ``memory_report()`` counts
+the largest such storage as ``large_gather`` and ``large_grad``; one large unit holds it at a
+time as long as large units are not neighbours in forward order (embedding first, head last).
 """
 
 from __future__ import annotations
