@@ -182,6 +182,8 @@ def test_predict_memory_by_hand_untied():
         "gather_buffers": 2 * (168 + 168),  # slots take units 0,2,4 and 1,3
         "grad_buffers": 2 * 4 * 168,
         "reduce_scratch": 2 * 4 * 56,  # one per gradient slot
+        "large_gather": 0,  # no unit is larger than a block
+        "large_grad": 0,
         "module_buffers": 4 * 2 * 8 * 2,
         "no_sync": 0,
         "total": 5268,
@@ -203,6 +205,28 @@ def test_predict_memory_by_hand_tied():
     assert m["grad_buffers"] == 2 * 4 * 168
     assert m["reduce_scratch"] == 2 * 4 * 56
     assert m["total"] == 5024
+
+
+def test_predict_memory_by_hand_large_vocabulary():
+    # V = 128: embed = head = 512 elements, a block 160 (padded 168 at N = 3). The embedding and
+    # head (512 -> shard 176, padded 528) are larger than a block: storage of their own, one at
+    # a time, and no shared slot grows for them (docs/engine.md).
+    m = predict_memory(toy(vocab_size=128), 3, "bf16", "fp32", "adamw", backend="gloo")
+    assert m["gather_buffers"] == 2 * (168 + 168)  # two block slots (the norm takes turns)
+    assert m["large_gather"] == 2 * 528
+    assert m["grad_buffers"] == 2 * 4 * 168  # two gradient slots of a block
+    assert m["reduce_scratch"] == 2 * 4 * 168  # gloo: a whole unit's chunks each
+    assert m["large_grad"] == 4 * (528 + 528)  # the head's or embedding's, and its scratch
+    nccl = predict_memory(toy(vocab_size=128), 3, "bf16", "fp32", "adamw")
+    assert nccl["large_grad"] == 4 * (528 + 176) and nccl["reduce_scratch"] == 2 * 4 * 56
+    # tied: the root unit stays gathered for the step (its own buffer, as before); only its
+    # gradient is larger than the slots
+    t = predict_memory(toy(vocab_size=128, tie_embeddings=True), 3, "bf16", "fp32")
+    assert t["gather_buffers"] == 2 * (168 + 168 + 528) and t["large_gather"] == 0
+    assert t["grad_buffers"] == 2 * 4 * 168 and t["large_grad"] == 4 * (528 + 176)
+    # grad_op keeps every unit gathered (no transient storage); its gradients as full's
+    z2 = predict_memory(toy(vocab_size=128), 3, "bf16", "fp32", strategy="grad_op")
+    assert z2["large_gather"] == 0 and z2["large_grad"] == nccl["large_grad"]
 
 
 def test_other_strategies():
@@ -273,6 +297,15 @@ def test_peak_by_hand():
     assert peak_bytes(mem, {"activations": 50, "logits": 700}, 336) == 1430
     # backward: 1000 + 50 + 336 = 1386 > forward: 1000 - 320 + 50 + 100
     assert peak_bytes(mem, {"activations": 50, "logits": 100}, 336) == 1386
+    # Units larger than a block: none of their storage at the plain loss, the head's weights at
+    # the chunked one (inside the head's call), and in backward the larger of a large unit's
+    # weights and its gradient buffer, beside the gradient slots.
+    big = {"total": 1500, "grad_buffers": 300, "reduce_scratch": 20, "large_gather": 200,
+           "large_grad": 300}  # fmt: skip
+    assert peak_bytes(big, {"activations": 50, "logits": 1000}, 336) == 1500 - 820 + 1050
+    chunked = {"activations": 50, "logits": 1000, "loss_head_grad": 40}
+    assert peak_bytes(big, chunked, 336) == 1500 - 620 + 1090
+    assert peak_bytes(big, {"activations": 50, "logits": 0}, 336) == 1500 - 200 + 50 + 336
     plan = make_plan(
         ModelShape.from_config(toy()),
         get_gpu("h100"),
@@ -888,6 +921,10 @@ def test_cli_options(capsys, tmp_path):
 ENGINE_CONFIGS = [
     dict(vocab_size=96, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16),
     dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=64, max_seq_len=16,
+         tie_embeddings=True),
+    # embedding and head larger than a block (storage of their own; docs/engine.md)
+    dict(vocab_size=500, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16),
+    dict(vocab_size=500, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16,
          tie_embeddings=True),
 ]  # fmt: skip
 

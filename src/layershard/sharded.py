@@ -559,21 +559,16 @@ class ShardedModule(nn.Module):
         """Bytes this rank holds, by category (unique storages; includes optimizer state when an
         optimizer is given). ``grad_buffers`` and ``reduce_scratch`` are what the gradient slots
         take during backward (each slot's unsharded gradients and its reduce-scatter scratch, the
-        latter only where the backend needs one): they are freed between backwards."""
+        latter only where the backend needs one): they are freed between backwards.
+        ``large_gather`` and ``large_grad``: the storage of units larger than a block, held by
+        one such unit at a time while it runs (docs/engine.md)."""
         s = self._schedule
         flats = self.flat_params
         shards = {f.shard.untyped_storage().data_ptr() for f in flats}
-        weights = [u.slot.data for u in self.units] + [
-            t for u in self.units for t in (u.secondary or [])
-        ]
         report = {
             "params": sum(nbytes(f.shard) for f in flats),
             "grads": sum(nbytes(f.grad) for f in flats),
-            "gather_buffers": sum(  # (no_shard in fp32 computes on the shards: not counted twice)
-                nbytes(t) for t in _unique(weights) if t.untyped_storage().data_ptr() not in shards
-            ),
-            "grad_buffers": sum(g.capacity for g in s.reducer.grad_slots),
-            "reduce_scratch": sum(g.scratch_capacity for g in s.reducer.grad_slots),
+            **s.buffer_bytes(shards),
             "module_buffers": sum(
                 {
                     b.untyped_storage().data_ptr(): nbytes(b)

@@ -30,6 +30,27 @@ is) and freed at its end, after every reduce-scatter has been waited for. So the
 the forward's peak, which the loss's logits set. On CUDA the free comes after the compute stream
 has waited for the reduce-scatters' events: the caching allocator may then hand the memory to the
 compute stream without ``record_stream``.
+
+Note: units larger than a block. The shared slots (gather and gradient) are sized for the largest
+block (``gather_slots.slot_limit``), never for a larger unit: with a large vocabulary the
+embedding and the LM head are each several blocks (Llama 3 8B: 525M elements against 218M), and
+sizing every slot for them would hold head-sized buffers for the whole step (gather) or the
+whole backward (gradients). Such a unit takes storage of its own instead, a transient
+``GatherSlot``: allocated when its gather is issued, at its turn (when the unit two turns before
+it releases its slot, so the gather overlaps the unit before it, as a block's does); freed when
+it releases the slot after its forward; gathered again for its backward (its first op waits for
+that gather: nothing comes before it in the backward to overlap with, as under FSDP2) and freed
+after it. An embedding is not gathered again (its backward needs no weights). So at the plain
+loss, where the logits make the forward's peak, no large unit's weights exist; the chunked loss
+runs inside the head's call and holds them. Its gradients go through a transient ``GradSlot``
+of their own size (with its own reduce scratch), freed at the start of the next reduction (which
+waits for it: it had that unit's whole backward to finish) or at the end of backward; the
+weights are released before the copy into it. One all-gather per unit and use, one reduce-scatter
+per unit and use, on the same bytes as through a shared slot: results are bitwise the same. The
+price: the head's gather for its backward (kept weights would cost a head-sized buffer at the
+loss) and an allocation per large unit and use (page faults on CPU). ``memory_report()`` counts
+the largest such storage as ``large_gather`` and ``large_grad``; one large unit holds it at a
+time as long as large units are not neighbours in forward order (embedding first, head last).
 """
 
 from __future__ import annotations
@@ -70,18 +91,42 @@ class GatherSlot:
         dtype: torch.dtype,
         device: torch.device,
         data: torch.Tensor | None = None,
+        transient: bool = False,
     ):
-        # ``data``: an existing buffer (no_shard in fp32: the unit's flat shards themselves)
-        self.data = torch.empty(numel, dtype=dtype, device=device) if data is None else data
-        self.alias = self.data.data
+        # ``data``: an existing buffer (no_shard in fp32: the unit's flat shards themselves).
+        # ``transient``: the storage of one unit larger than a block, allocated when its gather
+        # is issued and freed when it releases the slot (see the note above).
+        self.numel, self.dtype, self.device, self.transient = numel, dtype, device, transient
+        self.data: torch.Tensor | None = None
+        self.alias: torch.Tensor | None = None
+        self.generation = 0  # counts allocations: views of an earlier one are stale
+        if not transient:
+            self._allocate(data)
         self.state = SlotState.FREE
         self.owner: SlotUser | None = None
         self.pending: list[Pending] = []
         self.next: SlotUser | None = None  # a prefetch waiting for the owner to release it
 
+    def _allocate(self, data: torch.Tensor | None = None) -> None:
+        if self.data is None:
+            if data is None:
+                data = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self.data, self.alias = data, data.data
+            self.generation += 1
+
+    def _free(self) -> None:
+        """Transient storage only: drop it (nobody computes with it, nothing is in flight)."""
+        if self.transient:
+            self.data = self.alias = None
+
     @property
     def busy(self) -> bool:
         return self.state is SlotState.BUSY
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the slot holds (transient: while its unit is gathered)."""
+        return self.numel * self.dtype.itemsize
 
     def take(self, u: SlotUser) -> None:
         """Make ``u`` the owner, before its gather is issued into the slot (a gather is issued
@@ -93,6 +138,7 @@ class GatherSlot:
                 "computing with (an engine bug: please report it with the model's structure)"
             )
         self.wait()
+        self._allocate()
         self.owner, self.next, self.state = u, None, SlotState.GATHERING
 
     def wait(self) -> None:
@@ -115,6 +161,8 @@ class GatherSlot:
         """``u`` is done computing; returns the unit whose prefetch waited for the slot."""
         if self.owner is u and self.busy:
             self.state = SlotState.READY
+            if self.transient:  # resharded: gathered again for the unit's backward
+                self.reset()
         if self.busy or self.next is None:
             return None
         waiting, self.next = self.next, None
@@ -135,11 +183,14 @@ class GatherSlot:
         self.wait()
         self.hand_over()
         self.next = None
+        if self.transient:
+            self.reset()
 
     def reset(self) -> None:
         """A new forward: the slot holds nobody's weights that anyone may rely on."""
         self.wait()
         self.owner, self.next, self.state = None, None, SlotState.FREE
+        self._free()
 
 
 class GradSlot:
@@ -151,8 +202,13 @@ class GradSlot:
         shard_numel: int,
         scratch_numel: int,
         host: torch.device | None = None,
+        transient: bool = False,
     ):
-        self.numel, self.dtype, self.device = numel, dtype, device  # numel: the largest unit's
+        # numel: the largest unit's that uses the slot. ``transient``: the gradient buffer of
+        # units larger than a block, allocated at each one's size and freed at the next
+        # reduction (see the note above).
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.transient = transient
         self.shard_numel = shard_numel  # the largest unit's shard (host staging)
         self.scratch_numel = scratch_numel  # see Comm.scratch_numel (0: none)
         self.data: torch.Tensor | None = None  # exists only during backward (see the note)
@@ -174,10 +230,13 @@ class GradSlot:
             self.data = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self.data[:numel]
 
-    def get_scratch(self) -> torch.Tensor:
+    def get_scratch(self, numel: int) -> torch.Tensor:
+        """The reduce-scatter's scratch, ``numel`` elements of it (a transient slot allocates
+        just that; a shared one its full size, once per backward)."""
         if self.scratch is None:
-            self.scratch = torch.empty(self.scratch_numel, dtype=self.dtype, device=self.device)
-        return self.scratch
+            size = numel if self.transient else self.scratch_numel
+            self.scratch = torch.empty(size, dtype=self.dtype, device=self.device)
+        return self.scratch[:numel]
 
     def get_staging(self) -> torch.Tensor:
         """Host memory for one reduced chunk (CPU offload), kept: pinning is slow."""

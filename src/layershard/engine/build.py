@@ -12,7 +12,7 @@ from torch import nn
 from layershard.engine.buffers import GatherSlot, GradSlot
 from layershard.engine.collectives import Comm
 from layershard.engine.flat import FlatParam, ParamSlot, layout
-from layershard.engine.gather_slots import assign_gather_slots, slot_numels
+from layershard.engine.gather_slots import OWN, assign_gather_slots, slot_limit, slot_numels
 from layershard.engine.precision import MixedPrecision
 from layershard.engine.reducer import Reducer
 from layershard.engine.schedule import Schedule
@@ -78,21 +78,38 @@ def build_schedule(
     ]
     cdtype, rdtype = precision.param_dtype, precision.reduce_dtype
     unit_numel = [sum(f.padded_numel for f in fl) for _, fl, _ in others]
+    blocks = [spec.is_block for spec, _, _ in others]
+    # Units larger than every block size no shared buffer (see buffers.py)
+    limit = slot_limit(unit_numel, blocks)
     if sharding.keep_gathered:  # weights stay gathered until the backward: a slot per unit
         slots = [GatherSlot(n, cdtype, device, buf) for n, (_, _, buf) in zip(unit_numel, others)]
-    else:  # two slots taken in turn, and one of its own per small unit (see buffers.py)
+    else:  # two slots taken in turn, one of its own per small unit, storage of its own per
+        # unit larger than a block (see buffers.py)
         lookup = bool(others) and not backward_needs_weights(others[0][0])
-        which = assign_gather_slots(unit_numel, first_is_lookup=lookup)
+        which = assign_gather_slots(unit_numel, first_is_lookup=lookup, blocks=blocks)
         pool = {k: GatherSlot(n, cdtype, device) for k, n in slot_numels(which, unit_numel).items()}
-        slots = [pool[k] for k in which]
+        slots = [
+            GatherSlot(n, cdtype, device, transient=True) if k == OWN else pool[k]
+            for k, n in zip(which, unit_numel)
+        ]
     trainable = [f for fl in storage.flats for f in fl if f.requires_grad]
-    grad_numel = max((f.padded_numel for f in trainable), default=0)
-    shard_numel = max((f.shard_numel for f in trainable), default=0)
+    host_dev = host if offload else None
+    shared = [f for f in trainable if f.padded_numel <= limit]
+    large = [f for f in trainable if f.padded_numel > limit]
+    grad_numel = max((f.padded_numel for f in shared), default=0)
+    shard_numel = max((f.shard_numel for f in shared), default=0)
     scratch = comm.scratch_numel(grad_numel, shard_numel)
     grad_slots = [
-        GradSlot(grad_numel, rdtype, device, shard_numel, scratch, host if offload else None)
-        for _ in range(2 if trainable else 0)
+        GradSlot(grad_numel, rdtype, device, shard_numel, scratch, host_dev)
+        for _ in range(2 if shared else 0)
     ]
+    own = None
+    if large:  # one gradient buffer at a time, of the size of the unit being reduced
+        big = max(large, key=lambda f: f.padded_numel)
+        big_scratch = comm.scratch_numel(big.padded_numel, big.shard_numel)
+        own = GradSlot(
+            big.padded_numel, rdtype, device, big.shard_numel, big_scratch, host_dev, True
+        )
     units = [
         Unit(s.name, s.module, s.is_block, fl, slot, device, backward_needs_weights(s))
         for (s, fl, _), slot in zip(others, slots)
@@ -110,7 +127,8 @@ def build_schedule(
         numel = sum(f.padded_numel for f in root_flats)
         root_slot = GatherSlot(numel, cdtype, device, root_buffer)
         root = Unit("<root>", None, False, root_flats, root_slot, device)
-    return Schedule(root, units, Reducer(grad_slots, comm, offload), comm, precision)
+    reducer = Reducer(grad_slots, comm, offload, own)
+    return Schedule(root, units, reducer, comm, precision)
 
 
 def _make_flats(

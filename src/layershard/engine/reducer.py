@@ -52,8 +52,13 @@ def scale_into(grad: torch.Tensor, chunk: torch.Tensor, factor: float, fresh: bo
 
 
 class Reducer:
-    def __init__(self, grad_slots: list[GradSlot], comm: Comm, offload: bool) -> None:
+    def __init__(
+        self, grad_slots: list[GradSlot], comm: Comm, offload: bool, own: GradSlot | None = None
+    ) -> None:
         self.grad_slots, self.comm = grad_slots, comm
+        # the gradient buffer of units larger than the slots (transient; see buffers.py)
+        self.own = own
+        self.slot_numel = grad_slots[0].numel if grad_slots else 0
         self.offload = offload  # gradient slices live in CPU memory
         # gradients are averaged over every data-parallel rank: the shard group and its replicas
         self.data_parallel = comm.world_size * comm.sharding.replicas
@@ -102,8 +107,14 @@ class Reducer:
         earlier = self._reduced.get(id(f))
         if earlier is not None:  # f's second use: its gradient is added, after the first's
             earlier.wait()
-        gs = self.grad_slots[self._n_reduced % len(self.grad_slots)]
-        self._n_reduced += 1
+        if self.own is not None:  # the last large unit's reduction had this unit's backward
+            self.own.release()  # to finish: free its buffer before taking another
+        if f.padded_numel > self.slot_numel:
+            assert self.own is not None, f"{u.name}: no gradient buffer is large enough"
+            gs = self.own
+        else:
+            gs = self.grad_slots[self._n_reduced % len(self.grad_slots)]
+            self._n_reduced += 1
         buf = gs.acquire(f.padded_numel)
         if f.acc is not None and f.acc_dirty:
             buf.copy_(f.acc)  # one cast of the fp32 sum
@@ -132,19 +143,24 @@ class Reducer:
             host_post = partial(scale_into, grad, staging, post_factor, fresh)
         else:
             post = lambda chunk: scale_into(grad, chunk, post_factor, fresh)  # noqa: E731
-        scratch = gs.get_scratch() if gs.scratch_numel else None
+        need = self.comm.scratch_numel(f.padded_numel, f.shard_numel)
+        scratch = gs.get_scratch(need) if gs.scratch_numel else None
         pending = self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
         gs.pending.append(pending)
         self._reduced[id(f)] = pending
 
+    @property
+    def all_slots(self) -> list[GradSlot]:
+        return self.grad_slots + ([self.own] if self.own is not None else [])
+
     def quiesce(self) -> None:
-        for gs in self.grad_slots:
+        for gs in self.all_slots:
             gs.wait()
 
     def finish(self) -> None:
         """Wait for every reduction, then free the gradient slots until the next backward."""
         self.comm.finish()
-        for gs in self.grad_slots:
+        for gs in self.all_slots:
             gs.release()
         self._n_reduced = 0
         self._reduced.clear()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -102,9 +103,48 @@ class Schedule:
                 if phase is Phase.FORWARD or u.gather_in_backward:
                     later[id(u.slot)] = u
             self._slot_next[phase] = nxt
+        # A unit larger than a block has storage of its own (buffers.py): its gather is issued
+        # when the unit two turns before it (in the alternation of the shared slots, small
+        # units left out) releases its slot, as if it took its turn in the alternation, so it
+        # overlaps the compute of the unit before it, as a block's gather does.
+        users = Counter(id(u.slot) for u in self.order)
+        self._early: dict[Phase, dict[int, list[Unit]]] = {}
+        for phase, seq in ((Phase.FORWARD, self.order), (Phase.BACKWARD, self.order[::-1])):
+            turns = [
+                u
+                for u in seq
+                if (u.slot.transient or users[id(u.slot)] > 1)
+                and (phase is Phase.FORWARD or u.gather_in_backward)
+            ]
+            early: dict[int, list[Unit]] = {}
+            for k, u in enumerate(turns):
+                if u.slot.transient and k >= 2:
+                    early.setdefault(id(turns[k - 2]), []).append(u)
+            self._early[phase] = early
 
     def all_units(self) -> list[Unit]:
         return ([self.root] if self.root else []) + self.units
+
+    def buffer_bytes(self, shard_storages: set[int]) -> dict[str, int]:
+        """The buffers' part of ``memory_report()``: preallocated gather slots (not the shards
+        themselves, which no_shard in fp32 computes on), gradient slots and their scratch (held
+        during backward only), and the storage of units larger than a block: its largest
+        gather and gradient buffer (with its scratch), each held by one unit at a time."""
+        slots = {id(u.slot): u.slot for u in self.all_units()}.values()
+        fixed = [s for s in slots if not s.transient]
+        weights = [s.data for s in fixed] + [t for u in self.units for t in (u.secondary or [])]
+        own = self.reducer.own
+        return {
+            "gather_buffers": sum(
+                t.untyped_storage().nbytes()
+                for t in weights
+                if t is not None and t.untyped_storage().data_ptr() not in shard_storages
+            ),
+            "grad_buffers": sum(g.capacity for g in self.reducer.grad_slots),
+            "reduce_scratch": sum(g.scratch_capacity for g in self.reducer.grad_slots),
+            "large_gather": max((s.capacity for s in slots if s.transient), default=0),
+            "large_grad": 0 if own is None else own.capacity + own.scratch_capacity,
+        }
 
     # ---- hooks ---------------------------------------------------------------------------------
 
@@ -291,6 +331,7 @@ class Schedule:
             return  # disabled by the caller (functorch transforms): triggers 1 and 3 remain
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
+        assert u.slot.alias is not None  # gathered: pre_forward ensured it
         slot_storage = u.slot.alias.untyped_storage().data_ptr()
 
         def pack(t: torch.Tensor):
@@ -362,7 +403,10 @@ class Schedule:
         """The buffer holding ``u``'s gathered weights in this backward (laid out as in its
         slot): its slot, or its own buffer when only some ranks reach it."""
         private = self._private.get(id(u))
-        return u.slot.alias if private is None else private[0]
+        if private is not None:
+            return private[0]
+        assert u.slot.alias is not None  # gathered: its backward began
+        return u.slot.alias
 
     def post_backward(self, u: Unit, use: int | None, grads: tuple) -> None:
         self._enter_backward()
@@ -447,7 +491,7 @@ class Schedule:
 
     def gather_private(self, u: Unit) -> None:
         """All-gather ``u``'s weights for its backward into a buffer of its own (every rank)."""
-        buf = torch.empty(u.gather_numel, dtype=u.slot.data.dtype, device=u.slot.data.device)
+        buf = torch.empty(u.gather_numel, dtype=u.slot.dtype, device=u.slot.device)
         pending = []
         over = self.comm.sharding.backward_gather_group
         for i, (f, off) in enumerate(zip(u.flats, u.flat_offsets)):
@@ -557,6 +601,9 @@ class Schedule:
             s = nxt.slot
             if s.owner is nxt or (not s.busy and s.owner in (None, u)):
                 self.gather(nxt, phase)
+        for big in self._early[phase].get(id(u), []):
+            if phase is Phase.FORWARD or self._slot_user(big):
+                self.gather(big, phase)
 
     def release(self, u: Unit) -> None:
         waiting_unit = u.slot.release(u)
@@ -568,6 +615,7 @@ class Schedule:
     def _issue_gather(self, u: Unit, phase: Phase) -> None:
         s = u.slot
         s.take(u)
+        assert s.data is not None  # take() allocates a transient slot's storage
         secondary = u.secondary if phase is Phase.BACKWARD else None
         for i, (f, off) in enumerate(zip(u.flats, u.flat_offsets)):
             out = s.data[off : off + f.padded_numel]
@@ -580,6 +628,7 @@ class Schedule:
     def _keep_secondary(self, u: Unit) -> None:
         """After the forward: keep this rank's 1/K of the unit's gathered weights."""
         _, j, k = self.comm.members("hpz")
+        assert u.slot.data is not None  # still gathered: called before the slot is released
         for buf, f, off in zip(u.secondary or [], u.flats, u.flat_offsets):
             m = f.padded_numel // k
             buf.copy_(u.slot.data[off + j * m : off + (j + 1) * m])

@@ -170,12 +170,7 @@ class Unit:
             self.flat_offsets.append(off)
             off += f.padded_numel
         self.gather_numel = off
-        # Persistent full-size views of the gathered weights (see buffers.py for why ``alias``).
-        self.full_views = [
-            v
-            for f, o in zip(flats, self.flat_offsets)
-            for v in f.views(slot.alias[o : o + f.padded_numel])
-        ]
+        self._views: tuple[int, list[torch.Tensor]] | None = None  # see full_views
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         # reshard_after_forward=K: per flat, this rank's 1/K of the gathered weights, kept from
         # the forward to the backward, which gathers within the K ranks (see strategy.py)
@@ -183,6 +178,24 @@ class Unit:
         self.bound = False
         self.private_views: list[torch.Tensor] | None = None  # see Schedule.gather_private
         self.span: record_function | None = None  # profiler label of the compute in progress
+
+    @property
+    def full_views(self) -> list[torch.Tensor]:
+        """Full-size views of the gathered weights in the slot (see buffers.py for why
+        ``alias``); kept for a preallocated slot, made at each bind for a transient one (kept
+        views would keep its freed storage alive)."""
+        s = self.slot
+        if self._views is not None and self._views[0] == s.generation:
+            return self._views[1]
+        assert s.alias is not None, f"{self.name}: its storage is not allocated"
+        views = [
+            v
+            for f, o in zip(self.flats, self.flat_offsets)
+            for v in f.views(s.alias[o : o + f.padded_numel])
+        ]
+        if not s.transient:
+            self._views = (s.generation, views)
+        return views
 
     def __repr__(self) -> str:
         return f"Unit({self.name})"

@@ -32,6 +32,8 @@ _LABELS = {
     "gather_buffers": "gather_buffers",
     "grad_buffers": "grad_buffers",
     "reduce_scratch": "reduce_scratch",
+    "large_gather": "large_gather (units > a block)",
+    "large_grad": "large_grad (units > a block)",
     "module_buffers": "module_buffers (RoPE tables)",
     "no_sync": "no_sync accumulators",
 }

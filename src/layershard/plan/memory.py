@@ -19,8 +19,16 @@ gradient slots), ``c`` = bytes per element of the compute (param) dtype, ``r`` =
     reduce_scratch  2 r max_u S_u       each gradient slot's reduce-scatter output (NCCL); on gloo
                     (2 r G_max)         each slot's all-to-all receive buffer; held during
                                         backward only
+    large_gather    c L_max             the gathered weights of a unit larger than every block
+                                        (an embedding or LM head of a large vocabulary): storage
+                                        of its own, held only while it runs, one at a time
+    large_grad      r (L_max + X)       its gradient buffer and reduce scratch X (L_max on gloo,
+                                        L_max / N on NCCL), from its reduction to the next one
     module_buffers  4 * 2 T hd          Rotary's fp32 cos/sin tables (T = max_seq_len)
     no_sync         4 sum_u N S_u       unsharded fp32 accumulators, only if ``no_sync()`` was used
+
+Here U_0, U_1, G_max and S_u count only units up to the largest block (B_max); larger ones
+(``L_max``: the largest of them) never size a shared slot (``engine/gather_slots.py``).
 
 Every parameter starts at a multiple of 8 elements and every rank's slice is a multiple of 8
 elements (``layershard.engine.flat.ALIGN``), so ``S_u`` includes small alignment gaps. There is no
@@ -38,7 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from layershard.engine.gather_slots import assign_gather_slots, slot_numels
+from layershard.engine.gather_slots import assign_gather_slots, own_numel, slot_limit, slot_numels
 from layershard.plan.model import ModelShape, units
 
 GB = 10**9  # the ZeRO paper's GB
@@ -51,6 +59,8 @@ STATE_KEYS = (
     "gather_buffers",
     "grad_buffers",
     "reduce_scratch",
+    "large_gather",
+    "large_grad",
     "module_buffers",
     "no_sync",
 )
@@ -197,13 +207,20 @@ def predict_memory(
     # compute on the shards themselves: one rank per shard group, fp32, not offloaded
     in_place = s_n == 1 and c == 4 and not offload
     root = 0 if in_place else sum(u.padded_numel(s_n) for u in us if u.persistent)
-    others = [u.padded_numel(s_n) for u in us if not u.persistent]
+    sharded = [u for u in us if not u.persistent]
+    others = [u.padded_numel(s_n) for u in sharded]
+    blocks = [u.kind == "block" for u in sharded]
+    # units larger than every block size no shared buffer (the engine's build.py)
+    limit = slot_limit(others, blocks)
+    large_gather = 0
     if strategy in ("grad_op", "no_shard"):  # every unit keeps its own buffer
         gathered = 0 if in_place else sum(others)
-    else:  # two slots taken in turn, a slot of its own per small unit (the engine's own rule)
-        sharded = [u for u in us if not u.persistent]
+    else:  # two slots taken in turn, a slot of its own per small unit, storage of its own per
+        # unit larger than a block (the engine's own rule)
         lookup = bool(sharded) and not sharded[0].needs_weights_in_backward
-        gathered = sum(slot_numels(assign_gather_slots(others, lookup), others).values())
+        which = assign_gather_slots(others, lookup, blocks)
+        gathered = sum(slot_numels(which, others).values())
+        large_gather = own_numel(which, others)
     k = (
         1
         if reshard_after_forward is True or reshard_after_forward is False
@@ -213,17 +230,26 @@ def predict_memory(
         gathered += sum(
             u.padded_numel(s_n) // k for u in us if not u.persistent and u.needs_weights_in_backward
         )
+
+    # gradient slots: two taken in turn, sized for the largest unit up to a block; one buffer
+    # at a time for a larger unit, of its size (with its scratch)
+    def scratch(u) -> int:
+        if s_n == 1:
+            return 0
+        return u.padded_numel(s_n) if backend == "gloo" else u.shard_numel(s_n)
+
+    shared = [u for u in us if u.padded_numel(s_n) <= limit]
+    big = max((u for u in us if u.padded_numel(s_n) > limit), key=lambda u: u.padded_numel(s_n),
+              default=None)  # fmt: skip
     out = {
         "params": 4 * sum(u.shard_numel(s_n) for u in us),
         "grads": 4 * sum(u.shard_numel(s_n) for u in us),
         "optimizer": k_opt * sum(u.local_numel(s_n, shard_rank) for u in us) + step_bytes,
         "gather_buffers": c * (gathered + root),
-        "grad_buffers": 2 * r * max(u.padded_numel(s_n) for u in us),
-        "reduce_scratch": 0
-        if s_n == 1
-        else 2
-        * r
-        * max(u.padded_numel(s_n) if backend == "gloo" else u.shard_numel(s_n) for u in us),
+        "grad_buffers": 2 * r * max((u.padded_numel(s_n) for u in shared), default=0),
+        "reduce_scratch": 2 * r * max((scratch(u) for u in shared), default=0),
+        "large_gather": c * large_gather,
+        "large_grad": 0 if big is None else r * (big.padded_numel(s_n) + scratch(big)),
         "module_buffers": 4 * shape.rope_buffer_numel,
         "no_sync": 4 * sum(u.padded_numel(s_n) for u in us) if no_sync else 0,
     }
@@ -385,11 +411,31 @@ def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int) -> int
       chunked loss, whose backward is also the head's);
     - backward, at a unit's post-backward: model states + the activations still saved (at most
       all of them) + that unit's unsharded gradients (``unit_grad_bytes``).
+
+    Units larger than a block (``large_gather``, ``large_grad``) hold their storage only while
+    they run: none at the plain loss (the head's weights are freed after its forward), the
+    head's weights at the chunked loss (it runs inside the head's call, backward included), and
+    in backward either a large unit's weights or its gradient buffer (the weights are freed
+    before its gradients are copied out), beside the gradient slots.
     """
     states = mem["total"]
-    backward_only = mem["grad_buffers"] + mem.get("reduce_scratch", 0)
+    large_gather, large_grad = mem.get("large_gather", 0), mem.get("large_grad", 0)
+    backward_only = mem["grad_buffers"] + mem.get("reduce_scratch", 0) + large_grad
+    chunked = "loss_head_grad" in act  # the loss runs inside the head's call
     forward = (
-        states - backward_only + act["activations"] + act["logits"] + act.get("loss_head_grad", 0)
+        states
+        - backward_only
+        - (0 if chunked else large_gather)
+        + act["activations"]
+        + act["logits"]
+        + act.get("loss_head_grad", 0)
     )
-    backward = states + act["activations"] + unit_grads
+    backward = (
+        states
+        - large_gather
+        - large_grad
+        + max(large_gather, large_grad)
+        + act["activations"]
+        + unit_grads
+    )
     return max(forward, backward)

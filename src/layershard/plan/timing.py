@@ -70,7 +70,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from layershard.engine.gather_slots import assign_gather_slots
+from layershard.engine.gather_slots import OWN, assign_gather_slots
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.memory import dtype_bytes, strategy_name
 from layershard.plan.model import ModelShape, Unit, units
@@ -286,8 +286,10 @@ def build_stages(
     sharded = [u for u in us if not u.persistent]
     # Still gathered when backward starts: the last unit of each gather slot (buffers.py).
     lookup = bool(sharded) and not sharded[0].needs_weights_in_backward
-    which = assign_gather_slots([u.padded_numel(layout.shard) for u in sharded], lookup)
-    resident = {u.name for u in dict(zip(which, sharded)).values()}
+    blocks = [u.kind == "block" for u in sharded]
+    which = assign_gather_slots([u.padded_numel(layout.shard) for u in sharded], lookup, blocks)
+    # a unit larger than a block frees its own storage after its forward (gathered again)
+    resident = {u.name for k, u in dict(zip(which, sharded)).items() if k != OWN}
     if not layout.keep_gathered:
         for u, k in zip(sharded, which):
             by_name[u.name].own_slot = k >= 2

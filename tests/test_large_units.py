@@ -1,0 +1,127 @@
+"""Units larger than a block (an embedding and LM head of a large vocabulary) size no shared
+buffer: every strategy, tied and untied, with and without the chunked loss, against the
+single-process reference; their storage exists only while they run; the bytes each rank holds
+equal the planner's formula (docs/engine.md, "Units larger than a block")."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from _dist import RankChecks
+from _parity import TINY, batches, clone, global_mean, local, max_diff, tiny_llama
+from test_chunked_loss import CHUNKED_TOL
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import layershard as ls
+from layershard.models import LlamaConfig
+from layershard.plan import predict_memory
+from layershard.plan.timing import collectives_per_step
+
+STEPS = 6
+VOCAB = 512  # embedding and head 16,384 elements each; a block of the tiny Llama 9,280
+STRATEGIES = [
+    ("full", {}, {}),
+    ("grad_op", {"strategy": "grad_op"}, {"strategy": "grad_op"}),
+    ("no_shard", {"strategy": "no_shard"}, {"strategy": "no_shard"}),
+    ("hybrid", {"strategy": "hybrid", "shard_size": 2}, {"strategy": "hybrid", "shard_size": 2}),
+    ("hpz", {"reshard_after_forward": 2}, {"reshard_after_forward": 2}),
+    ("offload", {"offload": ls.CPUOffload()}, {"offload": True}),
+]
+
+
+def _sgd(model):  # SGD, as tests/test_chunked_loss.py (why: next to CHUNKED_TOL there)
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _not_running(model, where: str) -> None:
+    """No unit larger than a block holds gathered weights or a gradient buffer here."""
+    held = [u.name for u in model.units if u.slot.transient and u.slot.data is not None]
+    own = model._schedule.reducer.own
+    assert not held, (where, held)
+    assert own is None or own.data is None, where
+
+
+def _watch_head(model) -> list[bool]:
+    """Records, after each forward of the head (a hook registered after the engine's own
+    post-forward hook, so run after it), whether the head's storage of its own still exists."""
+    seen: list[bool] = []
+    head = [u for u in model.units if u.name == "lm_head" and u.slot.transient]
+    model.lm_head.register_forward_hook(
+        lambda m, a, out: seen.append(any(u.slot.data is not None for u in head))
+    )
+    return seen
+
+
+def _large_units(rank: int, world: int, name: str) -> None:
+    """Tied and untied, the plain and the chunked loss (4 chunks), 6 SGD steps at world size 4
+    against the single-process reference and DDP on the same batches: the loss every step and
+    the final weights (no farther from the reference than DDP lands, or CHUNKED_TOL). Where
+    weights are resharded (full, hybrid, hpZ, offload) the embedding and head take storage of
+    their own, freed after their forward (before the plain loss) and at the end of backward,
+    and the shared slots are sized for a block; the bytes of each rank equal
+    ``predict_memory`` and the collectives ``collectives_per_step``."""
+    _, kwargs, plan_kwargs = next(s for s in STRATEGIES if s[0] == name)
+    resharded = name in ("full", "hybrid", "hpz", "offload")
+    for tied in (False, True):
+        cfg = LlamaConfig(**{**TINY, "vocab_size": VOCAB, "tie_embeddings": tied})
+        base = tiny_llama(vocab_size=VOCAB, tie_embeddings=tied)
+        ref, ddp = clone(base), DDP(clone(base))
+        ours = {}
+        for chunks in (0, 4):
+            m = ls.chunked_loss(clone(base), chunks) if chunks else clone(base)
+            ours[chunks] = ls.shard(m, **kwargs)
+        model = ours[0]
+        block = max(u.gather_numel for u in model.units if u.is_block)
+        large = [u for u in model.units if u.slot.transient]
+        if resharded:  # untied: embedding and head; tied: the root unit holds the one weight
+            assert {u.name for u in large} == (set() if tied else {"embed", "lm_head"}), large
+            shared = [u for u in model.units if u.module is not None and not u.slot.transient]
+            assert all(u.slot.numel <= block for u in shared)  # the root holds the tied weight
+        else:
+            assert not large
+        assert all(g.numel <= block for g in model._schedule.reducer.grad_slots)
+        assert model._schedule.reducer.own is not None  # the embedding (or root) is reduced alone
+        seen_at_loss = _watch_head(model)
+        opts = [_sgd(m) for m in (ref, ddp, *ours.values())]
+        for batch in batches(STEPS, vocab=VOCAB):
+            x = local(batch, rank, world)
+            ref_loss = ref(input_ids=batch, labels=batch).loss
+            ref_loss.backward()
+            ddp(input_ids=x, labels=x).loss.backward()
+            for m in ours.values():
+                m.comm_stats(reset=True)
+                loss = m(input_ids=x, labels=x).loss
+                loss.backward()
+                _not_running(m, f"{name} after backward")
+                assert abs(global_mean(loss) - ref_loss.item()) <= 1e-6 * ref_loss.item()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        assert not any(seen_at_loss), (name, "the head's weights are held at the plain loss")
+        stats = model.comm_stats()
+        assert stats == collectives_per_step(cfg, world, "fp32", "fp32", **plan_kwargs), stats
+        for m in ours.values():
+            report = m.memory_report(opts[-1] if m is ours[4] else opts[2])
+            pred = predict_memory(cfg, world, "fp32", "fp32", "sgd", rank=rank, backend="gloo",
+                                  **plan_kwargs)  # fmt: skip
+            assert report == pred, (name, tied, report, pred)
+        ddp_full = {k.removeprefix("module."): v for k, v in ddp.state_dict().items()}
+        fulls = {chunks: m.full_state_dict() for chunks, m in ours.items()}
+        if rank == 0:
+            ddp_dev, _ = max_diff(ddp_full, ref)
+            tol = max(CHUNKED_TOL, 1.5 * ddp_dev)
+            for chunks, full in fulls.items():
+                dev, where = max_diff(full, ref)
+                print(f"{name} tied={tied} chunks={chunks}: {dev:.2e} ({where}), DDP {ddp_dev:.2e}")
+                assert dev <= tol, (name, tied, chunks, dev, where, ddp_dev)
+
+
+checks = RankChecks(world_size=4, suffix="_with_large_units_matches_single_process")
+for _name, _, _ in STRATEGIES:
+    checks.check(
+        functools.partial(_large_units, name=_name),
+        name=_name,
+        doc=f"strategy {_name!r}: " + (_large_units.__doc__ or ""),
+    )
+checks.collect(globals())
