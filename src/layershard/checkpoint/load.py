@@ -44,7 +44,7 @@ def _check_on_rank0(path, model, optimizer, strict: bool, verify: bool) -> tuple
     """Rank 0: find the checkpoint, read its manifest, check everything that needs no data."""
     try:
         # manifest, file sizes (hashes below, a share per rank), metadata, storage paths
-        folder, manifest, md = open_checkpoint(path, digest=False)
+        folder, manifest, md = open_checkpoint(path, digest=False, sizes=verify)
         validate(model, optimizer, folder, manifest, md, strict)
     except CheckpointError:
         raise
