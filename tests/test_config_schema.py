@@ -40,7 +40,9 @@ def _kind(name: str) -> str:
 
 INTS = [n for n in FIELDS if _kind(n) == "int"]
 FLOATS = [n for n in FIELDS if _kind(n) == "float"]
-CHECKED = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CHECKED = settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 # any YAML-like value: what a config file can hold
 yaml_values = st.recursive(
@@ -85,8 +87,8 @@ def test_integers_are_accepted_exactly_within_their_bounds(key, value):
     low = max(bound, 260) if key == "vocab_size" else bound  # a BPE needs 256 bytes + specials
     if low is None or value >= low:
         assert getattr(resolve({key: value}), key) == value
-    else:
-        assert _refused(**{key: value}).startswith(f"{key} must be")
+    else:  # (vocab_size below 260 names the BPE's own floor)
+        assert _refused(**{key: value}).startswith(key)
 
 
 @CHECKED
