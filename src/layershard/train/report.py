@@ -82,6 +82,24 @@ def _summary_writer(folder: Path, resume_step: int | None) -> Any:
     return SummaryWriter(log_dir=str(folder), purge_step=purge)
 
 
+def measured(
+    step_times: list[float], mem_mib: float, device_type: str, plan: dict[str, Any] | None
+) -> dict[str, Any]:
+    """summary.json's measured step time (the median after the first 20%, at most 10, of the
+    logged steps, as ``plan --calibrate`` takes it) and memory, next to what ``layershard plan``
+    predicted for these settings (when the config came from ``--write-config``)."""
+    times = sorted(step_times[min(10, len(step_times) // 5) :])
+    out: dict[str, Any] = {
+        "step_time_s_median": times[len(times) // 2] if times else None,
+        "mem_mib_max": mem_mib or None,
+        # on GPU the CUDA peak; on CPU memory_report()'s total (model states, no activations)
+        "mem_kind": "peak" if device_type == "cuda" else "model_states",
+    }
+    if plan:
+        out["plan"] = plan
+    return out
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

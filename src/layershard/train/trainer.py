@@ -33,8 +33,15 @@ from layershard.train import status as st
 from layershard.train.config import ConfigError, TrainConfig, grad_accum_for, read_run_config
 from layershard.train.data import BatchLoader, TokenSplit, eval_windows, read_windows
 from layershard.train.faults import StopRequest
-from layershard.train.modeling import build_model, check_seq_len, model_spec
-from layershard.train.report import MetricsLog, plot_losses
+from layershard.train.modeling import (
+    build_model,
+    check_seq_len,
+    flops_per_token,
+    model_spec,
+    peak_flops,
+    shard_options,
+)
+from layershard.train.report import MetricsLog, measured, plot_losses
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
 
 
@@ -392,20 +399,6 @@ class Trainer:
         self.model.train()
         return self.tok.decode(ids[0].tolist())
 
-    def _against_plan(self) -> dict[str, Any]:
-        """The measured step time and memory of this launch, next to what ``layershard plan``
-        predicted for these settings (when the run's config came from ``--write-config``)."""
-        times = sorted(self.step_times[min(10, len(self.step_times) // 5) :])
-        out: dict[str, Any] = {
-            "step_time_s_median": times[len(times) // 2] if times else None,
-            "mem_mib_max": self.peak_mem_mib or None,
-            # on GPU the CUDA peak; on CPU memory_report()'s total (model states, no activations)
-            "mem_kind": "peak" if self.device.type == "cuda" else "model_states",
-        }
-        if self.cfg.plan:
-            out["plan"] = self.cfg.plan
-        return out
-
     # --- the run --------------------------------------------------------------------------
 
     def resume_candidates(self) -> list[str]:
@@ -625,51 +618,11 @@ class Trainer:
                 "val_loss_start": val_start if val_start is not None else _first_val(self.run_dir),
                 "val_loss_end": val_end,
                 "skipped_steps": self.skipped_steps,
-                **self._against_plan(),
+                **measured(self.step_times, self.peak_mem_mib, self.device.type, self.cfg.plan),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             print(f"--- sample (prompt {cfg.sample_prompt!r}) ---\n{text}\n---", flush=True)
         return 0
-
-
-def shard_options(cfg: TrainConfig, precision: str, device: torch.device) -> dict[str, Any]:
-    """``ls.shard`` keyword arguments for a run's config (the CLI and the Python API agree by
-    construction: the run's options are these, and nothing else)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    return {
-        "mixed_precision": ls.MixedPrecision(param_dtype=dtype) if dtype is not None else None,
-        "activation_checkpointing": cfg.activation_checkpointing,
-        "device": device if device.type != "cpu" else None,
-        "strategy": cfg.strategy,
-        "shard_size": cfg.shard_size,
-        "reshard_after_forward": cfg.reshard_after_forward,
-        "offload": ls.CPUOffload() if cfg.offload else None,
-        "compile": cfg.compile,
-    }
-
-
-def flops_per_token(kind: str, spec: Any, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per parameter plus attention's 12 * layers * seq_len * width
-    (the PaLM appendix's estimate, as the planner's model FLOPs)."""
-    layers = getattr(spec, "n_layers", None) or getattr(spec, "num_hidden_layers", 0) or 0
-    width = getattr(spec, "dim", None) or getattr(spec, "hidden_size", 0) or 0
-    return 6.0 * n_params + 12.0 * layers * seq_len * width
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak FLOP/s when known: ``LAYERSHARD_PEAK_TFLOPS``, else the
-    planner's table by GPU name (H100, H200, A100); None on CPU (no MFU is logged)."""
-    if os.environ.get("LAYERSHARD_PEAK_TFLOPS"):
-        return float(os.environ["LAYERSHARD_PEAK_TFLOPS"]) * 1e12
-    if device.type != "cuda":
-        return None
-    from layershard.plan.hardware import GPUS
-
-    name = torch.cuda.get_device_name(device).lower().replace(" ", "")
-    for key, gpu in GPUS.items():
-        if key.split("-")[0] in name and (key.endswith("40g") == ("40gb" in name)):
-            return gpu.peak_flops
-    return None
 
 
 def _preset_params(spec: Any) -> int:
