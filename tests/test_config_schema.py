@@ -147,7 +147,7 @@ def test_yaml_inf_and_nan_are_refused(tmp_path, capsys):
     y = tmp_path / "run.yaml"
     for text, expected in (
         ("steps: .inf\n", "steps must be an integer, got inf"),
-        ("seq_len: .nan\n", "seq_len must be an integer, got nan"),
+        ("eval_interval: .nan\n", "eval_interval must be an integer, got nan"),
         ("warmup_steps: -.inf\n", "warmup_steps must be an integer, got -inf"),
         ("model_overrides: {norm_eps: .nan}\n", "norm_eps must be a finite number"),
     ):
