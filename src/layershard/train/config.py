@@ -181,11 +181,11 @@ def _non_finite(value: Any, path: str = "") -> tuple[str, float] | None:
 def _flags(engine_message: str) -> str:
     """The engine's wording of a strategy rule, in the words of the command line."""
     return (
-        engine_message.replace("shard(strategy=", "strategy ")
+        engine_message.replace("shard(strategy='hybrid', shard_size=", "hybrid with shard_size ")
+        .replace("shard(strategy=", "strategy ")
         .replace("shard(shard_size=...)", "shard_size")
         .replace("shard(reshard_after_forward=...)", "reshard_after_forward")
         .replace("shard(reshard_after_forward=", "reshard_after_forward ")
-        .replace("strategy='hybrid', shard_size=", "hybrid with shard_size ")
         .replace("):", ":")
     )
 

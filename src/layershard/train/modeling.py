@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -256,3 +257,27 @@ def shard_options(cfg: TrainConfig, precision: str, device: torch.device) -> dic
         "offload": ls.CPUOffload() if cfg.offload else None,
         "compile": cfg.compile,
     }
+
+
+def flops_per_token(kind: str, spec: Any, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter plus attention's 12 * layers * seq_len * width
+    (the PaLM appendix's estimate, as the planner's model FLOPs)."""
+    layers = getattr(spec, "n_layers", None) or getattr(spec, "num_hidden_layers", 0) or 0
+    width = getattr(spec, "dim", None) or getattr(spec, "hidden_size", 0) or 0
+    return 6.0 * n_params + 12.0 * layers * seq_len * width
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak FLOP/s when known: ``LAYERSHARD_PEAK_TFLOPS``, else the
+    planner's table by GPU name (H100, H200, A100); None on CPU (no MFU is logged)."""
+    if os.environ.get("LAYERSHARD_PEAK_TFLOPS"):
+        return float(os.environ["LAYERSHARD_PEAK_TFLOPS"]) * 1e12
+    if device.type != "cuda":
+        return None
+    from layershard.plan.hardware import GPUS
+
+    name = torch.cuda.get_device_name(device).lower().replace(" ", "")
+    for key, gpu in GPUS.items():
+        if key.split("-")[0] in name and (key.endswith("40g") == ("40gb" in name)):
+            return gpu.peak_flops
+    return None

@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
-
-import torch
 
 # metrics.jsonl key -> TensorBoard tag (mem_mib, a list per rank, is written per rank and as max)
 TB_TAGS = {
@@ -85,6 +82,24 @@ def _summary_writer(folder: Path, resume_step: int | None) -> Any:
     return SummaryWriter(log_dir=str(folder), purge_step=purge)
 
 
+def measured(
+    step_times: list[float], mem_mib: float, device_type: str, plan: dict[str, Any] | None
+) -> dict[str, Any]:
+    """summary.json's measured step time (the median after the first 20%, at most 10, of the
+    logged steps, as ``plan --calibrate`` takes it) and memory, next to what ``layershard plan``
+    predicted for these settings (when the config came from ``--write-config``)."""
+    times = sorted(step_times[min(10, len(step_times) // 5) :])
+    out: dict[str, Any] = {
+        "step_time_s_median": times[len(times) // 2] if times else None,
+        "mem_mib_max": mem_mib or None,
+        # on GPU the CUDA peak; on CPU memory_report()'s total (model states, no activations)
+        "mem_kind": "peak" if device_type == "cuda" else "model_states",
+    }
+    if plan:
+        out["plan"] = plan
+    return out
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -111,27 +126,3 @@ def plot_losses(metrics_path: Path, png_path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(png_path)
     plt.close(fig)
-
-
-def flops_per_token(kind: str, spec: Any, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per parameter plus attention's 12 * layers * seq_len * width
-    (the PaLM appendix's estimate, as the planner's model FLOPs)."""
-    layers = getattr(spec, "n_layers", None) or getattr(spec, "num_hidden_layers", 0) or 0
-    width = getattr(spec, "dim", None) or getattr(spec, "hidden_size", 0) or 0
-    return 6.0 * n_params + 12.0 * layers * seq_len * width
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak FLOP/s when known: ``LAYERSHARD_PEAK_TFLOPS``, else the
-    planner's table by GPU name (H100, H200, A100); None on CPU (no MFU is logged)."""
-    if os.environ.get("LAYERSHARD_PEAK_TFLOPS"):
-        return float(os.environ["LAYERSHARD_PEAK_TFLOPS"]) * 1e12
-    if device.type != "cuda":
-        return None
-    from layershard.plan.hardware import GPUS
-
-    name = torch.cuda.get_device_name(device).lower().replace(" ", "")
-    for key, gpu in GPUS.items():
-        if key.split("-")[0] in name and (key.endswith("40g") == ("40gb" in name)):
-            return gpu.peak_flops
-    return None

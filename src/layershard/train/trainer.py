@@ -32,8 +32,15 @@ from layershard.train import status as st
 from layershard.train.config import ConfigError, TrainConfig, grad_accum_for, read_run_config
 from layershard.train.data import BatchLoader, TokenSplit, eval_windows, read_windows
 from layershard.train.faults import StopRequest, attempt
-from layershard.train.modeling import build_model, check_seq_len, model_spec, shard_options
-from layershard.train.report import MetricsLog, flops_per_token, peak_flops, plot_losses
+from layershard.train.modeling import (
+    build_model,
+    check_seq_len,
+    flops_per_token,
+    model_spec,
+    peak_flops,
+    shard_options,
+)
+from layershard.train.report import MetricsLog, measured, plot_losses
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
 
 
@@ -391,20 +398,6 @@ class Trainer:
         self.model.train()
         return self.tok.decode(ids[0].tolist())
 
-    def _against_plan(self) -> dict[str, Any]:
-        """The measured step time and memory of this launch, next to what ``layershard plan``
-        predicted for these settings (when the run's config came from ``--write-config``)."""
-        times = sorted(self.step_times[min(10, len(self.step_times) // 5) :])
-        out: dict[str, Any] = {
-            "step_time_s_median": times[len(times) // 2] if times else None,
-            "mem_mib_max": self.peak_mem_mib or None,
-            # on GPU the CUDA peak; on CPU memory_report()'s total (model states, no activations)
-            "mem_kind": "peak" if self.device.type == "cuda" else "model_states",
-        }
-        if self.cfg.plan:
-            out["plan"] = self.cfg.plan
-        return out
-
     # --- the run --------------------------------------------------------------------------
 
     def resume_candidates(self) -> list[str]:
@@ -623,7 +616,7 @@ class Trainer:
                 "val_loss_start": val_start if val_start is not None else _first_val(self.run_dir),
                 "val_loss_end": val_end,
                 "skipped_steps": self.skipped_steps,
-                **self._against_plan(),
+                **measured(self.step_times, self.peak_mem_mib, self.device.type, self.cfg.plan),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             print(f"--- sample (prompt {cfg.sample_prompt!r}) ---\n{text}\n---", flush=True)
