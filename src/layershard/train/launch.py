@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -39,6 +38,16 @@ from layershard.train.config import (
     resolved_strategy,
 )
 from layershard.train.modeling import check_model, check_seq_len, model_spec
+from layershard.train.nodes import (
+    elastic,
+    elastic_batch,
+    loopback,
+    lost_nodes,
+    node_range,
+    nproc,
+    rdzv_backend,
+    world_size,
+)
 from layershard.train.prepare import bpe_texts, corpus_hash, prepare_splits
 from layershard.train.sources import find_files
 from layershard.train.tokenizer import load_tokenizer, train_or_load_bpe
@@ -80,68 +89,6 @@ DEFAULT_TIMEOUT_S = 300.0
 
 class AlreadyFinished(Exception):
     """``--resume`` of a run that has done all its steps: nothing to do (exit 0)."""
-
-
-def default_nproc() -> int:
-    # One rank per GPU; on CPU two ranks (the smallest real data-parallel job).
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
-
-
-def nproc(opts: LaunchOptions) -> int:
-    return opts.nproc_per_node if opts.nproc_per_node is not None else default_nproc()
-
-
-def node_range(opts: LaunchOptions) -> tuple[int, int]:
-    """``--nnodes N`` or ``MIN:MAX`` as (MIN, MAX); ConfigError when it is neither."""
-    low, sep, high = opts.nnodes.partition(":")
-    try:
-        lo, hi = int(low), int(high if sep else low)
-    except ValueError:
-        raise ConfigError(
-            f"--nnodes must be a number of nodes or MIN:MAX (elastic), got {opts.nnodes!r}"
-        ) from None
-    if lo < 1 or hi < lo:
-        raise ConfigError(
-            f"--nnodes {opts.nnodes}: need 1 <= MIN <= MAX (e.g. --nnodes 2, or --nnodes 1:4)"
-        )
-    return lo, hi
-
-
-def world_size(opts: LaunchOptions) -> int | None:
-    """Total ranks when it is fixed (an elastic ``--nnodes MIN:MAX`` leaves it open)."""
-    lo, hi = node_range(opts)
-    return lo * nproc(opts) if lo == hi else None
-
-
-def world_sizes(opts: LaunchOptions) -> list[int]:
-    """Every world size the job can have: one, or one per node count of ``MIN:MAX``."""
-    lo, hi = node_range(opts)
-    return [n * nproc(opts) for n in range(lo, hi + 1)]
-
-
-def _elastic_batch(cfg: TrainConfig, opts: LaunchOptions) -> None:
-    """An elastic job keeps its global batch when nodes leave or join: gradient accumulation
-    adjusts, so the batch must divide at every world size the job can have. Without
-    ``batch_tokens``, the batch is the one of the largest world (grad_accum micro-batches)
-    rounded up to one that divides at every size."""
-    sizes = world_sizes(opts)
-    if cfg.batch_tokens is None:
-        cfg.batch_tokens = cfg.seq_len * cfg.micro_batch * (cfg.grad_accum or 1) * math.lcm(*sizes)
-        cfg.grad_accum = None
-        print(
-            f"layershard train: note: elastic --nnodes {opts.nnodes}: the global batch is kept "
-            f"at {cfg.batch_tokens} tokens (--batch-tokens) at every world size "
-            f"({', '.join(map(str, sizes))} ranks); gradient accumulation adjusts",
-            file=sys.stderr,
-            flush=True,
-        )
-    for w in sizes:
-        try:
-            grad_accum_for(cfg, w)
-        except ConfigError as e:
-            raise ConfigError(
-                f"elastic --nnodes {opts.nnodes} can run at {w} ranks, where {e}"
-            ) from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -292,7 +239,7 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
 
     world = world_size(opts)
     if elastic(opts):
-        _elastic_batch(cfg, opts)
+        elastic_batch(cfg, opts)
     ga = grad_accum_for(cfg, world) if world else None
     check_world(cfg, world, nproc(opts))
     kind, spec, max_len = model_spec(cfg, None)
@@ -419,25 +366,6 @@ def _tokenizer(cfg: TrainConfig, files: list[Path], chash: str):
     return tok
 
 
-def elastic(opts: LaunchOptions) -> bool:
-    """``--nnodes MIN:MAX`` with MIN < MAX: nodes may leave and join while the job runs."""
-    low, _, high = opts.nnodes.partition(":")
-    return bool(high) and low != high
-
-
-def rdzv_backend(opts: LaunchOptions) -> str | None:
-    """The user's rendezvous backend; for an elastic ``--nnodes MIN:MAX``, c10d (torchrun's
-    default, static, needs a fixed number of nodes)."""
-    if opts.rdzv_backend:
-        return opts.rdzv_backend
-    return "c10d" if elastic(opts) else None
-
-
-def _loopback(endpoint: str | None) -> bool:
-    host = (endpoint or "").rpartition(":")[0] or (endpoint or "")
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
-
-
 def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
     """torchrun (``torch.distributed.run``) through ``layershard.train.agent``, which runs
     torchrun's own ``run()`` and records what it says about failed ranks."""
@@ -454,7 +382,7 @@ def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
         if opts.rdzv_id:
             cmd += ["--rdzv-id", opts.rdzv_id]
         conf = [c for c in (opts.rdzv_conf or "").split(",") if c]
-        if backend == "c10d" and _loopback(opts.rdzv_endpoint):
+        if backend == "c10d" and loopback(opts.rdzv_endpoint):
             # Nodes simulated on one machine all match the endpoint's host, so by default the
             # first launcher to bind would host c10d's rendezvous store, and the job would end
             # with that node. Here, as across machines, node 0 (at the endpoint) hosts it.
@@ -603,34 +531,6 @@ def outcome(run_dir: Path, opts: LaunchOptions, rc: int, signalled: str | None) 
     if signalled:
         return st.EXIT_STOPPED, f"stopped by {signalled} before training started"
     return rc or 1, f"the training ranks failed (exit code {rc}); the first error above names it"
-
-
-def lost_nodes(ranks: dict[int, dict[str, Any]], opts: LaunchOptions) -> str:
-    """'' on one node; else the nodes whose ranks never said why they ended, as in "node 1 (vm,
-    ranks 2-3) was lost at step 14". A node that dies (its launcher, agent and ranks killed, or
-    the machine gone) writes nothing: its ranks' records stay those of running ranks, while this
-    node's ranks saw a peer go away."""
-    if world_size(opts) == nproc(opts) and not elastic(opts):
-        return ""
-    by_node: dict[int, list[dict[str, Any]]] = {}
-    for r, s in sorted(ranks.items()):
-        node = s.get("node")
-        if isinstance(node, int) and node != opts.node_rank and "exit" not in s:
-            if st.alive(s) is not True:  # dead here, or on another machine and silent
-                by_node.setdefault(node, []).append({**s, "rank": r})
-    if not by_node or not any(s.get("peer_lost") for s in ranks.values()):
-        return ""
-    parts = []
-    for node, gone in sorted(by_node.items()):
-        numbers = [g["rank"] for g in gone]
-        span = str(numbers[0]) if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]}"
-        steps = [g["step"] for g in gone if g.get("step") is not None]
-        when = f" at step {max(steps)}" if steps else " before training"
-        host = gone[0].get("host")
-        parts.append(
-            f"node {node} ({host}, rank{'s' if len(numbers) > 1 else ''} {span}) was lost{when}"
-        )
-    return "; ".join(parts) + " (the node died, or its launcher was killed)"
 
 
 def _resume_hint(run_dir: Path, opts: LaunchOptions | None = None) -> str:

@@ -49,10 +49,10 @@ def _stall_report_s() -> float:
 
 
 def _init_process_group() -> tuple[int, int]:
-    """``ls.init_distributed()``, except that under torchrun every attempt (restart) gets store
-    keys of its own. torchrun's agent keeps one store for all attempts, and torch 2.13 adds no
-    per-attempt prefix for the workers, so a restarted gloo rank can read the previous attempt's
-    addresses: in 4 runs of a 2-rank restart, 2 hung or failed with "Connection refused" in
+    """``ls.init_distributed()``, except that under torchrun every attempt (a restart, or a new
+    round of an elastic job: ``faults.attempt``, the same on every node) gets store keys of its
+    own. torchrun's agent keeps one store for all attempts, and torch 2.13 adds no per-attempt
+    prefix for the workers, so a restarted gloo rank can read the previous attempt's addresses: in 4 runs of a 2-rank restart, 2 hung or failed with "Connection refused" in
     connectFullMesh; with the prefix, 6 of 6 connected."""
     from layershard.distributed import DEFAULT_TIMEOUT, default_backend, init_distributed
 
@@ -125,7 +125,7 @@ def main(run_dir: str) -> int:
                     "reason": e.reason,
                     "message": str(e),
                     **e.info,
-                },  # fmt: skip
+                },
             )
     except (ConfigError, CheckpointError) as e:
         code, error = 2, str(e)

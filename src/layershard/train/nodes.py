@@ -1,0 +1,126 @@
+"""Many nodes: the node count (``--nnodes N`` or elastic ``MIN:MAX``) and the world sizes it
+allows, the global batch an elastic job keeps, the rendezvous options, and which node was lost
+when a multi-node run failed (docs/train.md, Many nodes)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from layershard.train import status as st
+from layershard.train.config import ConfigError, TrainConfig, grad_accum_for
+
+if TYPE_CHECKING:
+    from layershard.train.launch import LaunchOptions
+
+
+def default_nproc() -> int:
+    # One rank per GPU; on CPU two ranks (the smallest real data-parallel job).
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def nproc(opts: LaunchOptions) -> int:
+    return opts.nproc_per_node if opts.nproc_per_node is not None else default_nproc()
+
+
+def node_range(opts: LaunchOptions) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` as (MIN, MAX); ConfigError when it is neither."""
+    low, sep, high = opts.nnodes.partition(":")
+    try:
+        lo, hi = int(low), int(high if sep else low)
+    except ValueError:
+        raise ConfigError(
+            f"--nnodes must be a number of nodes or MIN:MAX (elastic), got {opts.nnodes!r}"
+        ) from None
+    if lo < 1 or hi < lo:
+        raise ConfigError(
+            f"--nnodes {opts.nnodes}: need 1 <= MIN <= MAX (e.g. --nnodes 2, or --nnodes 1:4)"
+        )
+    return lo, hi
+
+
+def world_size(opts: LaunchOptions) -> int | None:
+    """Total ranks when it is fixed (an elastic ``--nnodes MIN:MAX`` leaves it open)."""
+    lo, hi = node_range(opts)
+    return lo * nproc(opts) if lo == hi else None
+
+
+def world_sizes(opts: LaunchOptions) -> list[int]:
+    """Every world size the job can have: one, or one per node count of ``MIN:MAX``."""
+    lo, hi = node_range(opts)
+    return [n * nproc(opts) for n in range(lo, hi + 1)]
+
+
+def elastic_batch(cfg: TrainConfig, opts: LaunchOptions) -> None:
+    """An elastic job keeps its global batch when nodes leave or join: gradient accumulation
+    adjusts, so the batch must divide at every world size the job can have. Without
+    ``batch_tokens``, the batch is the one of the largest world (grad_accum micro-batches)
+    rounded up to one that divides at every size."""
+    sizes = world_sizes(opts)
+    if cfg.batch_tokens is None:
+        cfg.batch_tokens = cfg.seq_len * cfg.micro_batch * (cfg.grad_accum or 1) * math.lcm(*sizes)
+        cfg.grad_accum = None
+        print(
+            f"layershard train: note: elastic --nnodes {opts.nnodes}: the global batch is kept "
+            f"at {cfg.batch_tokens} tokens (--batch-tokens) at every world size "
+            f"({', '.join(map(str, sizes))} ranks); gradient accumulation adjusts",
+            file=sys.stderr,
+            flush=True,
+        )
+    for w in sizes:
+        try:
+            grad_accum_for(cfg, w)
+        except ConfigError as e:
+            raise ConfigError(
+                f"elastic --nnodes {opts.nnodes} can run at {w} ranks, where {e}"
+            ) from None
+
+
+def elastic(opts: LaunchOptions) -> bool:
+    """``--nnodes MIN:MAX`` with MIN < MAX: nodes may leave and join while the job runs."""
+    low, _, high = opts.nnodes.partition(":")
+    return bool(high) and low != high
+
+
+def rdzv_backend(opts: LaunchOptions) -> str | None:
+    """The user's rendezvous backend; for an elastic ``--nnodes MIN:MAX``, c10d (torchrun's
+    default, static, needs a fixed number of nodes)."""
+    if opts.rdzv_backend:
+        return opts.rdzv_backend
+    return "c10d" if elastic(opts) else None
+
+
+def loopback(endpoint: str | None) -> bool:
+    host = (endpoint or "").rpartition(":")[0] or (endpoint or "")
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def lost_nodes(ranks: dict[int, dict[str, Any]], opts: LaunchOptions) -> str:
+    """'' on one node; else the nodes whose ranks never said why they ended, as in "node 1 (vm,
+    ranks 2-3) was lost at step 14". A node that dies (its launcher, agent and ranks killed, or
+    the machine gone) writes nothing: its ranks' records stay those of running ranks, while this
+    node's ranks saw a peer go away."""
+    if world_size(opts) == nproc(opts) and not elastic(opts):
+        return ""
+    by_node: dict[int, list[dict[str, Any]]] = {}
+    for r, s in sorted(ranks.items()):
+        node = s.get("node")
+        if isinstance(node, int) and node != opts.node_rank and "exit" not in s:
+            if st.alive(s) is not True:  # dead here, or on another machine and silent
+                by_node.setdefault(node, []).append({**s, "rank": r})
+    if not by_node or not any(s.get("peer_lost") for s in ranks.values()):
+        return ""
+    parts = []
+    for node, gone in sorted(by_node.items()):
+        numbers = [g["rank"] for g in gone]
+        span = str(numbers[0]) if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]}"
+        steps = [g["step"] for g in gone if g.get("step") is not None]
+        when = f" at step {max(steps)}" if steps else " before training"
+        host = gone[0].get("host")
+        parts.append(
+            f"node {node} ({host}, rank{'s' if len(numbers) > 1 else ''} {span}) was lost{when}"
+        )
+    return "; ".join(parts) + " (the node died, or its launcher was killed)"
