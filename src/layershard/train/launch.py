@@ -43,7 +43,6 @@ from layershard.train.nodes import (
     elastic_batch,
     loopback,
     lost_nodes,
-    node_range,
     nproc,
     rdzv_backend,
     world_size,
