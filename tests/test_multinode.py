@@ -309,7 +309,7 @@ def test_node_options_are_refused_before_launch(capsys, tmp_path):
     one = list(T)
     one[one.index("--nproc-per-node") + 1] = "1"
     err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "0")
-    assert "--nnodes 0: need 1 <= MIN <= MAX" in err
+    assert "--nnodes must be a number of nodes >= 1 or MIN:MAX (1 <= MIN <= MAX), got '0'" in err
     err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "2:x")
     assert "--nnodes must be a number of nodes or MIN:MAX" in err
     err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "2", "--node-rank", "2")
