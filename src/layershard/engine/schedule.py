@@ -103,10 +103,8 @@ class Schedule:
                 if phase is Phase.FORWARD or u.gather_in_backward:
                     later[id(u.slot)] = u
             self._slot_next[phase] = nxt
-        # A unit larger than a block has storage of its own (buffers.py): its gather is issued
-        # when the unit two turns before it (in the alternation of the shared slots, small
-        # units left out) releases its slot, as if it took its turn in the alternation, so it
-        # overlaps the compute of the unit before it, as a block's gather does.
+        # A unit larger than a block (storage of its own, buffers.py) is gathered when the unit
+        # two turns before it (small units left out) releases its slot, as a block would be.
         users = Counter(id(u.slot) for u in self.order)
         self._early: dict[Phase, dict[int, list[Unit]]] = {}
         for phase, seq in ((Phase.FORWARD, self.order), (Phase.BACKWARD, self.order[::-1])):
@@ -126,10 +124,8 @@ class Schedule:
         return ([self.root] if self.root else []) + self.units
 
     def buffer_bytes(self, shard_storages: set[int]) -> dict[str, int]:
-        """The buffers' part of ``memory_report()``: preallocated gather slots (not the shards
-        themselves, which no_shard in fp32 computes on), gradient slots and their scratch (held
-        during backward only), and the storage of units larger than a block: its largest
-        gather and gradient buffer (with its scratch), each held by one unit at a time."""
+        """The buffers' part of ``memory_report()`` (see buffers.py): gather slots but not the
+        shards (no_shard in fp32 computes on them), gradient slots, large units' storage."""
         slots = {id(u.slot): u.slot for u in self.all_units()}.values()
         fixed = [s for s in slots if not s.transient]
         weights = [s.data for s in fixed] + [t for u in self.units for t in (u.secondary or [])]
