@@ -311,7 +311,7 @@ def test_node_options_are_refused_before_launch(capsys, tmp_path):
     err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "0")
     assert "--nnodes must be a number of nodes >= 1 or MIN:MAX (1 <= MIN <= MAX), got '0'" in err
     err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "2:x")
-    assert "--nnodes must be a number of nodes or MIN:MAX" in err
+    assert "--nnodes must be a number of nodes >= 1 or MIN:MAX" in err
     err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "2", "--node-rank", "2")
     assert "--node-rank 2 must be below --nnodes 2" in err
     err = refused_one_line(capsys, tmp_path, *one, "--nnodes", "1:3", "--batch-tokens", "512")
