@@ -80,4 +80,20 @@ def different_models_on_ranks_are_named(rank: int, world: int) -> None:
     _train_step(ls.shard(_model()))  # the ranks are still in step
 
 
+@checks.check
+def a_call_made_on_one_rank_names_what_it_waited_in(rank: int, world: int) -> None:
+    """A collective API called on some ranks only: the timeout says which call and why, in
+    the error type the backend raised (a bare gloo "Timed out waiting 3000ms" before)."""
+    from datetime import timedelta
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    model = ls.shard(_model(), process_group=group)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="timed out waiting in .*full_state_dict") as e:
+            model.full_state_dict()
+        assert "every rank must make the same calls" in str(e.value)
+        assert "\n" not in str(e.value).split("Original error")[0]
+    dist.barrier()  # rank 1 stays until rank 0's timeout has been seen
+
+
 checks.collect(globals())
