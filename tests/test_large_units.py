@@ -11,6 +11,7 @@ import torch
 from _dist import RankChecks
 from _parity import TINY, batches, clone, global_mean, local, max_diff, tiny_llama
 from test_chunked_loss import CHUNKED_TOL
+from test_strategies import MEMORY_CASES
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import layershard as ls
@@ -20,14 +21,7 @@ from layershard.plan.timing import collectives_per_step
 
 STEPS = 6
 VOCAB = 512  # embedding and head 16,384 elements each; a block of the tiny Llama 9,280
-STRATEGIES = [
-    ("full", {}, {}),
-    ("grad_op", {"strategy": "grad_op"}, {"strategy": "grad_op"}),
-    ("no_shard", {"strategy": "no_shard"}, {"strategy": "no_shard"}),
-    ("hybrid", {"strategy": "hybrid", "shard_size": 2}, {"strategy": "hybrid", "shard_size": 2}),
-    ("hpz", {"reshard_after_forward": 2}, {"reshard_after_forward": 2}),
-    ("offload", {"offload": ls.CPUOffload()}, {"offload": True}),
-]
+STRATEGIES = MEMORY_CASES  # (name, ls.shard options, the planner's options), as there
 
 
 def _sgd(model):  # SGD, as tests/test_chunked_loss.py (why: next to CHUNKED_TOL there)
