@@ -234,9 +234,12 @@ def _backward_gather_before_reduce(rank: int, world: int) -> None:
     model.layers[2].register_forward_pre_hook(lambda *_: issued.append(("FWD", "layers.2", "")))
     lm_loss(model, x).backward()
     backward = [(op, name) for op, name, phase in issued if phase == "backward"]
-    # forward order: embed, layers.0-2, norm, lm_head; backward re-gathers layers.1 and 0 (the
-    # last block stays gathered: norm, too small to take turns, has a slot of its own)
-    assert [n for op, n in backward if op == "AG"] == ["layers.1", "layers.0"], backward
+    # forward order: embed, layers.0-2, norm, lm_head; backward re-gathers layers.2, 1 and 0
+    # (only the head and the norm, too small to take turns, in a slot of its own, stay gathered:
+    # buffers.py, "between the passes"); layers.2's gather is issued when the head's backward
+    # begins, so it overlaps the head's backward, not the norm's alone
+    assert [n for op, n in backward if op == "AG"] == ["layers.2", "layers.1", "layers.0"], backward
+    assert backward[0] == ("AG", "layers.2"), backward
     for freed, name in [("lm_head", "layers.1"), ("layers.2", "layers.0")]:
         assert backward.index(("AG", name)) < backward.index(("RS", freed)), backward
     # 7b. The head's gather overlaps the last block's forward (it waited behind the norm alone).

@@ -66,9 +66,9 @@ def _llama_parity(rank: int, world: int) -> None:
             ref_loss.item(),
         )
         # Exactly one all-gather per unit in forward, one per unit in backward except the units
-        # still gathered when backward starts (the last unit of each of the two slots taken in
-        # turn, and the final norm, in a slot of its own) and the embedding (whose backward needs
-        # no weights), one reduce-scatter per unit.
+        # still gathered when backward starts (the forward's last unit, the head, and the final
+        # norm, in a slot of its own: buffers.py, "between the passes") and the embedding (whose
+        # backward needs no weights), one reduce-scatter per unit.
         if not model._schedule.comm.active:  # one rank copies instead of communicating
             assert stats == {}, stats
         else:
@@ -76,7 +76,7 @@ def _llama_parity(rank: int, world: int) -> None:
                 "all_gather": {"count": n_units, "bytes": padded * 4, "forward": n_units}
             }, fwd
             assert stats["all_gather"]["forward"] == n_units
-            assert stats["all_gather"]["backward"] == n_units - 4
+            assert stats["all_gather"]["backward"] == n_units - 3
             embed = next(u for u in model.units if u.name == "embed")
             assert not embed.gather_in_backward
             assert all(u.gather_in_backward for u in model.units if u is not embed)

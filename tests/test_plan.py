@@ -40,7 +40,7 @@ from layershard.plan import (
     zero_paper_model_states,
 )
 from layershard.plan.hardware import GPU
-from layershard.plan.memory import peak_bytes, unit_grad_bytes
+from layershard.plan.memory import peak_bytes, released_between_passes, unit_grad_bytes
 
 # A model small enough to compute every number by hand: d=4, 2 heads of 2, 1 kv head, f=8, V=16.
 #   block = 2 norms 2*4 + wq 4*4 + wk, wv 4*2 each + wo 4*4 + w1, w2, w3 4*8 each
@@ -313,9 +313,15 @@ def test_peak_by_hand():
         Settings(micro_batch=1, seq_len=8),
     )
     assert plan.memory["unit_grads"] == 336
+    released = released_between_passes(toy(), 3, "bf16")
     assert plan.memory["peak"] == peak_bytes(
-        {**plan.memory, "total": plan.memory["model_states"]}, plan.memory, 336
+        {**plan.memory, "total": plan.memory["model_states"]}, plan.memory, 336, released
     )
+    # Between the passes the two slots in turns give back all but the last unit's weights
+    # (buffers.py): those bytes leave the loss's peak, not backward's.
+    assert peak_bytes(mem, {"activations": 50, "logits": 800}, 336, released=100) == 1430
+    assert peak_bytes(mem, {"activations": 50, "logits": 700}, 336, released=100) == 1386
+    assert released_between_passes(toy(), 3, "bf16", strategy="grad_op") == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -351,26 +357,27 @@ def test_activation_formula_matches_autograd(dtype, kv):
 
 def test_collectives_by_hand():
     # Padded units at N = 3 (see the memory test): embed 72, blocks 168, 168, norm 24, head 72
-    # (504 in all). Backward re-gathers all but the last two units of the forward (norm, head)
-    # and the embedding (its backward needs no weights).
+    # (504 in all). Backward re-gathers all but the forward's last unit, the head (still
+    # gathered: buffers.py, "between the passes"; the norm is not small enough for a slot of its
+    # own), and the embedding (its backward needs no weights).
     assert collectives_per_step(toy(), 3, "bf16", "fp32") == {
         "all_gather": {
-            "count": 7,
-            "bytes": 2 * 504 + 2 * (168 + 168),
+            "count": 8,
+            "bytes": 2 * 504 + 2 * (168 + 168 + 24),
             "forward": 5,
-            "backward": 2,
+            "backward": 3,
         },
         "reduce_scatter": {"count": 5, "bytes": 4 * 504, "backward": 5},
         "all_reduce": {"count": 1, "bytes": 24 * 5, "backward": 1},  # the agreement
     }
-    # Tied: root 72 (gathered once in forward, never in backward), blocks, norm 24.
+    # Tied: root 72 (gathered once in forward, never in backward), blocks, norm 24 (last).
     assert collectives_per_step(toy(tie_embeddings=True), 3, "bf16", "fp32") == {
-        "all_gather": {"count": 5, "bytes": 2 * 432 + 2 * 168, "forward": 4, "backward": 1},
+        "all_gather": {"count": 6, "bytes": 2 * 432 + 2 * 336, "forward": 4, "backward": 2},
         "reduce_scatter": {"count": 4, "bytes": 4 * 432, "backward": 4},
         "all_reduce": {"count": 1, "bytes": 24 * 4, "backward": 1},
     }
     ga = collectives_per_step(toy(), 3, "bf16", "fp32", grad_accum=4, no_sync=True)
-    assert ga["all_gather"]["count"] == 28 and ga["reduce_scatter"]["count"] == 5
+    assert ga["all_gather"]["count"] == 32 and ga["reduce_scatter"]["count"] == 5
     assert collectives_per_step(toy(), 1) == {}
 
 
@@ -409,14 +416,14 @@ def test_time_compute_bound_limit():
 
 def test_time_comm_bound_limit():
     # Compute ~free, 1 GB/s NVLink, no latency: the step is the sum of all collective times,
-    # (N-1)/N of each buffer: (1008 AG fwd + 672 AG bwd + 2016 RS) * 2/3 bytes at 1e9 B/s.
+    # (N-1)/N of each buffer: (1008 AG fwd + 720 AG bwd + 2016 RS) * 2/3 bytes at 1e9 B/s.
     t = predict_time(toy(), _gpu(bf16_tflops=1e12), Cluster(3, 8), 1, 8, comm_eff=1.0, latency_s=0)
     assert t.comm_bytes == {
         "all_gather_fwd": {"nvlink": 1008 * 2 / 3, "network": 0.0, "pcie": 0.0},
-        "all_gather_bwd": {"nvlink": 672 * 2 / 3, "network": 0.0, "pcie": 0.0},
+        "all_gather_bwd": {"nvlink": 720 * 2 / 3, "network": 0.0, "pcie": 0.0},
         "reduce_scatter": {"nvlink": 2016 * 2 / 3, "network": 0.0, "pcie": 0.0},
     }
-    assert t.step_s == pytest.approx((1008 + 672 + 2016) * 2 / 3 / 1e9, rel=1e-6)
+    assert t.step_s == pytest.approx((1008 + 720 + 2016) * 2 / 3 / 1e9, rel=1e-6)
     assert t.comm_s == pytest.approx(t.step_s, rel=1e-6)
 
 
@@ -467,7 +474,8 @@ def test_collectives_per_strategy_by_hand():
     # per trainable unit (5 here)
     agree = {"count": 1, "bytes": 24 * 5, "backward": 1}
     assert coll("full") == {
-        "all_gather": {"count": 7, "bytes": 2 * 480 + 2 * 320, "forward": 5, "backward": 2},
+        # backward gathers the two blocks and the norm again (the head stays gathered)
+        "all_gather": {"count": 8, "bytes": 2 * 480 + 2 * 352, "forward": 5, "backward": 3},
         "reduce_scatter": rs,
         "all_reduce": agree,
     }
@@ -482,7 +490,7 @@ def test_collectives_per_strategy_by_hand():
     # HSDP 2 x 2: gather and reduce-scatter over the 2 ranks of a shard group (N = 2 layout),
     # then an all-reduce of each rank's slice (232 elements in all) across the 2 groups
     assert coll("hybrid") == {
-        "all_gather": {"count": 7, "bytes": 2 * 464 + 2 * 320, "forward": 5, "backward": 2},
+        "all_gather": {"count": 8, "bytes": 2 * 464 + 2 * 336, "forward": 5, "backward": 3},
         "reduce_scatter": {"count": 5, "bytes": 4 * 464, "backward": 5},
         "all_reduce": {"count": 6, "bytes": 4 * 232 + 120, "backward": 6},
     }
@@ -492,7 +500,7 @@ def test_collectives_per_strategy_by_hand():
     assert coll("hybrid", offload=True) == coll("hybrid")
     # two micro-batches, the first under no_sync(): gathers twice, reductions once
     ga = coll("hybrid", grad_accum=2, no_sync=True)
-    assert ga["all_gather"]["count"] == 14 and ga["reduce_scatter"]["count"] == 5
+    assert ga["all_gather"]["count"] == 16 and ga["reduce_scatter"]["count"] == 5
     assert ga["all_reduce"]["count"] == 5 + 2  # + one agreement per backward (both gather)
     assert coll("no_shard", grad_accum=2)["all_reduce"]["count"] == 10 + 2
     # no_shard under no_sync: the first backward communicates nothing, not even the agreement
@@ -502,17 +510,17 @@ def test_collectives_per_strategy_by_hand():
         return collectives_by_group(toy(), 4, **STRATEGY_KW[name])
 
     assert groups("full") == {
-        "all_gather": {"shard": 7},
+        "all_gather": {"shard": 8},
         "reduce_scatter": {"shard": 5},
         "all_reduce": {"all": 1},
     }
     assert groups("hpz") == {
-        "all_gather": {"shard": 5, "hpz": 2},
+        "all_gather": {"shard": 5, "hpz": 3},
         "reduce_scatter": {"shard": 5},
         "all_reduce": {"all": 1},
     }
     assert groups("hybrid") == {
-        "all_gather": {"shard": 7},  # never across groups
+        "all_gather": {"shard": 8},  # never across groups
         "reduce_scatter": {"shard": 5},
         "all_reduce": {"replicate": 5, "all": 1},
     }
@@ -531,37 +539,38 @@ def test_links_per_strategy_by_hand():
     def row(nv, net, pcie=0.0):
         return {"nvlink": nv, "network": net, "pcie": pcie}
 
-    # full: 3/4 of 960 (AG fwd), 640 (AG bwd), 1920 (RS); the agreement (120 B over all 4
+    # full: 3/4 of 960 (AG fwd), 704 (AG bwd: two blocks and the norm), 1920 (RS); the agreement (120 B over all 4
     # ranks) sends 2 x 3/4 of 120
     agree = {("all_reduce", "all", 4): row(90, 90)}
     assert (
         links("full")
         == {
             ("all_gather_fwd", "shard", 4): row(360, 360),
-            ("all_gather_bwd", "shard", 4): row(240, 240),
+            ("all_gather_bwd", "shard", 4): row(264, 264),
             ("reduce_scatter", "shard", 4): row(720, 720),
         }
         | agree
     )
-    # hybrid: 1/2 of 928, 640, 1856 in the node; the all-reduce sends 2 x 1/2 of 928
+    # hybrid: 1/2 of 928, 672, 1856 in the node; the all-reduce sends 2 x 1/2 of 928
     assert (
         links("hybrid")
         == {
             ("all_gather_fwd", "shard", 2): row(464, 0),
-            ("all_gather_bwd", "shard", 2): row(320, 0),
+            ("all_gather_bwd", "shard", 2): row(336, 0),
             ("reduce_scatter", "shard", 2): row(928, 0),
             ("all_reduce", "replicate", 2): row(0, 928),
         }
         | agree
     )
-    # hpZ: the backward gathers stay in the node (1/2 of 640)
-    assert links("hpz")[("all_gather_bwd", "hpz", 2)] == row(320, 0)
+    # hpZ: the backward gathers stay in the node (1/2 of full's 704)
+    assert links("hpz")[("all_gather_bwd", "hpz", 2)] == row(352, 0)
     # no_shard: 2 x 3/4 of 1824
     assert links("no_shard") == {("all_reduce", "replicate", 4): row(1368, 1368)} | agree
     # offload: each gather first copies the bf16 shard (120 elements: 240 B; the two blocks'
-    # 80 in backward: 160 B) to the device, each reduction its fp32 chunk (120: 480 B) back
+    # and the norm's 88 in backward: 176 B) to the device, each reduction its fp32 chunk (120:
+    # 480 B) back
     off = links("full", offload=True)
-    assert off[("h2d", "pcie", 1)] == row(0, 0, 240 + 160)
+    assert off[("h2d", "pcie", 1)] == row(0, 0, 240 + 176)
     assert off[("d2h", "pcie", 1)] == row(0, 0, 480)
 
 
@@ -581,19 +590,19 @@ def test_time_comm_bound_per_strategy():
                             **kw).step_s  # fmt: skip
 
     same = _free_compute_gpu()
-    assert step("full", same) == pytest.approx((360 + 240 + 720) * 1e-9, rel=1e-6)
-    assert step("hybrid", same) == pytest.approx((464 + 320 + 928 + 928) * 1e-9, rel=1e-6)
+    assert step("full", same) == pytest.approx((360 + 264 + 720) * 1e-9, rel=1e-6)
+    assert step("hybrid", same) == pytest.approx((464 + 336 + 928 + 928) * 1e-9, rel=1e-6)
     # a 10x slower network: full's collectives all wait on the NIC, hybrid's only the all-reduce
     slow = _free_compute_gpu(inter_bw_gbs=0.1)
-    assert step("full", slow) == pytest.approx((360 + 240 + 720) * 1e-8, rel=1e-6)
-    assert step("hybrid", slow) == pytest.approx((464 + 320 + 928) * 1e-9 + 928e-8, rel=1e-6)
+    assert step("full", slow) == pytest.approx((360 + 264 + 720) * 1e-8, rel=1e-6)
+    assert step("hybrid", slow) == pytest.approx((464 + 336 + 928) * 1e-9 + 928e-8, rel=1e-6)
     assert step("hybrid", slow) < step("full", slow) and step("full", same) < step("hybrid", same)
-    # hpZ: the backward gathers (240 -> 320 B) move from the NIC to NVLink
-    assert step("hpz", slow) == pytest.approx((360 + 720) * 1e-8 + 320e-9, rel=1e-6)
-    # offload adds its PCIe copies (880 B at 1 GB/s) and a CPU optimizer step: 120 shard
+    # hpZ: the backward gathers (264 -> 352 B) move from the NIC to NVLink
+    assert step("hpz", slow) == pytest.approx((360 + 720) * 1e-8 + 352e-9, rel=1e-6)
+    # offload adds its PCIe copies (896 B at 1 GB/s) and a CPU optimizer step: 120 shard
     # elements x 28 B (AdamW) over the node's 2 GB/s shared by its 2 ranks
     off = step("full", same, offload=True)
-    assert off == pytest.approx((1320 + 240 + 160 + 480) * 1e-9 + 120 * 28 / 1e9, rel=1e-6)
+    assert off == pytest.approx((1344 + 240 + 176 + 480) * 1e-9 + 120 * 28 / 1e9, rel=1e-6)
 
 
 def test_time_compute_bound_per_strategy():
@@ -942,7 +951,14 @@ def _engine_matches_prediction(rank: int, world: int) -> None:
             model.comm_stats(reset=True)
             with model.no_sync():
                 model(x, labels=x).loss.backward()
-            model(x, labels=x).loss.backward()
+            out = model(x, labels=x)
+            # at the loss the two slots in turns hold the last unit's weights at most
+            turns = {id(u.slot): u.slot for u in model.units if u.slot.in_turns}.values()
+            held = sum(s.data.untyped_storage().nbytes() for s in turns)
+            assert sum(s.capacity for s in turns) - held == released_between_passes(
+                cfg, world, pd
+            ), (kw, pd, held)
+            out.loss.backward()
             stats = model.comm_stats()
             opt.step()
             report = model.memory_report(opt)

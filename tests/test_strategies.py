@@ -69,9 +69,11 @@ def _expected_counts(model, sync_first: bool, name: str) -> dict:
     """Collectives of one step (two micro-batches and a clip), by op and group."""
     units = [u for u in model.units if u.module is not None]  # forward order here
     gathered = sum(len(u.flats) for u in model.units)
-    # backward re-gathers all but the last unit of the forward in each gather slot (still
-    # gathered; the norm, in a slot of its own, is one of them)
-    resident = list({id(u.slot): u for u in units}.values())
+    # backward re-gathers every unit but those still gathered when it starts: small units in
+    # slots of their own (the norm) and the forward's last unit (buffers.py, "between the
+    # passes"); the two slots in turns gave their storage back
+    own = [u for u in units if not u.slot.in_turns and not u.slot.transient]
+    resident = own + [u for u in units[-1:] if not u.slot.transient]
     regathered = sum(
         len(u.flats) for u in units if u.gather_in_backward and all(u is not r for r in resident)
     )

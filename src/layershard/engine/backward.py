@@ -14,11 +14,13 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
 if TYPE_CHECKING:
     from layershard.engine.units import Unit
@@ -44,7 +46,7 @@ class BindUnit(torch.autograd.Function):
 
 
 class Reached(torch.autograd.Function):
-    """Identity; its node marks a path into a frozen unit (see ``Schedule.mark_inputs``)."""
+    """Identity; its node marks a path into a frozen unit (see ``mark_inputs``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -126,3 +128,52 @@ class Use:
             return True
         alive = [n for n in (r() for r in self.nodes) if n is not None]
         return any(torch._C._will_engine_execute_node(n) for n in alive)
+
+
+def mark_inputs(record: Use, args: tuple, kwargs: dict):
+    """A frozen unit has no ``BindUnit`` node that tells whether a backward reaches it: pass its
+    input tensors that require grad through an identity node instead, which the backward
+    executes exactly when it reaches the unit (its gradients flow to its inputs). Returns the
+    new ``(args, kwargs)``, or None when no input requires grad."""
+    marked = False
+
+    def mark(x):
+        nonlocal marked
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            y = Reached.apply(x)
+            record.note(y.grad_fn)
+            marked = True
+            return y
+        return x
+
+    new_args = tuple(mark(a) for a in args)
+    new_kwargs = {k: mark(v) for k, v in kwargs.items()}
+    return (new_args, new_kwargs) if marked else None
+
+
+def weight_saving_hooks(
+    weights: torch.Tensor, begin: Callable[[], None], backward_weights: Callable[[], torch.Tensor]
+) -> saved_tensors_hooks | None:
+    """Saved-tensor hooks for a unit's forward (trigger 2 in ``Schedule``'s note on what begins
+    a unit's backward): a view of the unit's gathered ``weights`` is saved as a ``WeightView``
+    and read back from ``backward_weights()``, the buffer of this backward; every unpack first
+    calls ``begin()``. Composes with the hooks already active (``save_on_cpu``, say). None when
+    the caller disabled saved-tensor hooks (functorch transforms): the other triggers remain."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
+        return None
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+    storage = weights.untyped_storage().data_ptr()
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == storage:  # a view of the unit's weights
+            return WeightView(int(t.storage_offset()), t.shape, t.stride())
+        return t if outer_pack is None else outer_pack(t)
+
+    def unpack(x):
+        begin()
+        if isinstance(x, WeightView):
+            return x.of(backward_weights())
+        return x if outer_unpack is None else outer_unpack(x)
+
+    return saved_tensors_hooks(pack, unpack)

@@ -1,5 +1,6 @@
-"""The buffers units take turns in: gather slots (preallocated at ``shard()``, never freed) and
-gradient slots (held during backward only).
+"""The buffers units take turns in: gather slots (preallocated at ``shard()``; the two in turns
+give their bytes back between forward and backward) and gradient slots (held during backward
+only).
 
 Note: buffer ownership. Units are assigned a gather slot once (``gather_slots.assign_gather_slots``), taking
 two slots in turn so that one unit can be gathered while the other computes. A small unit (a final
@@ -51,6 +52,19 @@ price: the head's gather for its backward (kept weights would cost a head-sized 
 loss) and an allocation per large unit and use (page faults on CPU). ``memory_report()`` counts
 the largest such storage as ``large_gather`` and ``large_grad``; one large unit holds it at a
 time as long as large units are not neighbours in forward order (embedding first, head last).
+
+Note: between the passes. Where the forward's peak is, at the loss, the next thing to compute is
+the backward of the last unit of the forward (the LM head): its weights are needed, nobody
+else's. So at the last unit's post-forward (a forward that records a graph, under a strategy
+that gathers again in backward) the two slots in turns give their storage back (``vacate``:
+the last block, say, is gathered again in its backward, overlapping the head's, as under
+FSDP2), except the last unit's own slot, which keeps only its weights (``trim``: a head smaller
+than a block holds a head's bytes, not a block's). The next gather into either slot regrows it
+(``take``), without copying. So at the loss the gather buffers hold the head's weights at most,
+which is what FSDP2 keeps there (its root and tail stay gathered), instead of two blocks. The
+price: one more all-gather per step (two with a large head, which is gathered again anyway) and
+two allocations per step, which the CUDA caching allocator serves from its cache. Slots of
+their own (small units; every unit under ``grad_op``/``no_shard``) keep their weights.
 """
 
 from __future__ import annotations
@@ -74,6 +88,7 @@ class SlotState(enum.Enum):
 
     FREE --take--> GATHERING --wait--> READY --occupy--> BUSY --release--> READY --take--> ...
     any --reset--> FREE (a new forward); BUSY --hand_over--> READY (see ``hand_over``)
+    READY or FREE --vacate--> FREE, its storage given back (between the passes, ``vacate``)
     """
 
     FREE = "free"  # no owner
@@ -92,11 +107,15 @@ class GatherSlot:
         device: torch.device,
         data: torch.Tensor | None = None,
         transient: bool = False,
+        in_turns: bool = False,
     ):
         # ``data``: an existing buffer (no_shard in fp32: the unit's flat shards themselves).
         # ``transient``: the storage of one unit larger than a block, allocated when its gather
         # is issued and freed when it releases the slot (see the note above).
+        # ``in_turns``: one of the two slots units take in turn, whose storage is given back
+        # between forward and backward (see the note above, "between the passes").
         self.numel, self.dtype, self.device, self.transient = numel, dtype, device, transient
+        self.in_turns = in_turns and data is None
         self.data: torch.Tensor | None = None
         self.alias: torch.Tensor | None = None
         self.generation = 0  # counts allocations: views of an earlier one are stale
@@ -139,6 +158,7 @@ class GatherSlot:
             )
         self.wait()
         self._allocate()
+        self._regrow()
         self.owner, self.next, self.state = u, None, SlotState.GATHERING
 
     def wait(self) -> None:
@@ -191,6 +211,38 @@ class GatherSlot:
         self.wait()
         self.owner, self.next, self.state = None, None, SlotState.FREE
         self._free()
+
+    def vacate(self) -> bool:
+        """Between the passes: give the storage back and forget the owner, whose backward
+        gathers it again (a slot in turns only, when nobody computes with it, nothing is in
+        flight into it and no prefetch waits for it). Returns whether it did."""
+        if not self.in_turns or self.busy or self.pending or self.next is not None:
+            return False
+        self.owner, self.state = None, SlotState.FREE
+        self._resize(0)
+        return True
+
+    def trim(self, numel: int) -> None:
+        """Between the passes: keep only the owner's weights, the first ``numel`` elements (its
+        views stay valid: they are views of this same storage)."""
+        if self.in_turns and not self.busy and not self.pending:
+            self._resize(numel * self.dtype.itemsize)
+
+    def _regrow(self) -> None:
+        """Before a gather: the whole storage again (nothing in it is kept: no copy)."""
+        if self.in_turns and self.alias is not None:
+            if self.alias.untyped_storage().nbytes() < self.capacity:
+                self._resize(0)
+                self._resize(self.capacity)
+
+    def _resize(self, nbytes: int) -> None:
+        # Note: resizing the storage keeps every tensor over it (``data``, ``alias``, the units'
+        # bound views, what autograd saved) pointing at it; only the bytes come and go, as
+        # FSDP's own resharding does. CPU and CUDA resize copy the kept prefix on the current
+        # stream; on CUDA nothing is in flight on the comm stream into a slot given back or
+        # trimmed (no pending gather), and a regrown slot's gather waits for the compute stream.
+        assert self.alias is not None
+        self.alias.untyped_storage().resize_(nbytes)
 
 
 class GradSlot:

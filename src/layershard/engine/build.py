@@ -87,7 +87,10 @@ def build_schedule(
         # unit larger than a block (see buffers.py)
         lookup = bool(others) and not backward_needs_weights(others[0][0])
         which = assign_gather_slots(unit_numel, first_is_lookup=lookup, blocks=blocks)
-        pool = {k: GatherSlot(n, cdtype, device) for k, n in slot_numels(which, unit_numel).items()}
+        pool = {
+            k: GatherSlot(n, cdtype, device, in_turns=k in (0, 1))
+            for k, n in slot_numels(which, unit_numel).items()
+        }
         slots = [
             GatherSlot(n, cdtype, device, transient=True) if k == OWN else pool[k]
             for k, n in zip(which, unit_numel)

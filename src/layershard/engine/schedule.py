@@ -6,9 +6,11 @@ a small unit has a slot of its own and is left out of the count, see buffers.py)
     forward   start:   issue AG(0), AG(1)                          (both slots are free)
               pre(i):  wait AG(i); bind weights
               post(i): unbind; release slot(i); issue AG(i+2) into it
+              post(n-1): the slots give their bytes back, but the last unit's weights
     backward  start:   the ranks agree on the units this backward reaches (one small all-reduce)
-              pre(i):  wait AG(i) (the last unit of each slot in the forward is still gathered;
-                       an embedding, whose backward needs no weights, is never re-gathered)
+              pre(i):  wait AG(i) (the forward's last unit is still gathered: see buffers.py,
+                       "between the passes"; an embedding, whose backward needs no weights,
+                       is never re-gathered)
               post(i): release slot(i); issue AG(i-2) into it; then grads -> grad slot, RS(i)
     end of backward:   wait every collective still in flight (gathers included: a prefetch for
                        a unit whose backward never runs); free the grad slots
@@ -39,7 +41,13 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import saved_tensors_hooks
 from torch.profiler import record_function
 
-from layershard.engine.backward import BindUnit, Reached, Use, WeightView, output_tensors
+from layershard.engine.backward import (
+    BindUnit,
+    Use,
+    mark_inputs,
+    output_tensors,
+    weight_saving_hooks,
+)
 from layershard.engine.collectives import Comm, Pending
 from layershard.engine.precision import MixedPrecision
 from layershard.engine.reducer import Reducer
@@ -127,15 +135,15 @@ class Schedule:
         """The buffers' part of ``memory_report()`` (see buffers.py): gather slots but not the
         shards (no_shard in fp32 computes on them), gradient slots, large units' storage."""
         slots = {id(u.slot): u.slot for u in self.all_units()}.values()
-        fixed = [s for s in slots if not s.transient]
-        weights = [s.data for s in fixed] + [t for u in self.units for t in (u.secondary or [])]
+        # a slot's capacity, not its storage's bytes of the moment (given back between passes)
+        fixed = [(s.capacity, s.alias) for s in slots if not s.transient and s.alias is not None]
+        secondary = [t for u in self.units for t in (u.secondary or [])]
         own = self.reducer.own
         return {
             "gather_buffers": sum(
-                t.untyped_storage().nbytes()
-                for t in weights
-                if t is not None and t.untyped_storage().data_ptr() not in shard_storages
-            ),
+                n for n, a in fixed if a.untyped_storage().data_ptr() not in shard_storages
+            )
+            + sum(t.untyped_storage().nbytes() for t in secondary),
             "grad_buffers": sum(g.capacity for g in self.reducer.grad_slots),
             "reduce_scratch": sum(g.scratch_capacity for g in self.reducer.grad_slots),
             "large_gather": max((s.capacity for s in slots if s.transient), default=0),
@@ -264,28 +272,8 @@ class Schedule:
         if grad and u.gather_in_backward:
             self._push_saved_tensor_hooks(u, use)
         if grad and u.trainable is None and use in self._forward_uses:
-            return self.mark_inputs(self._forward_uses[use], args, kwargs or {})
+            return mark_inputs(self._forward_uses[use], args, kwargs or {})
         return None
-
-    @staticmethod
-    def mark_inputs(record: Use, args: tuple, kwargs: dict):
-        """A frozen unit has no ``BindUnit`` node that tells whether a backward reaches it:
-        pass its input tensors that require grad through an identity node instead, which the
-        backward executes exactly when it reaches the unit (its gradients flow to its inputs)."""
-        marked = False
-
-        def mark(x):
-            nonlocal marked
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                y = Reached.apply(x)
-                record.note(y.grad_fn)
-                marked = True
-                return y
-            return x
-
-        new_args = tuple(mark(a) for a in args)
-        new_kwargs = {k: mark(v) for k, v in kwargs.items()}
-        return (new_args, new_kwargs) if marked else None
 
     def post_forward(self, u: Unit, out):
         use: int | None = None  # a checkpoint's recompute: part of a use already in backward
@@ -299,6 +287,8 @@ class Schedule:
                 self._keep_secondary(u)
             self.release(u)
             self.refill(u, self._next, Phase.FORWARD)
+            if u is self.order[-1] and self._grad_forward:
+                self._between_passes(u)
         if torch.is_grad_enabled():
             record = self._forward_uses.get(use) if use is not None else None
             for t in output_tensors(out):
@@ -307,6 +297,17 @@ class Schedule:
                     if record is not None and isinstance(t.grad_fn, BackwardCFunction):
                         record.note(t.grad_fn)  # a reentrant checkpoint's node, say
         return None
+
+    def _between_passes(self, last: Unit) -> None:
+        """The forward's last unit is done: until backward, only its weights are needed
+        (buffers.py, "between the passes")."""
+        if not self.comm.sharding.gathers_in_backward:
+            return
+        for slot in {id(v.slot): v.slot for v in self.units}.values():
+            if slot.owner is last:
+                slot.trim(last.gather_numel)
+            else:
+                slot.vacate()
 
     # Note: what begins a unit's backward. Its weights must be in its buffer before any of its
     # backward ops reads them, whatever its forward returned. Three triggers, whichever fires
@@ -323,28 +324,16 @@ class Schedule:
     # of whichever unit took the slot since.
 
     def _push_saved_tensor_hooks(self, u: Unit, use: int) -> None:
-        if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
-            return  # disabled by the caller (functorch transforms): triggers 1 and 3 remain
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        outer_pack, outer_unpack = outer if outer is not None else (None, None)
         assert u.slot.alias is not None  # gathered: pre_forward ensured it
-        slot_storage = u.slot.alias.untyped_storage().data_ptr()
 
-        def pack(t: torch.Tensor):
-            if t.untyped_storage().data_ptr() == slot_storage:  # a view of the unit's weights
-                return WeightView(int(t.storage_offset()), t.shape, t.stride())
-            return t if outer_pack is None else outer_pack(t)  # compose: save_on_cpu, say
-
-        def unpack(x):
+        def begin() -> None:
             if self.in_backward() and use not in self._bw_uses:
                 self.begin_backward_use(u, use)
-            if isinstance(x, WeightView):
-                return x.of(self.backward_weights(u))
-            return x if outer_unpack is None else outer_unpack(x)
 
-        hooks = saved_tensors_hooks(pack, unpack)
-        hooks.__enter__()
-        self._hooks.append((u, hooks))
+        hooks = weight_saving_hooks(u.slot.alias, begin, lambda: self.backward_weights(u))
+        if hooks is not None:
+            hooks.__enter__()
+            self._hooks.append((u, hooks))
 
     def _pop_saved_tensor_hooks(self, u: Unit | None = None) -> None:
         """Leave the hooks of ``u``'s forward (None: of every forward a raise left open)."""
@@ -577,6 +566,18 @@ class Schedule:
         nxt = self._step(u, step, phase)
         if nxt is not None:
             self.gather(nxt, phase)
+            # In backward the unit after it too, when its slot was given back between the
+            # passes (a small unit between: the final norm): the last block's gather then
+            # overlaps the head's backward instead of the norm's.
+            after = self._step(nxt, step, phase)
+            if (
+                phase is Phase.BACKWARD
+                and after is not None
+                and after.slot not in (u.slot, nxt.slot)
+                and after.slot.owner is None
+                and not after.slot.busy
+            ):
+                self.gather(after, phase)
 
     def refill(self, u: Unit, step: dict[int, Unit], phase: Phase) -> None:
         """``u`` released its slot: start the gathers of the next unit that takes that slot and

@@ -402,13 +402,39 @@ def unit_grad_bytes(config: Any, world_size: int, compute_dtype: Any = "bf16") -
     return dtype_bytes(compute_dtype) * max(u.padded_numel(int(world_size)) for u in units(shape))
 
 
-def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int) -> int:
+def released_between_passes(
+    config: Any,
+    world_size: int,
+    param_dtype: Any = "bf16",
+    strategy: str = "full",
+    shard_size: int | None = None,
+) -> int:
+    """Bytes of ``gather_buffers`` given back from the forward's last unit to backward: the two
+    slots in turns, except the last unit's weights if it takes one of them (the engine's
+    buffers.py, "between the passes"). 0 where backward gathers nothing (grad_op, no_shard)."""
+    strategy = strategy_name(strategy)
+    if strategy in ("grad_op", "no_shard"):
+        return 0
+    s_n = int(shard_size or world_size) if strategy == "hybrid" else int(world_size)
+    sharded = [u for u in units(ModelShape.from_config(config)) if not u.persistent]
+    if not sharded:
+        return 0
+    others = [u.padded_numel(s_n) for u in sharded]
+    lookup = not sharded[0].needs_weights_in_backward
+    which = assign_gather_slots(others, lookup, [u.kind == "block" for u in sharded])
+    sizes = slot_numels(which, others)
+    kept = others[-1] if which[-1] in (0, 1) else 0
+    return dtype_bytes(param_dtype) * (sizes[0] + sizes[1] - kept)
+
+
+def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int, released: int = 0) -> int:
     """Per-rank peak of a steady-state step (optimizer state already allocated), the larger of:
 
     - at the loss (its forward, and its backward, which runs before any unit's backward):
       model states without the gradient slots and their reduce scratch (they exist only during
-      a unit's backward) + activations + logits (+ the head's weight gradient under the
-      chunked loss, whose backward is also the head's);
+      a unit's backward) and without the gather bytes given back between the passes
+      (``released``: ``released_between_passes``) + activations + logits (+ the head's weight
+      gradient under the chunked loss, whose backward is also the head's);
     - backward, at a unit's post-backward: model states + the activations still saved (at most
       all of them) + that unit's unsharded gradients (``unit_grad_bytes``).
 
@@ -426,6 +452,7 @@ def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int) -> int
         states
         - backward_only
         - (0 if chunked else large_gather)
+        - released
         + act["activations"]
         + act["logits"]
         + act.get("loss_head_grad", 0)

@@ -29,6 +29,7 @@ from layershard.plan.memory import (
     peak_bytes,
     predict_activations,
     predict_memory,
+    released_between_passes,
     unit_grad_bytes,
 )
 from layershard.plan.model import ModelShape, units
@@ -165,7 +166,11 @@ def make_plan(
             if k in device:
                 device[k] = 0
         device["total"] = sum(v for k, v in device.items() if k != "total")
-    peak = peak_bytes(device, act, unit_grads)
+    released = released_between_passes(
+        shape, cluster.gpus, s.param_dtype, layout.strategy,
+        shard_size=layout.shard if layout.strategy == "hybrid" else None,
+    )  # fmt: skip
+    peak = peak_bytes(device, act, unit_grads, released)
     mem = dict(mem)
     mem["model_states"] = mem.pop("total")
     mem["device_states"] = device["total"]
