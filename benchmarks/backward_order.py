@@ -72,13 +72,15 @@ def worker(rank: int, world: int, port: int, args) -> None:
     buffers.GradSlot.acquire = timed_call("grad_slot_acquire", buffers.GradSlot.acquire)
     buffers.GatherSlot.take = timed_call("gather_slot_take", buffers.GatherSlot.take)
     torch.manual_seed(0)
-    model = ls.shard(LlamaForCausalLM(build_config(args.model, vocab_size=8192, **args.overrides)))
+    over = dict(args.overrides)
+    vocab = over.pop("vocab_size", 8192)
+    model = ls.shard(LlamaForCausalLM(build_config(args.model, vocab_size=vocab, **over)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     walls, waits, fwaits, main_cpu, other_cpu = [], [], [], [], []
     units: dict[str, list[float]] = {}
     for step in range(args.warmup + args.steps):
-        x = torch.randint(0, 8192, (args.batch, args.seq_len), generator=g)
+        x = torch.randint(0, vocab, (args.batch, args.seq_len), generator=g)
         dist.barrier()
         waited[0] = waited[1] = 0.0
         per_unit.clear()
@@ -121,7 +123,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--shape", choices=["small", "comm"], help="a `layershard bench` shape")
+    p.add_argument("--shape", choices=["small", "comm", "vocab"], help="a `layershard bench` shape")
     p.add_argument("--per-unit", action="store_true", help="median wait per unit and phase")
     a = p.parse_args()
     from _dist import free_port

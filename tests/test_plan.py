@@ -321,6 +321,10 @@ def test_peak_by_hand():
     # (buffers.py): those bytes leave the loss's peak, not backward's.
     assert peak_bytes(mem, {"activations": 50, "logits": 800}, 336, released=100) == 1430
     assert peak_bytes(mem, {"activations": 50, "logits": 700}, 336, released=100) == 1386
+    # the chunked loss runs inside the head's call, before the slots give their bytes back
+    chunked_mem = {**mem, "large_gather": 0}
+    chunk_act = {"activations": 50, "logits": 800, "loss_head_grad": 40}
+    assert peak_bytes(chunked_mem, chunk_act, 336, released=100) == 1000 - 320 + 890
     assert released_between_passes(toy(), 3, "bf16", strategy="grad_op") == 0
 
 

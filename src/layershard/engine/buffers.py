@@ -60,8 +60,9 @@ that gathers again in backward) the two slots in turns give their storage back (
 the last block, say, is gathered again in its backward, overlapping the head's, as under
 FSDP2), except the last unit's own slot, which keeps only its weights (``trim``: a head smaller
 than a block holds a head's bytes, not a block's). The next gather into either slot regrows it
-(``take``), without copying. So at the loss the gather buffers hold the head's weights at most,
-which is what FSDP2 keeps there (its root and tail stay gathered), instead of two blocks. The
+(``take``), without copying. So at the plain loss the gather buffers hold the head's weights at
+most, which is what FSDP2 keeps there (its root and tail stay gathered), instead of two blocks
+(the chunked loss runs inside the head's call, before this). The
 price: one more all-gather per step (two with a large head, which is gathered again anyway) and
 two allocations per step, which the CUDA caching allocator serves from its cache. Slots of
 their own (small units; every unit under ``grad_op``/``no_shard``) keep their weights.

@@ -193,6 +193,7 @@ def render(plan: Plan) -> str:
             f"  {'head weight grad (in the chunked loss)':38s}{_gib(mem['loss_head_grad'])}"
         )
     lines += [
+        f"  {'gather buffers given back at the loss':38s}{_gib(-mem['released_at_loss'])}",
         f"  {'one unit unsharded grads (backward)':38s}{_gib(mem['unit_grads'])}",
         f"  {'= peak on the GPU (max of fwd, bwd)':38s}{_gib(mem['peak'])}",
         f"  {f'usable ({1 - plan.headroom:.0%} of GPU memory)':38s}{_gib(plan.budget)}"

@@ -432,9 +432,10 @@ def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int, releas
 
     - at the loss (its forward, and its backward, which runs before any unit's backward):
       model states without the gradient slots and their reduce scratch (they exist only during
-      a unit's backward) and without the gather bytes given back between the passes
-      (``released``: ``released_between_passes``) + activations + logits (+ the head's weight
-      gradient under the chunked loss, whose backward is also the head's);
+      a unit's backward) and, at the plain loss, without the gather bytes given back between
+      the passes (``released``: ``released_between_passes``; the chunked loss runs inside the
+      head's call, before they are) + activations + logits (+ the head's weight gradient under
+      the chunked loss, whose backward is also the head's);
     - backward, at a unit's post-backward: model states + the activations still saved (at most
       all of them) + that unit's unsharded gradients (``unit_grad_bytes``).
 
@@ -451,8 +452,7 @@ def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int, releas
     forward = (
         states
         - backward_only
-        - (0 if chunked else large_gather)
-        - released
+        - (0 if chunked else large_gather + released)
         + act["activations"]
         + act["logits"]
         + act.get("loss_head_grad", 0)

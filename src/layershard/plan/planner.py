@@ -184,6 +184,7 @@ def make_plan(
     mem["host_per_node"] = (host + staging) * cluster.local
     mem.update(act)
     mem["unit_grads"] = unit_grads
+    mem["released_at_loss"] = released
     mem["peak"] = peak
     t = predict_time(
         shape, gpu, cluster, s.micro_batch, s.seq_len, s.checkpoint_layers, s.grad_accum,
