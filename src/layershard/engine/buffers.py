@@ -213,15 +213,13 @@ class GatherSlot:
         self.owner, self.next, self.state = None, None, SlotState.FREE
         self._free()
 
-    def vacate(self) -> bool:
+    def vacate(self) -> None:
         """Between the passes: give the storage back and forget the owner, whose backward
         gathers it again (a slot in turns only, when nobody computes with it, nothing is in
-        flight into it and no prefetch waits for it). Returns whether it did."""
-        if not self.in_turns or self.busy or self.pending or self.next is not None:
-            return False
-        self.owner, self.state = None, SlotState.FREE
-        self._resize(0)
-        return True
+        flight into it and no prefetch waits for it)."""
+        if self.in_turns and not self.busy and not self.pending and self.next is None:
+            self.owner, self.state = None, SlotState.FREE
+            self._resize(0)
 
     def trim(self, numel: int) -> None:
         """Between the passes: keep only the owner's weights, the first ``numel`` elements (its

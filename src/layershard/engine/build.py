@@ -12,7 +12,13 @@ from torch import nn
 from layershard.engine.buffers import GatherSlot, GradSlot
 from layershard.engine.collectives import Comm
 from layershard.engine.flat import FlatParam, ParamSlot, layout
-from layershard.engine.gather_slots import OWN, assign_gather_slots, slot_limit, slot_numels
+from layershard.engine.gather_slots import (
+    OWN,
+    TURNS,
+    assign_gather_slots,
+    slot_limit,
+    slot_numels,
+)
 from layershard.engine.precision import MixedPrecision
 from layershard.engine.reducer import Reducer
 from layershard.engine.schedule import Schedule
@@ -88,7 +94,7 @@ def build_schedule(
         lookup = bool(others) and not backward_needs_weights(others[0][0])
         which = assign_gather_slots(unit_numel, first_is_lookup=lookup, blocks=blocks)
         pool = {
-            k: GatherSlot(n, cdtype, device, in_turns=k in (0, 1))
+            k: GatherSlot(n, cdtype, device, in_turns=k in TURNS)
             for k, n in slot_numels(which, unit_numel).items()
         }
         slots = [

@@ -13,6 +13,10 @@ SMALL_UNIT = 64
 # is issued and freed when it releases it (see buffers.py, "Note: units larger than a block").
 OWN = -1
 
+# The two slots units take in turn: the only ones that give their storage back between forward
+# and backward (see buffers.py, "Note: between the passes").
+TURNS = (0, 1)
+
 
 def slot_limit(numels: Sequence[int], blocks: Sequence[bool] | None = None) -> int:
     """Elements of the largest unit that may size the shared slots: the largest block (units
@@ -71,3 +75,21 @@ def own_numel(which: Sequence[int], numels: Sequence[int]) -> int:
     """Elements of the largest unit with storage of its own (0: none). One such unit holds its
     storage at a time (each frees it when it releases it)."""
     return max((n for k, n in zip(which, numels) if k == OWN), default=0)
+
+
+def gathered_into_backward(which: Sequence[int]) -> list[bool]:
+    """Which units are still gathered when backward starts: small units, in slots of their own,
+    and the forward's last unit if it takes a slot in turns (the slots in turns give the rest
+    back between the passes; storage of its own is freed after its forward)."""
+    out = [k not in TURNS and k != OWN for k in which]
+    if which and which[-1] in TURNS:
+        out[-1] = True
+    return out
+
+
+def released_numel(which: Sequence[int], numels: Sequence[int]) -> int:
+    """Elements the slots in turns give back between the passes: their sizes, less the forward's
+    last unit's weights when it takes one of them (it keeps them for its backward)."""
+    sizes = slot_numels(which, numels)
+    kept = numels[-1] if which and which[-1] in TURNS else 0
+    return sum(sizes[k] for k in TURNS) - kept

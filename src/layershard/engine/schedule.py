@@ -300,9 +300,8 @@ class Schedule:
 
     def _between_passes(self, last: Unit) -> None:
         """The forward's last unit is done: until backward, only its weights are needed
-        (buffers.py, "between the passes")."""
-        if not self.comm.sharding.gathers_in_backward:
-            return
+        (buffers.py, "between the passes"; only slots in turns act, and there are none where
+        backward gathers nothing)."""
         for slot in {id(v.slot): v.slot for v in self.units}.values():
             if slot.owner is last:
                 slot.trim(last.gather_numel)

@@ -46,7 +46,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from layershard.engine.gather_slots import assign_gather_slots, own_numel, slot_limit, slot_numels
+from layershard.engine.gather_slots import (
+    assign_gather_slots,
+    own_numel,
+    released_numel,
+    slot_limit,
+    slot_numels,
+)
 from layershard.plan.model import ModelShape, units
 
 GB = 10**9  # the ZeRO paper's GB
@@ -422,9 +428,7 @@ def released_between_passes(
     others = [u.padded_numel(s_n) for u in sharded]
     lookup = not sharded[0].needs_weights_in_backward
     which = assign_gather_slots(others, lookup, [u.kind == "block" for u in sharded])
-    sizes = slot_numels(which, others)
-    kept = others[-1] if which[-1] in (0, 1) else 0
-    return dtype_bytes(param_dtype) * (sizes[0] + sizes[1] - kept)
+    return dtype_bytes(param_dtype) * released_numel(which, others)
 
 
 def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int, released: int = 0) -> int:

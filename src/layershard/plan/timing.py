@@ -70,7 +70,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from layershard.engine.gather_slots import assign_gather_slots
+from layershard.engine.gather_slots import assign_gather_slots, gathered_into_backward
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.memory import dtype_bytes, strategy_name
 from layershard.plan.model import ModelShape, Unit, units
@@ -284,16 +284,12 @@ def build_stages(
     by_name = {s.name: s for s in stages}
     us = units(shape)
     sharded = [u for u in us if not u.persistent]
-    # Still gathered when backward starts (buffers.py, "between the passes"): small units, in
-    # slots of their own, and the forward's last unit if it takes one of the two slots in turns
-    # (the other gives its storage back; a unit larger than a block frees its own after its
-    # forward): the others are gathered again.
+    # Still gathered when backward starts (buffers.py, "between the passes"); the others are
+    # gathered again.
     lookup = bool(sharded) and not sharded[0].needs_weights_in_backward
     blocks = [u.kind == "block" for u in sharded]
     which = assign_gather_slots([u.padded_numel(layout.shard) for u in sharded], lookup, blocks)
-    resident = {u.name for k, u in zip(which, sharded) if k >= 2}
-    if sharded and which[-1] in (0, 1):
-        resident.add(sharded[-1].name)
+    resident = {u.name for u, kept in zip(sharded, gathered_into_backward(which)) if kept}
     if not layout.keep_gathered:
         for u, k in zip(sharded, which):
             by_name[u.name].own_slot = k >= 2
