@@ -119,3 +119,118 @@ for _name, _, _ in STRATEGIES:
         doc=f"strategy {_name!r}: " + (_large_units.__doc__ or ""),
     )
 checks.collect(globals())
+
+
+# ---- the storage large units hand on (buffers.py, "spare storage"), at world size 2 ----------
+
+
+def _untied(**kwargs):
+    return ls.shard(tiny_llama(vocab_size=VOCAB), **kwargs)
+
+
+def _train(model, steps: int = 2, rank: int = 0, world: int = 2) -> None:
+    opt = _sgd(model)
+    for batch in batches(steps, vocab=VOCAB):
+        x = local(batch, rank, world)
+        loss = model(input_ids=x, labels=x).loss
+        assert model._schedule.spare.nbytes == 0  # emptied at the end of forward: not at the loss
+        loss.backward()
+        assert model._schedule.spare.nbytes == 0  # and at the end of backward
+        opt.step()
+        opt.zero_grad()
+
+
+def _spare_storage_is_handed_on(rank: int, world: int) -> None:
+    """In forward the head's weights go into the storage the embedding gave back; in backward the
+    head's reduce scratch is the storage its weights were gathered into; nothing is spare at the
+    loss or after backward. Fails where each large unit and use allocated anew. (The storages
+    seen are kept alive here, so that the allocator cannot hand a freed one's address out again.)"""
+    model = _untied()
+    embed, head = (next(u for u in model.units if u.name == n) for n in ("embed", "lm_head"))
+    own = model._schedule.reducer.own
+    seen: dict[str, list] = {"embed": [], "head": [], "head freed": [], "scratch": []}
+
+    def note(key: str, t) -> None:
+        seen[key].append(t.untyped_storage())
+
+    model.embed.register_forward_pre_hook(lambda m, a: note("embed", embed.slot.data))
+    model.lm_head.register_forward_pre_hook(lambda m, a: note("head", head.slot.data))
+    free, get_scratch = head.slot._free, own.get_scratch
+
+    def freed() -> None:
+        if head.slot.data is not None:
+            note("head freed", head.slot.data)
+        free()
+
+    def scratch(numel: int):
+        out = get_scratch(numel)
+        note("scratch", out)
+        return out
+
+    head.slot._free, own.get_scratch = freed, scratch
+    _train(model, rank=rank, world=world)
+    ptrs = {k: [s.data_ptr() for s in v] for k, v in seen.items()}
+    assert ptrs["embed"] == ptrs["head"], ptrs  # each step: the embedding's storage, the head's
+    # the head is freed twice a step (after its forward, after its backward); its reduction is
+    # the first a step makes with this buffer, the embedding's the second
+    assert ptrs["scratch"][0::2] == ptrs["head freed"][1::2], ptrs
+
+
+def _large_gradient_reduced_without_copy(rank: int, world: int) -> None:
+    """In fp32 the embedding's and head's gradients (one parameter each, no padding) are reduced
+    as autograd made them: their gradient buffer is never allocated. In bf16 they are cast into
+    it. Both match DDP's gradients on the same batches to its own tolerance (checked above)."""
+    for precision, copies in ((None, 0), (ls.MixedPrecision(torch.bfloat16, torch.float32), 2)):
+        model = _untied(**({} if precision is None else {"mixed_precision": precision}))
+        own = model._schedule.reducer.own
+        calls: list[int] = []
+        acquire = own.acquire
+        own.acquire = lambda n, calls=calls, acquire=acquire: calls.append(n) or acquire(n)
+        _train(model, steps=1, rank=rank, world=world)
+        assert len(calls) == copies, (precision, calls)
+
+
+def _head_reduction_waited_only_when_needed(rank: int, world: int) -> None:
+    """The head's reduce-scatter is not waited for by the reductions of the small units after it
+    (the norm's came right after it, and waited for the whole head-sized collective): only by the
+    embedding's, which needs the buffer, or at the end of backward. Collectives are made to look
+    unfinished, so that a wait is the only way to free the buffer."""
+    from layershard.engine import collectives, reducer
+
+    model = _untied()
+    reducing: list[str] = []
+    waited_by: list[str] = []
+    reduce_now, wait = reducer.Reducer._reduce_now, collectives.Pending.wait
+
+    def tracked_reduce(self, u, pairs):
+        reducing.append(u.name)
+        try:
+            reduce_now(self, u, pairs)
+        finally:
+            reducing.pop()
+
+    def tracked_wait(self):
+        if not self.done and self.what.startswith("reduce-scatter of unit lm_head"):
+            waited_by.append(reducing[-1] if reducing else "end of backward")
+        wait(self)
+
+    finished = getattr(collectives.Pending, "finished", None)
+    reducer.Reducer._reduce_now = tracked_reduce
+    collectives.Pending.wait = tracked_wait
+    collectives.Pending.finished = lambda self: self.done
+    try:
+        _train(model, steps=1, rank=rank, world=world)
+    finally:
+        reducer.Reducer._reduce_now, collectives.Pending.wait = reduce_now, wait
+        collectives.Pending.finished = finished
+    assert waited_by == ["embed"], waited_by
+
+
+pairs = RankChecks(world_size=2)
+for _fn in (
+    _spare_storage_is_handed_on,
+    _large_gradient_reduced_without_copy,
+    _head_reduction_waited_only_when_needed,
+):
+    pairs.check(_fn)
+pairs.collect(globals())

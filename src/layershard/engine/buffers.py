@@ -37,21 +37,33 @@ block (``gather_slots.slot_limit``), never for a larger unit: with a large vocab
 embedding and the LM head are each several blocks (Llama 3 8B: 525M elements against 218M), and
 sizing every slot for them would hold head-sized buffers for the whole step (gather) or the
 whole backward (gradients). Such a unit takes storage of its own instead, a transient
-``GatherSlot``: allocated when its gather is issued, at its turn (when the unit two turns before
-it releases its slot, so the gather overlaps the unit before it, as a block's does); freed when
-it releases the slot after its forward; gathered again for its backward (its first op waits for
-that gather: nothing comes before it in the backward to overlap with, as under FSDP2) and freed
-after it. An embedding is not gathered again (its backward needs no weights). So at the plain
-loss, where the logits make the forward's peak, no large unit's weights exist; the chunked loss
-runs inside the head's call and holds them. Its gradients go through a transient ``GradSlot``
-of their own size (with its own reduce scratch), freed at the start of the next reduction (which
-waits for it: it had that unit's whole backward to finish) or at the end of backward; the
-weights are released before the copy into it. One all-gather per unit and use, one reduce-scatter
-per unit and use, on the same bytes as through a shared slot: results are bitwise the same. The
-price: the head's gather for its backward (kept weights would cost a head-sized buffer at the
-loss) and an allocation per large unit and use (page faults on CPU). ``memory_report()`` counts
-the largest such storage as ``large_gather`` and ``large_grad``; one large unit holds it at a
-time as long as large units are not neighbours in forward order (embedding first, head last).
+``GatherSlot``: taken when its gather is issued, at its turn (when the unit two turns before
+it releases its slot, so the gather overlaps the unit before it, as a block's does); given back
+when it releases the slot after its forward; gathered again for its backward (its first op waits
+for that gather: nothing comes before it in the backward to overlap with, as under FSDP2) and
+given back after it. An embedding is not gathered again (its backward needs no weights). So at
+the plain loss, where the logits make the forward's peak, no large unit's weights exist; the
+chunked loss runs inside the head's call and holds them. Its gradients go through a transient
+``GradSlot`` of their own size with its own reduce scratch, or, when autograd's gradient is the
+unit's whole flat buffer in the reduce dtype (one parameter, no padding: an embedding, a head in
+fp32), are reduce-scattered from that gradient itself, which the reduction only reads. The slot
+is given back at the first reduction after its reduce-scatter finished, or when the next large
+unit needs it (which waits), or at the end of backward; the weights are released before the
+gradients are reduced. One all-gather per unit and use, one reduce-scatter per unit and use, on
+the same bytes as through a shared slot: results are bitwise the same. The price: the head's
+gather for its backward (kept weights would cost a head-sized buffer at the loss).
+``memory_report()`` counts the largest such storage as ``large_gather`` and ``large_grad``; one
+large unit holds it at a time as long as large units are not neighbours in forward order
+(embedding first, head last).
+
+Note: spare storage. What large units give back goes to one ``Spare`` block of bytes, which the
+next large unit's weights, gradient buffer or scratch take instead of allocating (the embedding's
+storage becomes the head's in forward; the head's weights become its reduce scratch in backward).
+It holds at most one block, never more bytes than one large role takes, lets it go before a
+larger one is allocated, and is emptied at the end of every forward (so nothing of it is alive
+at the loss) and at the end of backward, so the memory model is unchanged. Without it each large unit and use allocated anew, and on CPU every
+freed large tensor goes back to the OS and faults again on first touch (about 40 ms for 96 MiB
+on this project's 2-core machine); the CUDA caching allocator would serve them from its cache.
 
 Note: between the passes. Where the forward's peak is, at the loss, the next thing to compute is
 the backward of the last unit of the forward (the LM head): its weights are needed, nobody
@@ -98,6 +110,39 @@ class SlotState(enum.Enum):
     BUSY = "busy"  # the owner computes with them: no gather may be issued into it
 
 
+class Spare:
+    """At most one block of bytes large units gave back, for the next to take (see the note
+    above, "spare storage")."""
+
+    def __init__(self) -> None:
+        self.block: torch.Tensor | None = None  # uint8 over the whole storage given back
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``numel`` elements of ``dtype``: the spare block if it is large enough, else new."""
+        nbytes = numel * dtype.itemsize
+        block, self.block = self.block, None  # too small: let go before allocating
+        if block is not None and block.numel() >= nbytes and block.device == device:
+            return block[:nbytes].view(dtype)
+        del block
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor | None) -> None:
+        """Keep ``t``'s storage (nobody else may use it any more) if it is larger than the
+        block held, which is then let go."""
+        if t is None:
+            return
+        storage = t.untyped_storage()
+        if self.block is None or storage.nbytes() > self.block.numel():
+            self.block = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+
+    def clear(self) -> None:
+        self.block = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.block is None else self.block.numel()
+
+
 class GatherSlot:
     """One preallocated gather buffer and who owns it (see the note above)."""
 
@@ -109,6 +154,7 @@ class GatherSlot:
         data: torch.Tensor | None = None,
         transient: bool = False,
         in_turns: bool = False,
+        spare: Spare | None = None,
     ):
         # ``data``: an existing buffer (no_shard in fp32: the unit's flat shards themselves).
         # ``transient``: the storage of one unit larger than a block, allocated when its gather
@@ -117,6 +163,7 @@ class GatherSlot:
         # between forward and backward (see the note above, "between the passes").
         self.numel, self.dtype, self.device, self.transient = numel, dtype, device, transient
         self.in_turns = in_turns and data is None
+        self.spare = spare  # transient: where its storage comes from and goes back to
         self.data: torch.Tensor | None = None
         self.alias: torch.Tensor | None = None
         self.generation = 0  # counts allocations: views of an earlier one are stale
@@ -129,14 +176,19 @@ class GatherSlot:
 
     def _allocate(self, data: torch.Tensor | None = None) -> None:
         if self.data is None:
-            if data is None:
+            if data is None and self.spare is not None:
+                data = self.spare.take(self.numel, self.dtype, self.device)
+            elif data is None:
                 data = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             self.data, self.alias = data, data.data
             self.generation += 1
 
     def _free(self) -> None:
-        """Transient storage only: drop it (nobody computes with it, nothing is in flight)."""
+        """Transient storage only: give it back (nobody computes with it, nothing is in
+        flight into it)."""
         if self.transient:
+            if self.spare is not None:
+                self.spare.give(self.data)
             self.data = self.alias = None
 
     @property
@@ -254,6 +306,7 @@ class GradSlot:
         scratch_numel: int,
         host: torch.device | None = None,
         transient: bool = False,
+        spare: Spare | None = None,
     ):
         # numel: the largest unit's that uses the slot. ``transient``: the gradient buffer of
         # units larger than a block, allocated at each one's size and freed at the next
@@ -267,26 +320,49 @@ class GradSlot:
         self.host = host  # CPU offload: reduced chunks are staged in (pinned) host memory
         self.staging: torch.Tensor | None = None
         self.pending: list[Pending] = []
+        self.spare = spare  # transient: where its buffers come from and go back to
+        self.lent: torch.Tensor | None = None  # autograd's gradient, reduced without a copy
 
     def wait(self) -> None:
         for p in self.pending:
             p.wait()
         self.pending = []
+        self.lent = None
+
+    def finished(self) -> bool:
+        """Its reduce-scatters are over (``wait`` would not block)."""
+        return all(p.finished() for p in self.pending)
 
     def acquire(self, numel: int) -> torch.Tensor:
         """``numel`` elements of the buffer, free (its previous reduce-scatter has read them)."""
         self.wait()
         if self.data is None or self.data.numel() < numel:
-            self.data = None  # grow: a unit larger than any before it in this backward
-            self.data = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self._give(self.data)  # grow: a unit larger than any before it in this backward
+            self.data = self._new(numel)
         return self.data[:numel]
+
+    def lend(self, grad: torch.Tensor) -> torch.Tensor:
+        """Reduce ``grad`` itself (autograd's, the unit's whole flat buffer): the slot waits
+        for its previous reduce-scatter and keeps ``grad`` alive until this one is done."""
+        self.wait()
+        self.lent = grad
+        return grad
+
+    def _new(self, numel: int) -> torch.Tensor:
+        if self.spare is not None:
+            return self.spare.take(numel, self.dtype, self.device)
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def _give(self, t: torch.Tensor | None) -> None:
+        if self.spare is not None:
+            self.spare.give(t)
 
     def get_scratch(self, numel: int) -> torch.Tensor:
         """The reduce-scatter's scratch, ``numel`` elements of it (a transient slot allocates
         just that; a shared one its full size, once per backward)."""
-        if self.scratch is None:
-            size = numel if self.transient else self.scratch_numel
-            self.scratch = torch.empty(size, dtype=self.dtype, device=self.device)
+        if self.scratch is None or self.scratch.numel() < numel:
+            self._give(self.scratch)  # grow: a transient slot taken by a larger unit
+            self.scratch = self._new(numel if self.transient else self.scratch_numel)
         return self.scratch[:numel]
 
     def get_staging(self) -> torch.Tensor:
@@ -300,8 +376,9 @@ class GradSlot:
 
     def release(self) -> None:
         self.wait()
-        self.data = None
-        self.scratch = None
+        self._give(self.data)
+        self._give(self.scratch)
+        self.data = self.scratch = None
 
     @property
     def capacity(self) -> int:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layershard.engine.buffers import GatherSlot, GradSlot
+from layershard.engine.buffers import GatherSlot, GradSlot, Spare
 from layershard.engine.collectives import Comm
 from layershard.engine.flat import FlatParam, ParamSlot, layout
 from layershard.engine.gather_slots import (
@@ -87,6 +87,7 @@ def build_schedule(
     blocks = [spec.is_block for spec, _, _ in others]
     # Units larger than every block size no shared buffer (see buffers.py)
     limit = slot_limit(unit_numel, blocks)
+    spare = Spare()  # what units larger than a block give back, for the next (buffers.py)
     if sharding.keep_gathered:  # weights stay gathered until the backward: a slot per unit
         slots = [GatherSlot(n, cdtype, device, buf) for n, (_, _, buf) in zip(unit_numel, others)]
     else:  # two slots taken in turn, one of its own per small unit, storage of its own per
@@ -98,7 +99,7 @@ def build_schedule(
             for k, n in slot_numels(which, unit_numel).items()
         }
         slots = [
-            GatherSlot(n, cdtype, device, transient=True) if k == OWN else pool[k]
+            GatherSlot(n, cdtype, device, transient=True, spare=spare) if k == OWN else pool[k]
             for k, n in zip(which, unit_numel)
         ]
     trainable = [f for fl in storage.flats for f in fl if f.requires_grad]
@@ -117,7 +118,7 @@ def build_schedule(
         big = max(large, key=lambda f: f.padded_numel)
         big_scratch = comm.scratch_numel(big.padded_numel, big.shard_numel)
         own = GradSlot(
-            big.padded_numel, rdtype, device, big.shard_numel, big_scratch, host_dev, True
+            big.padded_numel, rdtype, device, big.shard_numel, big_scratch, host_dev, True, spare
         )
     units = [
         Unit(s.name, s.module, s.is_block, fl, slot, device, backward_needs_weights(s))
@@ -137,7 +138,7 @@ def build_schedule(
         root_slot = GatherSlot(numel, cdtype, device, root_buffer)
         root = Unit("<root>", None, False, root_flats, root_slot, device)
     reducer = Reducer(grad_slots, comm, offload, own)
-    return Schedule(root, units, reducer, comm, precision)
+    return Schedule(root, units, reducer, comm, precision, spare)
 
 
 def _make_flats(

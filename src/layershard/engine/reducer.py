@@ -107,31 +107,22 @@ class Reducer:
         earlier = self._reduced.get(id(f))
         if earlier is not None:  # f's second use: its gradient is added, after the first's
             earlier.wait()
-        if self.own is not None:  # the last large unit's reduction had this unit's backward
-            self.own.release()  # to finish: free its buffer before taking another
+        if self.own is not None and self.own.finished():  # a large unit's reduction is over:
+            self.own.release()  # free its buffer (a large unit next waits for it in acquire)
         if f.padded_numel > self.slot_numel:
             assert self.own is not None, f"{u.name}: no gradient buffer is large enough"
             gs = self.own
         else:
             gs = self.grad_slots[self._n_reduced % len(self.grad_slots)]
             self._n_reduced += 1
-        buf = gs.acquire(f.padded_numel)
-        if f.acc is not None and f.acc_dirty:
-            buf.copy_(f.acc)  # one cast of the fp32 sum
-            f.acc.zero_()
-            f.acc_dirty = False
+        pre, post_factor = reduce_factors(gs.dtype, self.data_parallel)
+        whole = self._whole_gradient(f, pairs, gs, pre)
+        if whole is not None:  # reduced as autograd made it: no copy, no buffer
+            buf = gs.lend(whole)
         else:
-            covered = {o for o, _, _ in pairs}
-            for s in f.slots:  # parameters without a gradient this step
-                if s.offset not in covered:
-                    buf[s.offset : s.offset + s.numel].zero_()
-            if pairs:
-                torch._foreach_copy_([buf[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs])
-            for a, b in f.gaps:
-                buf[a:b].zero_()
-        pre, post_factor = reduce_factors(buf.dtype, self.data_parallel)
-        if pre != 1.0:
-            buf.mul_(pre)
+            buf = self._fill(gs, f, pairs)
+            if pre != 1.0:
+                buf.mul_(pre)
         fresh = _attach_grads(f)
         grad = f.grad
         assert grad is not None
@@ -148,6 +139,39 @@ class Reducer:
         pending = self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
         gs.pending.append(pending)
         self._reduced[id(f)] = pending
+
+    def _whole_gradient(
+        self, f: FlatParam, pairs: list[tuple[int, int, torch.Tensor]], gs: GradSlot, pre: float
+    ) -> torch.Tensor | None:
+        """Autograd's gradient when it is ``f``'s whole flat buffer as the reduction wants it
+        (one parameter, no padding, the reduce dtype, nothing accumulated, no pre-scaling, a
+        collective that only reads it): reduced without a copy (buffers.py, "units larger
+        than a block")."""
+        if f.gaps or len(f.slots) != 1 or len(pairs) != 1 or f.acc_dirty or pre != 1.0:
+            return None
+        g = pairs[0][2]
+        same = g.dtype == gs.dtype and g.device == gs.device and g.is_contiguous()
+        return g if same and self.comm.active else None
+
+    def _fill(
+        self, gs: GradSlot, f: FlatParam, pairs: list[tuple[int, int, torch.Tensor]]
+    ) -> torch.Tensor:
+        """``f``'s gradients (or its fp32 accumulator) cast into ``gs``'s buffer."""
+        buf = gs.acquire(f.padded_numel)
+        if f.acc is not None and f.acc_dirty:
+            buf.copy_(f.acc)  # one cast of the fp32 sum
+            f.acc.zero_()
+            f.acc_dirty = False
+            return buf
+        covered = {o for o, _, _ in pairs}
+        for s in f.slots:  # parameters without a gradient this step
+            if s.offset not in covered:
+                buf[s.offset : s.offset + s.numel].zero_()
+        if pairs:
+            torch._foreach_copy_([buf[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs])
+        for a, b in f.gaps:
+            buf[a:b].zero_()
+        return buf
 
     @property
     def all_slots(self) -> list[GradSlot]:

@@ -48,6 +48,7 @@ from layershard.engine.backward import (
     output_tensors,
     weight_saving_hooks,
 )
+from layershard.engine.buffers import Spare
 from layershard.engine.collectives import Comm, Pending
 from layershard.engine.precision import MixedPrecision
 from layershard.engine.reducer import Reducer
@@ -71,9 +72,10 @@ class Schedule:
         reducer: Reducer,
         comm: Comm,
         precision: MixedPrecision,
+        spare: Spare | None = None,
     ):
         self.root, self.units, self.comm, self.precision = root, units, comm, precision
-        self.reducer = reducer
+        self.reducer, self.spare = reducer, spare or Spare()  # buffers.py, "spare storage"
         self.world_size = comm.world_size
         self.order: list[Unit] = list(units)  # forward execution order, learned on first forward
         self._recorded: list[Unit] | None = []
@@ -132,8 +134,7 @@ class Schedule:
         return ([self.root] if self.root else []) + self.units
 
     def buffer_bytes(self, shard_storages: set[int]) -> dict[str, int]:
-        """The buffers' part of ``memory_report()`` (see buffers.py): gather slots but not the
-        shards (no_shard in fp32 computes on them), gradient slots, large units' storage."""
+        """``memory_report()``'s buffers (buffers.py); not shards no_shard in fp32 computes on."""
         slots = {id(u.slot): u.slot for u in self.all_units()}.values()
         # a slot's capacity, not its storage's bytes of the moment (given back between passes)
         fixed = [(s.capacity, s.alias) for s in slots if not s.transient and s.alias is not None]
@@ -242,6 +243,7 @@ class Schedule:
             self.quiesce()
         if not self.in_backward():
             self.phase = Phase.IDLE
+            self.spare.clear()  # nothing of it at the loss
 
     def quiesce(self) -> None:
         """Wait for every collective in flight that reads or writes a shard or a buffer. Every
@@ -506,6 +508,7 @@ class Schedule:
             u.close_span()
             u.unbind()
         self.reducer.finish()
+        self.spare.clear()
         self.phase = Phase.IDLE
         self._callback_queued = False
         self._bw_uses.clear()
