@@ -168,12 +168,44 @@ def _spare_storage_is_handed_on(rank: int, world: int) -> None:
         return out
 
     head.slot._free, own.get_scratch = freed, scratch
+    # after the engine's post-forward of the head (registered before this hook), where the
+    # causal LM's loss runs next, inside the model's forward: nothing spare
+    spare_at_loss: list[int] = []
+    model.lm_head.register_forward_hook(
+        lambda m, a, out: spare_at_loss.append(model._schedule.spare.nbytes)
+    )
     _train(model, rank=rank, world=world)
+    assert spare_at_loss == [0, 0], spare_at_loss
     ptrs = {k: [s.data_ptr() for s in v] for k, v in seen.items()}
     assert ptrs["embed"] == ptrs["head"], ptrs  # each step: the embedding's storage, the head's
     # the head is freed twice a step (after its forward, after its backward); its reduction is
     # the first a step makes with this buffer, the embedding's the second
     assert ptrs["scratch"][0::2] == ptrs["head freed"][1::2], ptrs
+
+
+def _shard_sized_scratch_takes_no_large_block(rank: int, world: int) -> None:
+    """With native collectives (NCCL's path; ``LAYERSHARD_GLOO_NATIVE=1`` on gloo) the large
+    units' reduce scratch is a shard, half of the head here: it does not take the head's whole
+    spare storage (it would hold a head-sized block for a shard's worth of bytes)."""
+    import os
+
+    os.environ["LAYERSHARD_GLOO_NATIVE"] = "1"
+    try:
+        model = _untied()
+    finally:
+        del os.environ["LAYERSHARD_GLOO_NATIVE"]
+    own = model._schedule.reducer.own
+    held: list[tuple[int, int]] = []
+    get_scratch = own.get_scratch
+
+    def scratch(numel: int):
+        out = get_scratch(numel)
+        held.append((out.untyped_storage().nbytes(), out.numel() * out.element_size()))
+        return out
+
+    own.get_scratch = scratch
+    _train(model, steps=1, rank=rank, world=world)
+    assert held and all(storage == used for storage, used in held), held
 
 
 def _large_gradient_reduced_without_copy(rank: int, world: int) -> None:
@@ -229,6 +261,7 @@ def _head_reduction_waited_only_when_needed(rank: int, world: int) -> None:
 pairs = RankChecks(world_size=2)
 for _fn in (
     _spare_storage_is_handed_on,
+    _shard_sized_scratch_takes_no_large_block,
     _large_gradient_reduced_without_copy,
     _head_reduction_waited_only_when_needed,
 ):

@@ -59,9 +59,10 @@ large unit holds it at a time as long as large units are not neighbours in forwa
 Note: spare storage. What large units give back goes to one ``Spare`` block of bytes, which the
 next large unit's weights, gradient buffer or scratch take instead of allocating (the embedding's
 storage becomes the head's in forward; the head's weights become its reduce scratch in backward).
-It holds at most one block, never more bytes than one large role takes, lets it go before a
-larger one is allocated, and is emptied at the end of every forward (so nothing of it is alive
-at the loss) and at the end of backward, so the memory model is unchanged. Without it each large unit and use allocated anew, and on CPU every
+It holds at most one block, never larger than the largest large role, which a role takes only
+if it needs more than half of it and otherwise lets go before allocating; it is emptied when the
+forward's last unit is done (nothing of it is alive at the loss, which a causal LM computes
+inside its forward) and at the end of backward, so the memory model is unchanged. Without it each large unit and use allocated anew, and on CPU every
 freed large tensor goes back to the OS and faults again on first touch (about 40 ms for 96 MiB
 on this project's 2-core machine); the CUDA caching allocator would serve them from its cache.
 
@@ -118,10 +119,11 @@ class Spare:
         self.block: torch.Tensor | None = None  # uint8 over the whole storage given back
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``numel`` elements of ``dtype``: the spare block if it is large enough, else new."""
+        """``numel`` elements of ``dtype``: the spare block if it is large enough and less than
+        twice that (a shard-sized scratch does not hold a head-sized block), else new."""
         nbytes = numel * dtype.itemsize
-        block, self.block = self.block, None  # too small: let go before allocating
-        if block is not None and block.numel() >= nbytes and block.device == device:
+        block, self.block = self.block, None  # not taken: let go before allocating
+        if block is not None and nbytes <= block.numel() < 2 * nbytes and block.device == device:
             return block[:nbytes].view(dtype)
         del block
         return torch.empty(numel, dtype=dtype, device=device)

@@ -144,13 +144,14 @@ class Reducer:
         self, f: FlatParam, pairs: list[tuple[int, int, torch.Tensor]], gs: GradSlot, pre: float
     ) -> torch.Tensor | None:
         """Autograd's gradient when it is ``f``'s whole flat buffer as the reduction wants it
-        (one parameter, no padding, the reduce dtype, nothing accumulated, no pre-scaling, a
-        collective that only reads it): reduced without a copy (buffers.py, "units larger
-        than a block")."""
+        (one parameter, no padding, fp32 as the reduce dtype (gloo sums 16-bit dtypes into the
+        buffer), nothing accumulated, no pre-scaling, a collective that only reads it): reduced
+        without a copy (buffers.py, "units larger than a block")."""
         if f.gaps or len(f.slots) != 1 or len(pairs) != 1 or f.acc_dirty or pre != 1.0:
             return None
         g = pairs[0][2]
-        same = g.dtype == gs.dtype and g.device == gs.device and g.is_contiguous()
+        same = g.dtype == gs.dtype == torch.float32 and g.device == gs.device
+        same = same and g.is_contiguous()
         return g if same and self.comm.active else None
 
     def _fill(

@@ -243,7 +243,7 @@ class Schedule:
             self.quiesce()
         if not self.in_backward():
             self.phase = Phase.IDLE
-            self.spare.clear()  # nothing of it at the loss
+            self.spare.clear()  # also where the forward's last unit did not run
 
     def quiesce(self) -> None:
         """Wait for every collective in flight that reads or writes a shard or a buffer. Every
@@ -289,7 +289,7 @@ class Schedule:
                 self._keep_secondary(u)
             self.release(u)
             self.refill(u, self._next, Phase.FORWARD)
-            if u is self.order[-1] and self._grad_forward:
+            if u is self.order[-1]:
                 self._between_passes(u)
         if torch.is_grad_enabled():
             record = self._forward_uses.get(use) if use is not None else None
@@ -301,9 +301,11 @@ class Schedule:
         return None
 
     def _between_passes(self, last: Unit) -> None:
-        """The forward's last unit is done: until backward, only its weights are needed
-        (buffers.py, "between the passes"; only slots in turns act, and there are none where
-        backward gathers nothing)."""
+        """The forward's last unit is done: nothing spare is kept to the loss, and until backward
+        only its weights are needed (buffers.py, "spare storage", "between the passes")."""
+        self.spare.clear()  # a causal LM's loss may run inside the model's forward
+        if not self._grad_forward:  # no backward follows
+            return
         for slot in {id(v.slot): v.slot for v in self.units}.values():
             if slot.owner is last:
                 slot.trim(last.gather_numel)
@@ -454,7 +456,7 @@ class Schedule:
             if id(record.unit) in reached and record.reached():
                 reached[id(record.unit)] += 1
         flags = torch.tensor(
-            [[reached[id(u)], -reached[id(u)], int(_dirty(u))] for u in units], dtype=torch.int64
+            [[reached[id(u)], -reached[id(u)], int(u.acc_dirty)] for u in units], dtype=torch.int64
         ).reshape(-1, 3)
         if self.comm.control_size > 1 and units:
             self.comm.stats.record("all_reduce", "backward", flags.numel() * 8, "all")
@@ -644,7 +646,3 @@ class Schedule:
                 "layershard: units did not run once each in the first forward; prefetching in "
                 "registration order (correct, but with less overlap)"
             )
-
-
-def _dirty(u: Unit) -> bool:
-    return u.trainable is not None and u.trainable.acc_dirty

@@ -180,6 +180,11 @@ class Unit:
         self.span: record_function | None = None  # profiler label of the compute in progress
 
     @property
+    def acc_dirty(self) -> bool:
+        """Its gradients wait in the fp32 accumulator (``no_sync``), not yet reduced."""
+        return self.trainable is not None and self.trainable.acc_dirty
+
+    @property
     def full_views(self) -> list[torch.Tensor]:
         """Full-size views of the gathered weights in the slot (see buffers.py for why
         ``alias``); kept for a preallocated slot, made at each bind for a transient one (kept
