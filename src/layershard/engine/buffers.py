@@ -45,8 +45,8 @@ given back after it. An embedding is not gathered again (its backward needs no w
 the plain loss, where the logits make the forward's peak, no large unit's weights exist; the
 chunked loss runs inside the head's call and holds them. Its gradients go through a transient
 ``GradSlot`` of their own size with its own reduce scratch, or, when autograd's gradient is the
-unit's whole flat buffer in the reduce dtype (one parameter, no padding: an embedding, a head in
-fp32), are reduce-scattered from that gradient itself, which the reduction only reads. The slot
+unit's whole flat buffer in an fp32 reduce dtype (one parameter, no padding: an embedding, a head
+in fp32), are reduce-scattered from that gradient itself, which the reduction only reads. The slot
 is given back at the first reduction after its reduce-scatter finished, or when the next large
 unit needs it (which waits), or at the end of backward; the weights are released before the
 gradients are reduced. One all-gather per unit and use, one reduce-scatter per unit and use, on
