@@ -300,19 +300,22 @@ def _crash(rank: int, world: int, root: str) -> None:
         torch.save(sd, root / "step_1.pt")
     dist.barrier()
     _train(model, opt, range(1, 2), rank, world)
-    if rank == 1:  # killed after writing its data, before the metadata and the rename
-        import torch.distributed.checkpoint as dcp
+    # The job dies after writing its data, before the metadata and the rename: every rank (a
+    # node lost). Killing rank 1 alone raced: rank 0's save could see the broken connection and
+    # remove its folder before the launcher stopped it (seen once, in a clean-clone CI run of
+    # 2026-11-26; three other full runs that day passed).
+    import torch.distributed.checkpoint as dcp
 
-        original = dcp.FileSystemWriter.write_data
+    original = dcp.FileSystemWriter.write_data
 
-        def write_then_die(self, plan, planner):
-            fut = original(self, plan, planner)
-            fut.wait()
-            os._exit(1)
+    def write_then_die(self, plan, planner):
+        fut = original(self, plan, planner)
+        fut.wait()
+        os._exit(1)
 
-        dcp.FileSystemWriter.write_data = write_then_die
+    dcp.FileSystemWriter.write_data = write_then_die
     ls.save_checkpoint(root / "ck" / "step_2", model, opt, step=2)
-    raise AssertionError("unreachable: rank 1 dies during the save")
+    raise AssertionError("unreachable: the ranks die during the save")
 
 
 def _retag(folder: Path, name: str) -> None:
@@ -446,7 +449,7 @@ def _after_crash_and_bad_input(rank: int, world: int, root: str) -> None:
 
 
 def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
-    with pytest.raises(Exception, match="exited with exit code 1|process 1 terminated"):
+    with pytest.raises(Exception, match="exit code 1"):
         run_ranks(_crash, 2, str(tmp_path))
     ck = tmp_path / "ck"
     assert (ck / "latest").read_text().strip() == "step_1"
