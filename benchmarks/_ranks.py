@@ -30,3 +30,21 @@ def apply_shape(args) -> None:
     args.model, args.seq_len = shape["model"], shape["seq_len"]
     args.batch = shape.get("micro_batch") or shape["global_batch"] // args.nproc
     args.overrides = {k: int(v) for k, v in (o.split("=") for o in shape["overrides"])}
+
+
+def leave_rank() -> None:
+    """End a spawned rank as the project's workers do (DEVELOPERS.md, gloo): a barrier, then
+    ``os._exit`` past gloo's static destructors."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def add_model_args(p) -> None:
+    """The model options the scripts share; ``--shape`` sets them all (``apply_shape``)."""
+    p.add_argument("--model", default="small")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--shape", choices=["small", "comm", "vocab"], help="a `layershard bench` shape")

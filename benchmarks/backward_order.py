@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def worker(rank: int, world: int, port: int, args) -> None:
-    from _ranks import init_gloo_rank
+    from _ranks import init_gloo_rank, leave_rank
 
     init_gloo_rank(rank, world, port)
     import torch.distributed as dist
@@ -110,24 +110,20 @@ def worker(rank: int, world: int, port: int, args) -> None:
         **({"per_unit_wait_s": {k: round(statistics.median(v), 4) for k, v in units.items()}}
            if args.per_unit else {}),
     }), flush=True)  # fmt: skip
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    leave_rank()
 
 
 def main() -> None:
+    from _ranks import add_model_args, apply_shape
+
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="small")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    add_model_args(p)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--shape", choices=["small", "comm", "vocab"], help="a `layershard bench` shape")
     p.add_argument("--per-unit", action="store_true", help="median wait per unit and phase")
     a = p.parse_args()
     from _dist import free_port
-    from _ranks import apply_shape
 
     apply_shape(a)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def worker(rank: int, world: int, port: int, impl: str, args) -> None:
-    from _ranks import init_gloo_rank
+    from _ranks import init_gloo_rank, leave_rank
 
     init_gloo_rank(rank, world, port)
     import torch.distributed as dist
@@ -93,17 +93,14 @@ def worker(rank: int, world: int, port: int, impl: str, args) -> None:
             per_step = {k: round(v / args.steps, 4) for k, v in waits.items()}
             out["waits_s"] = dict(sorted(per_step.items(), key=lambda kv: -kv[1]))
         print(json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    leave_rank()
 
 
 def main() -> None:
+    from _ranks import add_model_args, apply_shape
+
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="small")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--shape", choices=["small", "comm", "vocab"], help="a `layershard bench` shape")
+    add_model_args(p)
     p.add_argument(
         "--impl", nargs="+", default=["layershard", "ddp"], choices=["layershard", "ddp"]
     )
@@ -114,7 +111,6 @@ def main() -> None:
     p.add_argument("--waits", action="store_true", help="every collective wait, by unit and caller")
     a = p.parse_args()
     from _dist import free_port
-    from _ranks import apply_shape
 
     apply_shape(a)
     for _ in range(a.rounds):

@@ -62,9 +62,10 @@ storage becomes the head's in forward; the head's weights become its reduce scra
 It holds at most one block, never larger than the largest large role, which a role takes only
 if it needs more than half of it and otherwise lets go before allocating; it is emptied when the
 forward's last unit is done (nothing of it is alive at the loss, which a causal LM computes
-inside its forward) and at the end of backward, so the memory model is unchanged. Without it each large unit and use allocated anew, and on CPU every
-freed large tensor goes back to the OS and faults again on first touch (about 40 ms for 96 MiB
-on this project's 2-core machine); the CUDA caching allocator would serve them from its cache.
+inside its forward) and at the end of backward, so the memory model is unchanged. Without it
+each large unit and use allocated anew, and on CPU every freed large tensor goes back to the OS
+and faults again on first touch (about 40 ms for 96 MiB on this project's 2-core machine); the
+CUDA caching allocator would serve them from its cache.
 
 Note: between the passes. Where the forward's peak is, at the loss, the next thing to compute is
 the backward of the last unit of the forward (the LM head): its weights are needed, nobody
