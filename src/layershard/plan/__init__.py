@@ -19,11 +19,11 @@ from layershard.plan.memory import (
 from layershard.plan.model import ModelShape, Unit, units
 from layershard.plan.planner import Plan, Settings, make_plan, suggest
 from layershard.plan.sources import DEFAULT_EFFICIENCY, PROVENANCE, Efficiency
+from layershard.plan.steptime import predict_time
 from layershard.plan.timing import (
     collectives_by_group,
     collectives_per_step,
     model_flops,
-    predict_time,
     resolve_layout,
     ring_bytes,
     transfers_by_link,

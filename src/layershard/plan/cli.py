@@ -16,11 +16,13 @@ from pydantic.dataclasses import dataclass
 from layershard.plan.calibrate import CalibrationError, read_runs
 from layershard.plan.calibrate import fit as fit_runs
 from layershard.plan.calibrate import render as render_fit
+from layershard.plan.explain import explain
 from layershard.plan.hardware import GPUS, Cluster, get_gpu
 from layershard.plan.memory import OPTIMIZER_BYTES, STRATEGIES
 from layershard.plan.model import load_model
+from layershard.plan.network import CLUSTERS, get_cluster
 from layershard.plan.planner import DEFAULT_HEADROOM, Plan, Settings, Suggestion, make_plan, suggest
-from layershard.plan.timing import DEFAULT_LATENCY_S
+from layershard.plan.sources import FRAGMENTATION
 from layershard.validation import NonNegativeInt, Number, PositiveInt, PositiveNumber, one_line
 
 GIB = 2**30
@@ -66,7 +68,10 @@ class PlanInput:
     comm_eff: Efficiency = None
     network_eff: Efficiency = None
     pcie_eff: Efficiency = None
-    latency_us: Annotated[Number, Field(ge=0, description="a number of microseconds >= 0")] = 0.0
+    latency_us: Annotated[
+        Number | None, Field(ge=0, description="a number of microseconds >= 0")
+    ] = None
+    fragmentation: Annotated[Number | None, Field(ge=0, lt=1, description="in [0, 1)")] = None
 
 
 def check_input(args: argparse.Namespace) -> str:
@@ -103,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--inter-bw", type=float, metavar="GB/S", help="override network GB/s per GPU")
     c.add_argument("--pcie-bw", type=float, metavar="GB/S", help="override PCIe GB/s per GPU")
     c.add_argument("--host-memory", type=float, metavar="GIB", help="host memory per node (GiB)")
+    c.add_argument("--cluster", choices=sorted(CLUSTERS),
+                   help="a named cluster: its NVLink and network bandwidth per GPU and their "
+                   "efficiencies (plan/network.py); --intra-bw / --inter-bw override it")  # fmt: skip
     r = p.add_argument_group("run")
     r.add_argument("--seq-len", type=int, help="tokens per sequence (default: min(4096, model's))")
     r.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch")
@@ -123,6 +131,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accumulate micro-batches under no_sync() (unsharded accumulators, one reduce/step)",
     )
+    r.add_argument("--loss", default="fp32", choices=["fp32", "fused"],
+                   help="fp32: layershard's loss (fp32 log-softmax); fused: a fused "
+                   "cross-entropy that keeps the logits and their gradient in the compute dtype")  # fmt: skip
     r.add_argument("--loss-chunks", type=int, default=0, metavar="K",
                    help="the chunked loss (ls.chunked_loss) in K chunks: no full fp32 logits "
                    "(default 0: the plain loss)")  # fmt: skip
@@ -138,14 +149,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--comm-eff", type=float, help="achieved / peak bus bandwidth, both links")
     a.add_argument("--network-eff", type=float, help="achieved / peak network bandwidth")
     a.add_argument("--pcie-eff", type=float, help="achieved / peak PCIe bandwidth")
-    a.add_argument("--latency-us", type=float, default=DEFAULT_LATENCY_S * 1e6,
-                   help="per collective")  # fmt: skip
+    a.add_argument(
+        "--latency-us",
+        type=float,
+        default=None,
+        help="a flat latency per collective (default: NCCL's ring/tree model)",
+    )
+    a.add_argument("--fragmentation", type=float, default=None,
+                   help=f"allocator fragmentation, a fraction of the peak (default "
+                   f"{FRAGMENTATION}; plan/sources.py)")  # fmt: skip
     k = p.add_argument_group("calibration")
     k.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
                    help="fit the efficiencies to measured runs (layershard train run folders, "
                    "layershard bench output) on this --gpu, then plan with them")  # fmt: skip
     k.add_argument("--fit", default="auto", choices=["auto", "compute"],
                    help="auto: compute, plus communication when the runs separate them")  # fmt: skip
+    p.add_argument("--explain", action="store_true",
+                   help="the step taken apart: compute by kind, exposed communication by link, "
+                   "memory by kind, each adding up to the total")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     p.add_argument("--write-config", metavar="YAML",
                    help="write the chosen settings (the suggestion, else the given ones) as a "
@@ -196,7 +217,7 @@ def render(plan: Plan) -> str:
         f"  {'gather buffers given back at the loss':38s}{_gib(-mem['released_at_loss'])}",
         f"  {'one unit unsharded grads (backward)':38s}{_gib(mem['unit_grads'])}",
         f"  {'= peak on the GPU (max of fwd, bwd)':38s}{_gib(mem['peak'])}",
-        f"  {f'usable ({1 - plan.headroom:.0%} of GPU memory)':38s}{_gib(plan.budget)}"
+        f"  {'usable for tensors (after the margins)':38s}{_gib(plan.budget)}"
         f"   {'fits' if plan.fits_device else 'DOES NOT FIT'}",
     ]
     if s.offload:
@@ -236,17 +257,28 @@ def render(plan: Plan) -> str:
         f"  {'MFU':38s}{t.mfu * 100:9.1f}%",
         f"  {'tokens/s per GPU':38s}{t.tokens_per_s_per_gpu:10.0f}",
         "",
-        f"Efficiencies ({g.name}): compute {a['compute_eff']:.3g}, NVLink {a['nvlink_eff']:.3g}, "
-        f"network {a['network_eff']:.3g}, PCIe {a['pcie_eff']:.3g}, host {a['host_eff']:.3g}; "
-        f"+{a['latency_s'] * 1e6:g} us per collective (sources: docs/plan.md)",
-        "Model: compute = FLOPs / (peak x eff); FLOPs = 6 (L P_block + V d) T + 12 L s d T "
-        "(+ a forward per checkpointed block);",
-        "  collectives = ring over their group, (m-1)/m of the buffer per GPU (2x for all-reduce), "
-        "over NVLink in a node, 1/p of it over the NIC across nodes;",
-        "  step = sum over units of max(compute, the neighbouring units' gathers/reductions) + "
-        "first gather + last reduction + optimizer; MFU = model FLOPs / (step x peak).",
+        f"Efficiencies ({g.name}): compute {a['compute_model']}{_at(a['compute_eff'])}, "
+        f"NVLink {a['nvlink_eff']:.3g}, network {a['network_eff']:.3g}, PCIe {a['pcie_eff']:.3g}, "
+        f"host {a['host_eff']:.3g}; latency: "
+        + (
+            a["latency_model"]
+            if a["latency_s"] is None
+            else f"{a['latency_s'] * 1e6:g} us per collective"
+        )
+        + (f"; cluster {a['cluster']}" if a.get("cluster") else "")
+        + " (sources: plan/sources.py, docs/plan.md)",
+        "Model: each GEMM by (m, n, k) on a tile/wave roofline, flash attention by sequence length, "
+        "element-wise bytes (plan/kernels.py);",
+        "  collectives: ring bytes per link at the links' bandwidth + NCCL's ring/tree latency "
+        "(plan/network.py);",
+        "  step: the engine's schedule, each unit's compute against its neighbours' transfers "
+        "(plan/steptime.py); MFU = model FLOPs / (step x peak); --explain takes it apart.",
     ]
     return "\n".join(lines)
+
+
+def _at(eff: float | None) -> str:
+    return "" if eff is None else f" at {eff:.3g} of peak"
 
 
 def _logits_label(chunks: int) -> str:
@@ -305,8 +337,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         shape = load_model(args.model, args.hf_config)
+        links = get_cluster(args.cluster) if args.cluster else None
         gpu = get_gpu(
-            args.gpu, args.gpu_memory, args.tflops, args.intra_bw, args.inter_bw, args.pcie_bw,
+            args.gpu, args.gpu_memory, args.tflops,
+            args.intra_bw or (links.intra_gbs if links else None),
+            args.inter_bw or (links.inter_gbs if links else None), args.pcie_bw,
             args.host_memory,
         )  # fmt: skip
         cluster = Cluster(args.gpus, args.gpus_per_node)
@@ -351,8 +386,14 @@ def run(args: argparse.Namespace) -> int:
         reshard_after_forward=args.reshard_after_forward,
         offload=args.offload,
         loss_chunks=args.loss_chunks,
+        loss=args.loss,
     )
-    kw = {"latency_s": args.latency_us * 1e-6}
+    kw: dict[str, Any] = {
+        "latency_s": None if args.latency_us is None else args.latency_us * 1e-6,
+        "links": links,
+    }
+    if args.fragmentation is not None:
+        kw["fragmentation"] = args.fragmentation
     out: dict = {}
     try:
         if args.calibrate:
@@ -368,6 +409,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"layershard plan: {e}", file=sys.stderr)
         return 2
     print(render(plan))
+    if args.explain:
+        print()
+        print(explain(plan))
     out.update(plan.to_dict())
     if args.calibrate:
         ratio = plan.time.step_s / before.time.step_s

@@ -17,9 +17,13 @@ Memory is the framebuffer size ``nvidia-smi`` reports (81559 MiB for H100 80GB, 
 H200, 81920 / 40960 MiB for A100); the CUDA context and allocator fragmentation come out of the
 planner's headroom fraction.
 
-The achievable fractions of those peaks (``Efficiency``) are not vendor numbers: they come from
-published measurements of real runs, listed with their sources in ``layershard.plan.sources``
-and docs/plan.md.
+- H100 96GB (torchtitan's Grand Teton hosts): HBM2e 2.4 TB/s, 500 W; planned at the SXM part's
+  989 TFLOP/s, which it does not reach (its peak is not published).
+
+What a GPU reaches of those peaks is not a vendor number: ``kernels`` names its generation's
+kernel model (``sources.KERNELS``: SM count, GEMM and attention rates, fitted to timings on an
+H100), and ``Efficiency`` holds the links' fractions and the factors fitted on published runs,
+each with its source in ``layershard.plan.sources`` and docs/plan.md.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class GPU:
     host_bw_gbs: float = 614.0  # host DRAM GB/s per node (the CPU optimizer step under offload)
     host_memory_bytes: int = 2 * TiB  # per node (CPU offload keeps the shards there)
     eff: Efficiency = field(default_factory=Efficiency)
+    kernels: str | None = None  # a key of sources.KERNELS: its kernel model; None: flat FLOPs
 
     @property
     def peak_flops(self) -> float:
@@ -53,13 +58,17 @@ class GPU:
 
 GPUS: dict[str, GPU] = {
     "h100": GPU("h100", 81559 * MiB, 989.0, 450.0, 50.0, 3350.0, 64.0, 614.0, 2 * TiB,
-                DEFAULT_EFFICIENCY["h100"]),
+                DEFAULT_EFFICIENCY["h100"], "h100"),
     "h200": GPU("h200", 143771 * MiB, 989.0, 450.0, 50.0, 4800.0, 64.0, 614.0, 2 * TiB,
-                DEFAULT_EFFICIENCY["h200"]),
+                DEFAULT_EFFICIENCY["h200"], "h100"),
     "a100-80g": GPU("a100-80g", 81920 * MiB, 312.0, 300.0, 25.0, 2039.0, 32.0, 410.0, 2 * TiB,
-                    DEFAULT_EFFICIENCY["a100"]),
+                    DEFAULT_EFFICIENCY["a100"], "a100"),
     "a100-40g": GPU("a100-40g", 40960 * MiB, 312.0, 300.0, 25.0, 1555.0, 32.0, 410.0, 1 * TiB,
-                    DEFAULT_EFFICIENCY["a100"]),
+                    DEFAULT_EFFICIENCY["a100"], "a100"),
+    # torchtitan's H100 (Grand Teton): 96 GB HBM2e at 2.4 TB/s, 500 W; planned at the SXM
+    # part's 989 TFLOP/s, which it does not reach (its peak is unknown: torchtitan's note)
+    "h100-96g": GPU("h100-96g", 98304 * MiB, 989.0, 450.0, 50.0, 2400.0, 64.0, 614.0, 2 * TiB,
+                    DEFAULT_EFFICIENCY["h100"], "h100"),
 }  # fmt: skip
 
 

@@ -71,8 +71,12 @@ STATE_KEYS = (
     "no_sync",
 )
 
+# Bytes per token and dim that transformers' Llama-style blocks save beyond ours: each of
+# the two RMSNorms keeps its input cast to fp32 (bf16/fp16 compute; tests/test_plan_memory.py)
+HF_NORM_EXTRA = 8
+
 # Optimizer state bytes per parameter (fp32 states).
-OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
+OPTIMIZER_BYTES = {"adamw": 8, "adamw-fused": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
 
 # shard(strategy=...) names; "full" is what the engine implements, the others are for comparison.
 STRATEGIES = ("full", "grad_op", "no_shard", "hybrid")
@@ -206,7 +210,7 @@ def predict_memory(
     r = dtype_bytes(reduce_dtype)
     k_opt = 0 if optimizer is None else optimizer_bytes(optimizer)
     # torch's Adam/AdamW keep a 4-byte fp32 ``step`` tensor per parameter
-    adam = optimizer is not None and optimizer.lower() in ("adam", "adamw")
+    adam = optimizer is not None and optimizer.lower() in ("adam", "adamw", "adamw-fused")
     step_bytes = 4 * shape.n_param_tensors if adam else 0
     us = units(shape)
 
@@ -301,10 +305,19 @@ def layer_activation_bytes_per_token(
     c = dtype_bytes(compute_dtype)
     d, f, h, hd = shape.dim, shape.ffn_dim, shape.n_heads, shape.hd
     kv = h if repeat_kv else shape.n_kv_heads
-    return c * (4 * d + 2 * (h + kv) * hd + 4 * f) + 8 + 4 * h
+    if shape.gpt:
+        # LayerNorms: input c d + fp32 mean and rstd (8) each; Wqkv's input (the norm's
+        # output); q, k, v as one storage; the attention output (out_proj's input) and its
+        # log-sum-exp; the MLP's input, GELU's input and output (up's output, down's input)
+        return c * (4 * d + (h + 2 * kv) * hd + h * hd + 2 * f) + 16 + 4 * h
+    own = c * (4 * d + 2 * (h + kv) * hd + 4 * f) + 8 + 4 * h
+    # transformers' RMSNorm keeps its input cast to fp32 and the normalized fp32 input
+    return own + (HF_NORM_EXTRA * d if shape.family == "hf-llama" else 0)
 
 
-def logits_bytes_per_token(shape: ModelShape, compute_dtype: Any = "bf16") -> int:
+def logits_bytes_per_token(
+    shape: ModelShape, compute_dtype: Any = "bf16", loss: str = "fp32"
+) -> int:
     """Peak bytes per token of the LM head's output and the loss (``causal_lm_loss``), reached
     at the start of the loss's backward, before any unit's backward (so before the gradient
     slots exist): the logits in the compute dtype c V (the caller holds the output), the fp32
@@ -313,8 +326,14 @@ def logits_bytes_per_token(shape: ModelShape, compute_dtype: Any = "bf16") -> in
     lower: c V + 8 V with the fp32 cast of bf16/fp16 logits (freed after log-softmax), c V + 4 V
     in fp32 (no copy is made), + 8 for the shifted labels. Plus two fp32 scalars per step (the
     loss and nll_loss's total weight), not counted. Measured with MemTracker in
-    tests/test_activation_memory.py."""
-    return (dtype_bytes(compute_dtype) + 12) * shape.vocab_size
+    tests/test_activation_memory.py.
+
+    ``loss="fused"`` (flash-attn's fused cross-entropy, llm-foundry's default): the logits and
+    their gradient in the compute dtype, 2 c V, and an fp32 log-sum-exp."""
+    c = dtype_bytes(compute_dtype)
+    if loss == "fused":
+        return 2 * c * shape.vocab_size + 4
+    return (c + 12) * shape.vocab_size
 
 
 def chunked_logits_bytes(
@@ -364,6 +383,7 @@ def predict_activations(
     compute_dtype: Any = "bf16",
     repeat_kv: bool | None = None,
     loss_chunks: int = 0,
+    loss: str = "fp32",
 ) -> dict[str, int]:
     """Peak activation bytes per rank, at the start of backward (all saved tensors alive).
 
@@ -390,14 +410,16 @@ def predict_activations(
     tokens = int(micro_batch) * int(seq_len)
     per_layer = layer_activation_bytes_per_token(shape, compute_dtype, repeat_kv) * tokens
     blocks = (L - k) * per_layer + k * c * shape.dim * tokens + (per_layer if k else 0)
-    rope = 0 if c == 4 else 2 * int(seq_len) * shape.hd * c
-    tail = (2 * c * shape.dim + 4) * tokens + rope
-    out = {"activations": blocks + tail}
+    rope = 0 if c == 4 or shape.gpt else 2 * int(seq_len) * shape.hd * c
+    tail = (2 * c * shape.dim + (8 if shape.gpt else 4)) * tokens + rope
+    # the block a checkpointed layer recomputes exists in backward only (the loss's peak is
+    # before it): "activations" counts it (the larger of the two), "recompute" says how much
+    out = {"activations": blocks + tail, "recompute": per_layer if k else 0}
     if loss_chunks:
         out["logits"] = chunked_logits_bytes(shape, tokens, loss_chunks, compute_dtype)
         out["loss_head_grad"] = loss_head_grad_bytes(shape, compute_dtype)
     else:
-        out["logits"] = logits_bytes_per_token(shape, compute_dtype) * tokens
+        out["logits"] = logits_bytes_per_token(shape, compute_dtype, loss) * tokens
     return out
 
 
@@ -431,8 +453,14 @@ def released_between_passes(
     return dtype_bytes(param_dtype) * released_numel(which, others)
 
 
-def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int, released: int = 0) -> int:
-    """Per-rank peak of a steady-state step (optimizer state already allocated), the larger of:
+def peak_bytes(
+    mem: dict[str, int],
+    act: dict[str, int],
+    unit_grads: int,
+    released: int = 0,
+    step_temps: int = 0,
+) -> int:
+    """Per-rank peak of a steady-state step (optimizer state already allocated), the largest of:
 
     - at the loss (its forward, and its backward, which runs before any unit's backward):
       model states without the gradient slots and their reduce scratch (they exist only during
@@ -440,8 +468,15 @@ def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int, releas
       the passes (``released``: ``released_between_passes``; the chunked loss runs inside the
       head's call, before they are) + activations + logits (+ the head's weight gradient under
       the chunked loss, whose backward is also the head's);
+      The fp32 gradient shards are not there yet (``zero_grad(set_to_none=True)``, torch's
+      default, freed them; measured with MemTracker, tests/test_plan_memory.py), nor the block
+      a checkpointed layer recomputes in backward (``act["recompute"]``);
     - backward, at a unit's post-backward: model states + the activations still saved (at most
-      all of them) + that unit's unsharded gradients (``unit_grad_bytes``).
+      all of them, a recomputing block's too) + that unit's unsharded gradients
+      (``unit_grad_bytes``); the gradient shards are allocated unit by unit as activations are
+      freed, so either the activations (its first units) or the shards (its last) are counted;
+    - the optimizer step: model states without the backward's buffers + the optimizer's
+      temporaries (``step_temps``: ``optimizer_step_temporaries``).
 
     Units larger than a block (``large_gather``, ``large_grad``) hold their storage only while
     they run: none at the plain loss (the head's weights are freed after its forward), the
@@ -449,24 +484,69 @@ def peak_bytes(mem: dict[str, int], act: dict[str, int], unit_grads: int, releas
     in backward either a large unit's weights or its gradient buffer (the weights are freed
     before its gradients are copied out), beside the gradient slots.
     """
+    return sum(peak_parts(mem, act, unit_grads, released, step_temps)[1].values())
+
+
+def optimizer_step_temporaries(optimizer: str, mem: dict[str, int]) -> int:
+    """Bytes torch's foreach AdamW (``torch.optim.AdamW()`` on a GPU, the default) allocates
+    while it steps: two fp32 tensors the size of the whole shard (measured with layershard's
+    engine on the H100: benchmarks/plan-accuracy/h100/engine.json, the peak of llama-7b at
+    micro-batch 1 is the device states + 2 x the fp32 shard, within 0.7%). Fused and
+    per-tensor implementations (``adamw-fused``) hold at most one tensor's."""
+    return 2 * mem.get("params", 0) if optimizer.lower() in ("adam", "adamw") else 0
+
+
+def peak_parts(
+    mem: dict[str, int],
+    act: dict[str, int],
+    unit_grads: int,
+    released: int = 0,
+    step_temps: int = 0,
+) -> tuple[str, dict[str, int]]:
+    """Where the peak is ("at the loss" or "in backward") and what it holds, by kind, adding
+    up to ``peak_bytes`` (``layershard plan --explain``)."""
     states = mem["total"]
     large_gather, large_grad = mem.get("large_gather", 0), mem.get("large_grad", 0)
     backward_only = mem["grad_buffers"] + mem.get("reduce_scratch", 0) + large_grad
     chunked = "loss_head_grad" in act  # the loss runs inside the head's call
-    forward = (
-        states
-        - backward_only
-        - (0 if chunked else large_gather + released)
-        + act["activations"]
-        + act["logits"]
-        + act.get("loss_head_grad", 0)
+    grads = mem.get("grads", 0)
+    forward = {
+        "model states": states,
+        "gradient slots (backward only)": -backward_only,
+        "gather bytes given back at the loss": -(0 if chunked else large_gather + released),
+        "gradient shards (freed by zero_grad(set_to_none=True))": -grads,
+        "activations": act["activations"] - act.get("recompute", 0),
+        "logits + loss": act["logits"],
+        "head weight grad (chunked loss)": act.get("loss_head_grad", 0),
+    }
+    large = max(large_gather, large_grad) - large_gather - large_grad
+    # in backward the gradient shards are allocated unit by unit as they are reduced, while the
+    # activations are freed unit by unit: the most of both is at one end of it
+    backward = {
+        "model states": states,
+        "gradient shards (allocated unit by unit in backward)": -grads,
+        "large unit: weights or gradients, one at a time": large,
+        "activations": act["activations"],
+        "one unit's unsharded gradients": unit_grads,
+    }
+    backward_end = {
+        "model states": states,
+        "large unit: weights or gradients, one at a time": large,
+        "one unit's unsharded gradients": unit_grads,
+    }
+    step = {  # optimizer_step_temporaries
+        "model states": states,
+        "gradient slots (backward only)": -backward_only,
+        "large unit: weights (freed)": -large_gather,
+        "optimizer step temporaries (foreach AdamW)": step_temps,
+    }
+    where = max(
+        (
+            ("at the loss", forward),
+            ("in backward, its first units", backward),
+            ("in backward, its last units", backward_end),
+            ("at the optimizer step", step),
+        ),
+        key=lambda kv: sum(kv[1].values()),
     )
-    backward = (
-        states
-        - large_gather
-        - large_grad
-        + max(large_gather, large_grad)
-        + act["activations"]
-        + unit_grads
-    )
-    return max(forward, backward)
+    return where[0], {k: v for k, v in where[1].items() if v}

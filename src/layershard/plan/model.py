@@ -37,6 +37,14 @@ class ModelShape:
     tie_embeddings: bool = False
     head_dim: int | None = None  # dim // n_heads unless the config says otherwise
     name: str = "custom"
+    # "llama": layershard's built-in Llama; "hf-llama": transformers' Llama-style blocks (same
+    # parameters, more activations); "gpt": MPT-style GPT blocks (LayerNorm and linears with
+    # biases, fused QKV, a GELU MLP of ffn_dim, learned positions of max_seq_len rows)
+    family: str = "llama"
+
+    @property
+    def gpt(self) -> bool:
+        return self.family == "gpt"
 
     @property
     def hd(self) -> int:
@@ -45,9 +53,7 @@ class ModelShape:
     # --- parameter counts ---------------------------------------------------------------------
     @property
     def block_params(self) -> int:
-        d, f, hd = self.dim, self.ffn_dim, self.hd
-        attn = d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd + self.n_heads * hd * d
-        return 2 * d + attn + 3 * d * f
+        return sum(self.block_param_numels)
 
     @property
     def block_param_numels(self) -> tuple[int, ...]:
@@ -55,12 +61,17 @@ class ModelShape:
         w2, w3): the order of its flat layout."""
         d, f, hd = self.dim, self.ffn_dim, self.hd
         q, kv = d * self.n_heads * hd, d * self.n_kv_heads * hd
+        if self.gpt:  # norm_1 (w, b), Wqkv (w, b), out_proj (w, b), norm_2, up, down
+            qkv = (self.n_heads + 2 * self.n_kv_heads) * hd
+            return (d, d, q + 2 * kv, qkv, q, d, d, d, d * f, f, f * d, d)
         return (d, q, kv, kv, q, d, d * f, f * d, d * f)
 
     @property
     def block_matmul_params(self) -> int:
-        """Block parameters that are matmul weights (everything but the two norm vectors)."""
-        return self.block_params - 2 * self.dim
+        """Block parameters that are matmul weights (not norms, not biases)."""
+        d, hd = self.dim, self.hd
+        attn = d * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * d
+        return attn + (2 if self.gpt else 3) * d * self.ffn_dim
 
     @property
     def embedding_params(self) -> int:
@@ -74,18 +85,32 @@ class ModelShape:
     @property
     def total_params(self) -> int:
         """Unique parameters (a tied weight counts once), as ``LlamaForCausalLM.num_params()``."""
-        n = self.n_layers * self.block_params + self.embedding_params + self.dim
+        n = self.n_layers * self.block_params + self.embedding_params + self.final_norm_params
+        n += self.pos_params
         return n + (0 if self.tie_embeddings else self.head_params)
 
     @property
+    def final_norm_params(self) -> int:
+        return 2 * self.dim if self.gpt else self.dim
+
+    @property
+    def pos_params(self) -> int:
+        """Learned position embeddings (GPT family: one row per position)."""
+        return self.max_seq_len * self.dim if self.gpt else 0
+
+    @property
     def n_param_tensors(self) -> int:
-        """Parameter tensors: 9 per block (2 norms, wq wk wv wo, w1 w2 w3), embed, norm, head."""
+        """Parameter tensors: 9 per block (2 norms, wq wk wv wo, w1 w2 w3), embed, norm, head
+        (GPT family: 12 per block, positions, a norm with its bias)."""
+        if self.gpt:
+            return 12 * self.n_layers + 4 + (0 if self.tie_embeddings else 1)
         return 9 * self.n_layers + 2 + (0 if self.tie_embeddings else 1)
 
     @property
     def rope_buffer_numel(self) -> int:
-        """Rotary's fp32 ``cos`` and ``sin`` tables, each (max_seq_len, head_dim)."""
-        return 2 * self.max_seq_len * self.hd
+        """Rotary's fp32 ``cos`` and ``sin`` tables, each (max_seq_len, head_dim); none for
+        the GPT family (learned positions are parameters)."""
+        return 0 if self.gpt else 2 * self.max_seq_len * self.hd
 
     @classmethod
     def from_config(cls, cfg: Any, name: str = "custom") -> ModelShape:
@@ -196,9 +221,12 @@ def _units(shape: ModelShape) -> tuple[Unit, ...]:
         out.append(Unit("root (tied embed/lm_head)", embed, "root"))
     else:
         out.append(Unit("embed", embed, "extra", needs_weights_in_backward=False))
+    if shape.pos_params:
+        out.append(Unit("pos", (shape.pos_params,), "extra", needs_weights_in_backward=False))
     block = shape.block_param_numels
     out += [Unit(f"layers.{i}", block, "block") for i in range(shape.n_layers)]
-    out.append(Unit("norm", (shape.dim,), "extra"))
+    norm = (shape.dim, shape.dim) if shape.gpt else (shape.dim,)
+    out.append(Unit("norm", norm, "extra"))
     if not shape.tie_embeddings:
         out.append(Unit("lm_head", (shape.head_params,), "extra"))
     return tuple(out)

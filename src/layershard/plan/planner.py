@@ -1,11 +1,12 @@
 """A whole plan (memory + time for one setting) and the search for the fastest setting that fits.
 
 Fitting means the per-GPU peak (model states on the device + activations + logits, see
-``memory.peak_bytes``) ``<= (1 - headroom) * GPU memory`` and, under CPU offload, the node's
-offloaded states (params, grads, optimizer state and ``no_sync`` accumulators of its ranks, plus
-their gradient staging buffers) ``<= (1 - headroom) * host memory``. The headroom (default 10%)
-covers the CUDA context, NCCL buffers, allocator fragmentation and transient tensors the model
-does not count (activation gradients, optimizer-step temporaries).
+``memory.peak_bytes``), with the allocator's fragmentation on top of it and the CUDA context and
+NCCL's buffers beside it (``sources.FRAGMENTATION``, ``sources.CONTEXT_BYTES``: explicit,
+sourced margins), ``<= (1 - headroom) * GPU memory`` (``--headroom``, default 0), and, under CPU
+offload, the node's offloaded states (params, grads, optimizer state and ``no_sync``
+accumulators of its ranks, plus their gradient staging buffers) ``<= 90%`` of the host memory
+(``HOST_HEADROOM``: the OS and the processes' own memory).
 
 The suggestion keeps the global batch (``micro_batch * grad_accum * gpus`` sequences) fixed and
 searches, for every strategy (``full``, ``grad_op``, ``no_shard``; on several nodes also
@@ -25,7 +26,9 @@ from typing import Any
 
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.memory import (
+    STATE_KEYS,
     dtype_bytes,
+    optimizer_step_temporaries,
     peak_bytes,
     predict_activations,
     predict_memory,
@@ -33,11 +36,15 @@ from layershard.plan.memory import (
     unit_grad_bytes,
 )
 from layershard.plan.model import ModelShape, units
-from layershard.plan.timing import DEFAULT_LATENCY_S, TimePlan, predict_time, resolve_layout
+from layershard.plan.network import Links
+from layershard.plan.sources import CONTEXT_BYTES, FRAGMENTATION
+from layershard.plan.steptime import TimePlan, predict_time
+from layershard.plan.timing import resolve_layout
 
-DEFAULT_HEADROOM = 0.10
+DEFAULT_HEADROOM = 0.0  # the margins are explicit: sources.CONTEXT_BYTES, FRAGMENTATION
 # Keys of memory_report() that CPU offload keeps in host memory (the engine's ``host`` device).
 HOST_KEYS = ("params", "grads", "optimizer", "no_sync")
+HOST_HEADROOM = 0.10
 TIE = 0.005  # relative step-time difference below which the lower peak wins
 
 
@@ -56,6 +63,7 @@ class Settings:
     reshard_after_forward: bool | int = True  # full: an int K is hpZ over K ranks
     offload: bool = False  # ls.CPUOffload()
     loss_chunks: int = 0  # the chunked loss (layershard.loss) in K chunks; 0: the plain loss
+    loss: str = "fp32"  # fp32: layershard's loss; fused: a fused cross-entropy (flash-attn's)
 
     def strategy_kwargs(self) -> dict[str, Any]:
         return {
@@ -75,14 +83,37 @@ class Plan:
     memory: dict[str, int]  # engine keys + activations + logits + unit_grads + peak (+ host)
     time: TimePlan
     headroom: float
+    fragmentation: float = FRAGMENTATION
+    context_bytes: int = CONTEXT_BYTES
 
     @property
     def budget(self) -> int:
-        return int(self.gpu.memory_bytes * (1 - self.headroom))
+        """Bytes of tensors the GPU can hold: its memory less the headroom, the CUDA context and
+        NCCL's buffers, and the allocator's fragmentation (``sources.FRAGMENTATION``)."""
+        usable = self.gpu.memory_bytes * (1 - self.headroom) - self.context_bytes
+        return int(usable / (1 + self.fragmentation))
+
+    def peak_inputs(self) -> tuple[dict[str, int], dict[str, int], int, int, int]:
+        """``peak_parts``' arguments for this plan: the model states on the GPU (host-resident
+        ones at 0 under offload, ``total`` theirs), the activations, a unit's gradients, the
+        gather bytes given back at the loss and the optimizer step's temporaries."""
+        mem = self.memory
+        states = {k: (0 if self.settings.offload and k in HOST_KEYS else mem[k])
+                  for k in STATE_KEYS}  # fmt: skip
+        states["total"] = mem["device_states"]
+        keys = ("activations", "logits", "loss_head_grad", "recompute")
+        act: dict[str, int] = {k: mem[k] for k in keys if k in mem}
+        extra = (mem["unit_grads"], mem["released_at_loss"], mem["optimizer_temporaries"])
+        return (states, act, *extra)
+
+    @property
+    def device_bytes(self) -> int:
+        """What the GPU holds at the peak: the tensors, fragmentation and the context."""
+        return int(self.memory["peak"] * (1 + self.fragmentation)) + self.context_bytes
 
     @property
     def host_budget(self) -> int:
-        return int(self.gpu.host_memory_bytes * (1 - self.headroom))
+        return int(self.gpu.host_memory_bytes * (1 - max(self.headroom, HOST_HEADROOM)))
 
     @property
     def fits_device(self) -> bool:
@@ -112,6 +143,9 @@ class Plan:
             "budget_bytes": self.budget,
             "host_budget_bytes_per_node": self.host_budget,
             "headroom": self.headroom,
+            "fragmentation": self.fragmentation,
+            "context_bytes": self.context_bytes,
+            "device_bytes": self.device_bytes,
             "fits": self.fits,
             "comm_bytes_per_step": t.comm_bytes,
             "comm_groups": t.comm_groups,
@@ -128,6 +162,9 @@ class Plan:
                 "hardware_flops_per_gpu": t.hardware_flops,
                 "mfu": t.mfu,
                 "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu,
+                "compute_by_kind": t.compute_by_kind,
+                "contention_s": t.contention_s,
+                "exposed_by_link": t.exposed_by_link,
                 "assumptions": t.assumptions,
             },
         }
@@ -141,8 +178,10 @@ def make_plan(
     headroom: float = DEFAULT_HEADROOM,
     compute_eff: float | None = None,
     comm_eff: float | None = None,
-    latency_s: float = DEFAULT_LATENCY_S,
+    latency_s: float | None = None,
     eff: Any = None,
+    links: Links | None = None,
+    fragmentation: float = FRAGMENTATION,
 ) -> Plan:
     s = settings
     layout = resolve_layout(
@@ -156,7 +195,7 @@ def make_plan(
     )  # fmt: skip
     act = predict_activations(
         shape, s.micro_batch, s.seq_len, s.checkpoint_layers, s.param_dtype,
-        loss_chunks=s.loss_chunks,
+        loss_chunks=s.loss_chunks, loss=s.loss,
     )  # fmt: skip
     unit_grads = unit_grad_bytes(shape, layout.shard, s.param_dtype)
     host = sum(mem.get(k, 0) for k in HOST_KEYS) if s.offload else 0
@@ -170,7 +209,8 @@ def make_plan(
         shape, cluster.gpus, s.param_dtype, layout.strategy,
         shard_size=layout.shard if layout.strategy == "hybrid" else None,
     )  # fmt: skip
-    peak = peak_bytes(device, act, unit_grads, released)
+    step_temps = 0 if s.offload else optimizer_step_temporaries(s.optimizer, device)
+    peak = peak_bytes(device, act, unit_grads, released, step_temps)
     mem = dict(mem)
     mem["model_states"] = mem.pop("total")
     mem["device_states"] = device["total"]
@@ -185,14 +225,15 @@ def make_plan(
     mem.update(act)
     mem["unit_grads"] = unit_grads
     mem["released_at_loss"] = released
+    mem["optimizer_temporaries"] = step_temps
     mem["peak"] = peak
     t = predict_time(
         shape, gpu, cluster, s.micro_batch, s.seq_len, s.checkpoint_layers, s.grad_accum,
         s.param_dtype, s.reduce_dtype, s.strategy, s.no_sync, compute_eff, comm_eff, latency_s,
         s.shard_size, s.reshard_after_forward, s.offload, s.optimizer, eff,
-        loss_chunks=s.loss_chunks,
+        loss_chunks=s.loss_chunks, loss=s.loss, links=links,
     )  # fmt: skip
-    return Plan(shape, gpu, cluster, s, mem, t, headroom)
+    return Plan(shape, gpu, cluster, s, mem, t, headroom, fragmentation)
 
 
 @dataclass
@@ -308,6 +349,7 @@ def _why_slower(p: Plan, best: Plan) -> str:
     recompute_b = (b.hardware_flops - b.model_flops) / max(b.hardware_flops, 1) * b.compute_s
     parts = {
         "exposed communication": a.exposed_comm_s - b.exposed_comm_s,
+        "compute slowed by collectives beside it": a.contention_s - b.contention_s,
         "recompute": recompute - recompute_b,
         "optimizer step": a.optimizer_s - b.optimizer_s,
         "compute-stream copies": a.copy_s - b.copy_s,

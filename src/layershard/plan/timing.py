@@ -1,4 +1,5 @@
-"""Communication per step by strategy, group and link, and a compute-plus-communication step time.
+"""Communication per step by strategy, group and link, and the FLOPs of each unit (the step's
+time from them is ``plan/steptime.py``).
 
 Strategies (as ``layershard.engine.strategy`` resolves them on N ranks, G per node): a unit is split over
 its *shard group* and replicated over its *replicate group*; groups are consecutive ranks (shard,
@@ -26,7 +27,8 @@ its ranks per node, NCCL runs p rings, one per NIC, each leaving a node once, so
 
 (hybrid's all-reduce across groups has p = G / K: with K = G every GPU talks to its peers in
 other nodes through its own NIC and nothing crosses NVLink). A collective takes
-``max(nvlink / (intra_bw * eff.nvlink), network / (inter_bw * eff.network)) + latency``.
+``max(nvlink / (intra_bw * eff.nvlink), network / (inter_bw * eff.network)) + latency``
+(NCCL's ring/tree latency, ``plan/network.py``).
 
 CPU offload (``offload=ls.CPUOffload()``): the fp32 shards live in host memory, so every gather
 from them first copies the shard to the device in the compute dtype (``S_u c`` bytes over PCIe;
@@ -48,39 +50,25 @@ App. B: attention counted without the causal halving):
                       the chunked loss (``loss_chunks``) the LM head's
     model FLOPs       6 (L P_mm + V d) T + 12 L s h hd T     (no recompute: used for MFU)
 
-A stage's compute time is FLOPs / (peak * eff.compute).
-
-Overlap (one communication stream, one unit of prefetch, as layershard's schedule), with AG, AG_bwd
-and RS the time of everything a unit's gather / backward gather / reduction puts on the comm
-stream (PCIe copies and hybrid's second stage included):
-
-    forward   = t(AG root) + t(AG first unit) + sum_i max(C_fwd[i], t(AG[i+1]))
-                (a small unit with a gather slot of its own, the final norm, joins the window
-                of the unit before it: the head's gather overlaps the last block)
-    backward  = sum_i max(C_bwd[i], t(AG_bwd[i-1]) + t(RS[i+1])) + t(RS first unit) + t(RS root)
-    step      = sum over micro-batches (forward + backward) + optimizer
-    optimizer = B_opt bytes per shard element / HBM bandwidth (AdamW: reads p, g, m, v and
-                writes p, m, v: 28 bytes); under offload / (host DRAM bandwidth / G * eff.host)
-    MFU       = model FLOPs per step / (step * peak)
+Model FLOPs are what published MFU counts; a stage's compute *time* comes from its GEMMs,
+attention and element-wise work (``plan/kernels.py``), or from its FLOPs at ``eff.compute`` of
+peak where that is given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from layershard.engine.gather_slots import assign_gather_slots, gathered_into_backward
-from layershard.plan.hardware import GPU, Cluster
+from layershard.plan.hardware import Cluster
 from layershard.plan.memory import dtype_bytes, strategy_name
 from layershard.plan.model import ModelShape, Unit, units
-from layershard.plan.sources import Efficiency
-
-DEFAULT_LATENCY_S = 20e-6
 
 # Bytes the optimizer step streams per shard element (fp32 states): read p, g and each state,
 # write p and each state.
-OPTIMIZER_STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 20, "sgd-nomomentum": 12}
+OPTIMIZER_STEP_BYTES = {"adamw": 28, "adamw-fused": 28, "adam": 28, "sgd": 20, "sgd-nomomentum": 12}
 
 
 # --- strategies resolved on a cluster ----------------------------------------------------------
@@ -277,7 +265,7 @@ def build_stages(
     k = max(0, min(checkpoint_layers, shape.n_layers))
     bf = block_fwd_flops(shape, tokens, seq_len)
     head = 2 * shape.head_params * tokens
-    stages = [Stage("embed")]
+    stages = [Stage("embed")] + ([Stage("pos")] if shape.pos_params else [])
     for i in range(shape.n_layers):
         stages.append(Stage(f"layers.{i}", bf, 2 * bf + (bf if i < k else 0.0)))
     stages += [Stage("norm"), Stage("lm_head", head, 2 * head + (head if loss_chunks else 0.0))]
@@ -444,192 +432,3 @@ def _links(t: Transfer, cluster: Cluster) -> dict[str, float]:
         return {"pcie": float(t.nbytes)}
     factor = 2.0 if t.op == "all_reduce" else 1.0
     return ring_bytes(t.nbytes, t.size, cluster, t.stride, factor)
-
-
-# --- time --------------------------------------------------------------------------------------
-
-
-@dataclass
-class TimePlan:
-    stages: list[Stage]
-    comm_bytes: dict[str, dict[str, float]]  # kind -> link -> bytes per step per GPU
-    comm_groups: dict[str, str]  # kind -> the groups it runs on, e.g. "shard 64 (8 nodes)"
-    forward_s: float
-    backward_s: float
-    optimizer_s: float
-    step_s: float
-    compute_s: float  # pure compute time per step (incl. recompute)
-    copy_s: float  # compute-stream copies (no_shard's casts / offloaded copies)
-    comm_s: float  # everything on the comm stream, if nothing overlapped
-    exposed_comm_s: float  # step time not covered by compute, copies and the optimizer
-    model_flops: float  # per GPU per step
-    hardware_flops: float
-    mfu: float
-    tokens_per_s_per_gpu: float
-    layout: Layout | None = None
-    assumptions: dict[str, Any] = field(default_factory=dict)
-
-
-def group_label(t: Transfer, cluster: Cluster) -> str:
-    """E.g. ``shard 64/8 nodes``, ``shard 8/node``, ``replicate 8/8 nodes``, ``PCIe``."""
-    if t.group == "pcie":
-        return "PCIe"
-    g = cluster.local
-    per_node = max(1, min(t.size, g // t.stride)) if t.stride <= g else 1
-    nodes = -(-t.size // per_node)
-    return f"{t.group} {t.size}/" + ("node" if nodes == 1 else f"{nodes} nodes")
-
-
-def forward_time(cf: list[float], ag: list[float], own_slot: list[bool]) -> float:
-    """The forward of one micro-batch: the first gather, then each unit's compute against the
-    next unit's gather (issued a unit earlier). A small unit in a gather slot of its own computes
-    in its predecessor's window, and the next unit's gather overlaps that whole window."""
-    f, i, m = (ag[0] if ag else 0.0), 0, len(cf)
-    while i < m:
-        j = i + 1
-        while j < m and own_slot[j]:
-            j += 1
-        f += max(sum(cf[i:j]), sum(ag[i + 1 : j + 1]))
-        i = j
-    return f
-
-
-def predict_time(
-    config: Any,
-    gpu: GPU,
-    cluster: Cluster,
-    micro_batch: int,
-    seq_len: int,
-    checkpoint_layers: int = 0,
-    grad_accum: int = 1,
-    param_dtype: Any = "bf16",
-    reduce_dtype: Any = "fp32",
-    strategy: str = "full",
-    no_sync: bool = False,
-    compute_eff: float | None = None,
-    comm_eff: float | None = None,
-    latency_s: float = DEFAULT_LATENCY_S,
-    shard_size: int | None = None,
-    reshard_after_forward: bool | int = True,
-    offload: bool = False,
-    optimizer: str = "adamw",
-    eff: Efficiency | None = None,
-    loss_chunks: int = 0,
-) -> TimePlan:
-    """Step time of one optimizer step. Efficiencies: ``eff`` (default: the GPU's), with
-    ``compute_eff`` / ``comm_eff`` (NVLink and network alike) overriding its fields."""
-    shape = ModelShape.from_config(config)
-    e = eff or gpu.eff
-    if compute_eff is not None:
-        e = replace(e, compute=compute_eff)
-    if comm_eff is not None:
-        e = replace(e, nvlink=comm_eff, network=comm_eff)
-    layout = resolve_layout(
-        strategy, cluster.gpus, shard_size, reshard_after_forward, cluster.gpus_per_node, offload
-    )
-    c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
-    stages, root = build_stages(
-        shape, layout, micro_batch, seq_len, checkpoint_layers, c, r, loss_chunks
-    )
-    flops_rate = gpu.peak_flops * e.compute
-    intra = gpu.intra_bw_gbs * 1e9 * e.nvlink
-    inter = gpu.inter_bw_gbs * 1e9 * e.network
-    pcie = gpu.pcie_gbs * 1e9 * e.pcie
-    hbm = gpu.hbm_bw_gbs * 1e9
-
-    comm_bytes: dict[str, dict[str, float]] = {}
-    groups: dict[str, list[str]] = {}
-
-    def t_one(t: Transfer) -> float:
-        links = _links(t, cluster)
-        if t.group == "pcie":
-            return links["pcie"] / pcie
-        return max(links["nvlink"] / intra, links["network"] / inter if inter else 0.0) + latency_s
-
-    def t_all(ts: list[Transfer]) -> float:
-        return sum(t_one(t) for t in ts)
-
-    n_reduce = 1 if no_sync else grad_accum
-    for s in ([root] if root else []) + stages:
-        for ts, times in (
-            (s.gather_fwd, grad_accum),
-            (s.gather_bwd, grad_accum),
-            (s.reduce, n_reduce),
-        ):
-            for t in ts:
-                row = comm_bytes.setdefault(t.kind, {"nvlink": 0.0, "network": 0.0, "pcie": 0.0})
-                for link, b in _links(t, cluster).items():
-                    row[link] += b * times
-                label = group_label(t, cluster)
-                if label not in groups.setdefault(t.kind, []):
-                    groups[t.kind].append(label)
-
-    m = len(stages)
-    ag = [t_all(s.gather_fwd) for s in stages]
-    agb = [t_all(s.gather_bwd) for s in stages]
-    rs = [t_all(s.reduce) for s in stages]
-    copies = [s.local_copy / hbm + s.local_h2d / pcie for s in stages]
-    copies_bwd = [s.local_d2h / pcie for s in stages]
-    cf = [s.fwd_flops / flops_rate + cp for s, cp in zip(stages, copies)]
-    cb = [s.bwd_flops / flops_rate + cp for s, cp in zip(stages, copies_bwd)]
-    t_ag_root = t_all(root.gather_fwd) if root else 0.0
-    t_rs_root = t_all(root.reduce) if root else 0.0
-    root_copy = (root.local_copy / hbm + root.local_h2d / pcie) if root else 0.0
-    root_copy_bwd = root.local_d2h / pcie if root else 0.0
-
-    fwd = bwd = comm = 0.0
-    for j in range(grad_accum):
-        reduce_now = not no_sync or j == grad_accum - 1
-        red = rs if reduce_now else [0.0] * m
-        f = root_copy + t_ag_root + forward_time(cf, ag, [s.own_slot for s in stages])
-        b = 0.0
-        for i in reversed(range(m)):
-            b += max(cb[i], (agb[i - 1] if i > 0 else 0.0) + (red[i + 1] if i + 1 < m else 0.0))
-        b += red[0] + (t_rs_root if reduce_now else 0.0) + root_copy_bwd
-        fwd, bwd = fwd + f, bwd + b
-        comm += t_ag_root + sum(ag) + sum(agb) + sum(red) + (t_rs_root if reduce_now else 0.0)
-
-    us = units(shape)
-    opt_elems = sum(u.shard_numel(layout.shard) for u in us)
-    opt_bytes = opt_elems * OPTIMIZER_STEP_BYTES.get(optimizer.lower(), 28)
-    if offload:
-        opt = opt_bytes / (gpu.host_bw_gbs * 1e9 / cluster.local * e.host)
-    else:
-        opt = opt_bytes / hbm
-    step = fwd + bwd + opt
-    tokens = micro_batch * seq_len * grad_accum
-    mflops = model_flops(shape, tokens, seq_len)
-    hflops = grad_accum * sum(s.fwd_flops + s.bwd_flops for s in stages)
-    compute = hflops / flops_rate
-    copy_s = grad_accum * (sum(copies) + sum(copies_bwd) + root_copy + root_copy_bwd)
-    return TimePlan(
-        stages=stages,
-        comm_bytes=comm_bytes,
-        comm_groups={k: ", ".join(v) for k, v in groups.items()},
-        forward_s=fwd,
-        backward_s=bwd,
-        optimizer_s=opt,
-        step_s=step,
-        compute_s=compute,
-        copy_s=copy_s,
-        comm_s=comm,
-        exposed_comm_s=max(0.0, step - compute - copy_s - opt),
-        model_flops=mflops,
-        hardware_flops=hflops,
-        mfu=mflops / (step * gpu.peak_flops) if step > 0 else 0.0,
-        tokens_per_s_per_gpu=tokens / step if step > 0 else 0.0,
-        layout=layout,
-        assumptions={
-            "compute_eff": e.compute,
-            "nvlink_eff": e.nvlink,
-            "network_eff": e.network,
-            "pcie_eff": e.pcie,
-            "host_eff": e.host,
-            "latency_s": latency_s,
-            "peak_tflops": gpu.bf16_tflops,
-            "intra_bw_gbs": gpu.intra_bw_gbs,
-            "inter_bw_gbs": gpu.inter_bw_gbs,
-            "pcie_gbs": gpu.pcie_gbs,
-            "host_bw_gbs_per_node": gpu.host_bw_gbs,
-        },
-    )
