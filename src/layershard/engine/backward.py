@@ -7,8 +7,9 @@
   the unit's backward when the first gradient arrives.
 - ``WeightView``: what a unit's forward saved of its weights, through the saved-tensor hooks that
   also begin its backward (``Schedule`` installs them around the forward).
-- ``Use`` and ``Reached``: one forward run of a unit, and the autograd nodes whose execution means
-  that its backward runs in the pass in progress (the ranks agree on these, see ``Schedule``).
+- ``Use``, ``UseLog`` and ``Reached``: one forward run of a unit, the runs a backward may still
+  reach, and the autograd nodes whose execution means that a run's backward is in the pass in
+  progress (the ranks agree on these, see ``backward_pass.py``).
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ class Use:
         if node is not None:
             self.nodes.append(weakref.ref(node))
 
+    def alive(self) -> bool:
+        """Does a node of its graph still exist (a backward may still reach it)?"""
+        return any(r() is not None for r in self.nodes)
+
     def reached(self) -> bool:
         """Will the backward pass in progress run this use's backward? (Called inside it.)"""
         if not self.nodes:
@@ -128,6 +133,34 @@ class Use:
             return True
         alive = [n for n in (r() for r in self.nodes) if n is not None]
         return any(torch._C._will_engine_execute_node(n) for n in alive)
+
+
+class UseLog:
+    """The uses a backward may reach: one ``Use`` per unit run in a forward that records a graph,
+    by use number. Kept while its graph may still run: at each such forward the log forgets the
+    uses whose nodes are all gone, and those with no node from earlier forwards (nothing tells
+    whether their graph lives; every rank counts them alike, so forgetting them changes no
+    agreement). So an evaluation loop that keeps gradients on holds one forward's records, not
+    one per forward."""
+
+    def __init__(self) -> None:
+        self._uses: dict[int, Use] = {}
+
+    def new_forward(self) -> None:
+        self._uses = {k: u for k, u in self._uses.items() if u.alive()}
+
+    def add(self, use: int, unit: Unit) -> Use:
+        record = self._uses[use] = Use(unit)
+        return record
+
+    def get(self, use: int | None) -> Use | None:
+        return None if use is None else self._uses.get(use)
+
+    def __iter__(self):
+        return iter(list(self._uses.values()))
+
+    def __len__(self) -> int:
+        return len(self._uses)
 
 
 def mark_inputs(record: Use, args: tuple, kwargs: dict):
@@ -168,7 +201,11 @@ def weight_saving_hooks(
     def pack(t: torch.Tensor):
         if t.untyped_storage().data_ptr() == storage:  # a view of the unit's weights
             return WeightView(int(t.storage_offset()), t.shape, t.stride())
-        return t if outer_pack is None else outer_pack(t)
+        # Never ``t`` itself: when ``t`` is an output of the op that saves it, its grad_fn is
+        # that op's node, which would then hold itself through this object, and a graph no
+        # backward runs (or one kept with retain_graph) would never be freed. Autograd puts
+        # the grad_fn back on what unpack returns.
+        return t.detach() if outer_pack is None else outer_pack(t)
 
     def unpack(x):
         begin()

@@ -163,6 +163,12 @@ class FlatParam:
         lo = slot.offset + a - self.shard_start
         self.shard[lo : lo + b - a].copy_(full.detach().reshape(-1)[a:b])
 
+    def drop_accumulated(self) -> None:
+        """Forget what ``acc`` holds (a backward that raised: its step is void)."""
+        if self.acc is not None:
+            self.acc.zero_()
+        self.acc_dirty = False
+
     def release_grad(self) -> None:
         """Free the gradient slice's memory while no parameter slice points at it (after
         ``zero_grad(set_to_none=True)``): like torch, set-to-none gives the memory back until the

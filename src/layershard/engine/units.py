@@ -176,7 +176,6 @@ class Unit:
         # the forward to the backward, which gathers within the K ranks (see strategy.py)
         self.secondary: list[torch.Tensor] | None = None
         self.bound = False
-        self.private_views: list[torch.Tensor] | None = None  # see Schedule.gather_private
         self.span: record_function | None = None  # profiler label of the compute in progress
 
     @property
@@ -204,6 +203,19 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.name})"
+
+    def check_requires_grad(self) -> None:
+        """``shard()`` split the unit into trainable and frozen shards; a flag changed since
+        then would be ignored (a frozen slice still trained, or an unfrozen one never)."""
+        for f in self.flats:
+            for slot, p in zip(f.slots, f.shard_params):
+                if p.requires_grad != f.requires_grad:
+                    raise RuntimeError(
+                        f"layershard: {slot.name}.requires_grad changed to {p.requires_grad} "
+                        "after shard(): freeze or unfreeze parameters before ls.shard(), which "
+                        "splits each unit into trainable and frozen shards (to change it "
+                        "later, shard the model again)"
+                    )
 
     def bind(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
         """Make the modules' weight attributes resolve to ``tensors`` (plain tensors, which
