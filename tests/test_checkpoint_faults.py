@@ -112,12 +112,12 @@ def _old_format(rank: int, world: int, root: str) -> None:
     model = ls.shard(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, opt, rank)
-    original = cksave.sharded_1d
-    cksave.sharded_1d = ckmanifest.sharded_1d = _old_sharded_1d  # parameters, optimizer state
+    original = ckmanifest.sharded_1d
+    ckmanifest.sharded_1d = _old_sharded_1d  # parameters, optimizer state (manifest.collect)
     try:
         ls.save_checkpoint(root / "old", model, opt, step=1)
     finally:
-        cksave.sharded_1d = ckmanifest.sharded_1d = original
+        ckmanifest.sharded_1d = original
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ls.save_checkpoint(root / "new", model, opt, step=1)
@@ -337,3 +337,54 @@ def _disk_full_and_async(rank: int, world: int, root: str) -> None:
 
 def test_disk_full_and_async_saves(tmp_path):
     run_ranks(_disk_full_and_async, 2, str(tmp_path))
+
+
+# ---- every rank-local phase of a save is agreed -----------------------------------------------
+
+
+def _staging_fails_on_one_rank(rank: int, world: int, root: str) -> None:
+    """Copying the state into host memory (an asynchronous save's staging) fails on rank 1 only.
+    It ran outside the ranks' agreement: rank 1 raised and left its temporary folder, rank 0
+    returned a handle whose background write waited for rank 1 in DCP's collectives until the
+    timeout. Now the call itself raises the same error on every rank, nothing is left behind,
+    and the ranks are still in step (the next asynchronous save succeeds)."""
+    root = Path(root)
+    ck = root / "ck"
+    model = ls.shard(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, rank)
+    ls.save_checkpoint(ck / "step_1", model, opt, step=1)
+    at_1 = _params_of(model)
+    _step(model, opt, rank, seed=2)
+
+    real_stage = cksave._stage
+
+    def stage(*args, **kwargs):
+        if rank == 1:
+            raise RuntimeError("injected: cannot pin host memory")
+        return real_stage(*args, **kwargs)
+
+    cksave._stage = stage
+    try:
+        with pytest.raises(CheckpointError, match=r"staging .*ck/step_2 failed \(RuntimeError: "
+                           r"injected: cannot pin host memory"):  # fmt: skip
+            ls.save_checkpoint(ck / "step_2", model, opt, step=2, async_save=True)
+    finally:
+        cksave._stage = real_stage
+    dist.barrier()
+    assert not list(ck.glob("*.tmp-*")), list(ck.iterdir())
+    assert (ck / "latest").read_text().strip() == "step_1"
+    fresh = ls.shard(_model(seed=4))
+    assert ls.load_checkpoint(ck, fresh)["step"] == 1
+    got = _params_of(fresh)
+    assert all(torch.equal(got[k], at_1[k]) for k in got)
+
+    at_2 = _params_of(model)
+    assert ls.save_checkpoint(ck / "step_2", model, opt, step=2, async_save=True).wait()
+    assert ls.load_checkpoint(ck, fresh)["step"] == 2
+    got = _params_of(fresh)
+    assert all(torch.equal(got[k], at_2[k]) for k in got)
+
+
+def test_staging_failure_on_one_rank_fails_every_rank(tmp_path):
+    run_ranks(_staging_fails_on_one_rank, 2, str(tmp_path))

@@ -190,6 +190,20 @@ def test_symlinked_file_is_refused(saved, tmp_path, capsys):
     _one_line_failure(capsys, ["checkpoint", "export", str(d), str(tmp_path / "hf")])
 
 
+def test_symlinked_manifest_is_refused(saved, tmp_path, capsys):
+    """The manifest follows the rule of every other file (issue 35): a ``layershard.json`` that
+    links to a file outside the folder was read and the checkpoint reported "integrity ok"."""
+    d = _copy(saved, tmp_path)
+    elsewhere = tmp_path / "elsewhere.json"
+    shutil.copy(d / pub.MANIFEST, elsewhere)
+    (d / pub.MANIFEST).unlink()
+    (d / pub.MANIFEST).symlink_to(elsewhere)
+    line = _one_line_failure(capsys, ["checkpoint", "info", str(d)])
+    assert "symbolic link" in line and pub.MANIFEST in line, line
+    _one_line_failure(capsys, ["checkpoint", "export", str(d), str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
+
+
 def test_unhashed_file_is_refused(saved, tmp_path, capsys):
     """A file the metadata reads but the manifest does not list (so no hash covers it)."""
     d = _copy(saved, tmp_path)

@@ -20,17 +20,42 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The layershard modules ``path`` imports when it is imported (module level, outside
-    ``if TYPE_CHECKING:``)."""
+    """The layershard modules ``path`` imports at any depth: module level, inside functions and
+    under ``if TYPE_CHECKING:``. A cycle hidden in a function-level or type-checking import is
+    still two modules that each need the other; hiding the import only moves the failure to run
+    time (or to the type checker).
+
+    Not read: a package's module-level ``__getattr__`` (PEP 562), the lazy exports of a façade
+    such as ``ls.hf`` and ``ls.save_checkpoint``, which run only when a user asks for the
+    attribute (the modules behind them use the package's public names, ``ls.shard``); and a
+    module-level ``if __name__ == "__main__":`` block, which runs as ``__main__``, a module
+    nothing imports (``python -m layershard.train.rank`` imports its own module there)."""
+    tree = ast.parse(path.read_text())
+    skipped = [
+        node
+        for node in tree.body
+        if (
+            path.name == "__init__.py"
+            and isinstance(node, ast.FunctionDef)
+            and node.name == "__getattr__"
+        )
+        or (isinstance(node, ast.If) and ast.unparse(node.test) in _MAIN_GUARDS)
+    ]
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    nodes: list[ast.AST] = [n for n in tree.body if n not in skipped]
+    while nodes:
+        node = nodes.pop()
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("layershard"):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
                 found.add(full if full in modules else node.module)
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("layershard")}
+        nodes.extend(ast.iter_child_nodes(node))
     return found & set(modules)
+
+
+_MAIN_GUARDS = {"__name__ == '__main__'", "'__main__' == __name__"}
 
 
 def test_no_import_cycle():

@@ -175,6 +175,15 @@ def chunked_causal_lm_loss(
 # --- installing it on a model ----------------------------------------------------------------
 
 
+class ChunkedLossModel:
+    """A model whose own forward computes the chunked loss when its ``loss_chunks`` is set
+    (layershard's ``LlamaForCausalLM``, whose LM head calls ``chunked_causal_lm_loss``):
+    ``chunked_loss`` only sets that attribute. The model depends on this module, not the
+    other way round."""
+
+    loss_chunks: int  # 0: the plain loss
+
+
 def chunked_loss(model: nn.Module, chunks: int = 8) -> nn.Module:
     """Make ``model(input_ids, labels=labels).loss`` the chunked loss (``chunks`` chunks of the
     batch's tokens; 0 restores the plain loss) and return ``model``, changed in place.
@@ -192,9 +201,7 @@ def chunked_loss(model: nn.Module, chunks: int = 8) -> nn.Module:
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
         raise ValueError(f"chunked_loss: chunks must be an integer >= 0 (0: off), got {chunks!r}")
     inner = _unwrap(model)
-    from layershard.models.llama import LlamaForCausalLM
-
-    if isinstance(inner, LlamaForCausalLM):
+    if isinstance(inner, ChunkedLossModel):
         inner.loss_chunks = chunks
         return model
     if _is_hf_causal_lm(inner):

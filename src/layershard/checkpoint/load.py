@@ -1,5 +1,5 @@
-"""Loading a checkpoint at any world size: everything is checked before anything changes, and
-every check that can fail on one rank is agreed by all of them."""
+"""Loading a checkpoint at any world size: read, check, place. Everything is checked before
+anything changes, and every phase is agreed by all the ranks (checkpoint/phases.py)."""
 
 from __future__ import annotations
 
@@ -24,23 +24,16 @@ from layershard.checkpoint.manifest import (
     rng_entries,
     validate,
 )
+from layershard.checkpoint.phases import Phases
 from layershard.checkpoint.safe_read import dcp_load
-from layershard.checkpoint.shards import (
-    broadcast_from_rank0,
-    buffers,
-    dtype_from_name,
-    group_of,
-    params,
-    sharded_1d,
-)
+from layershard.checkpoint.shards import buffers, dtype_from_name, params, sharded_1d
 from layershard.checkpoint.validate import check_files, open_checkpoint
-from layershard.engine.agreement import agreed
 from layershard.engine.waits import waiting
 
 log = logging.getLogger("layershard")
 
 
-def _check_on_rank0(path, model, optimizer, strict: bool, verify: bool) -> tuple[Path, dict]:
+def _check_on_rank0(path, model, optimizer, strict: bool, verify: bool) -> tuple[str, dict]:
     """Rank 0: find the checkpoint, read its manifest, check everything that needs no data."""
     try:
         # manifest, file sizes (hashes below, a share per rank), metadata, storage paths
@@ -52,7 +45,7 @@ def _check_on_rank0(path, model, optimizer, strict: bool, verify: bool) -> tuple
         raise CheckpointCorruptError(
             f"{path}: malformed manifest ({type(e).__name__}: {e})"
         ) from None
-    return folder, manifest
+    return str(folder), manifest
 
 
 @torch.no_grad()
@@ -78,23 +71,53 @@ def load_checkpoint(
     "model_config", "layershard_version"}``.
     """
     t0 = time.perf_counter()
-    group, rank, world = group_of(model)
-
+    ph = Phases(model.process_group)
+    rank, world = ph.rank, ph.world
     model.quiesce()  # no gather in flight still reads a shard this overwrites
-    folder, manifest = None, None
-    with agreed(group):
-        if rank == 0:
-            folder, manifest = _check_on_rank0(path, model, optimizer, strict, verify)
-    folder, manifest = broadcast_from_rank0(group, (str(folder), manifest))
-    folder = Path(folder)
-
-    if verify:
-        with agreed(group):  # each rank hashes a share of the files
-            names = sorted(manifest["files"])
-            check_files(folder, manifest, names[rank::world])
-
+    # read: rank 0 finds the checkpoint, reads its manifest and checks what needs no data
+    where, manifest = ph.rank0(
+        "reading", lambda: _check_on_rank0(path, model, optimizer, strict, verify)
+    )
+    folder = Path(where)
+    if verify:  # check: each rank hashes a share of the files
+        names = sorted(manifest["files"])
+        ph.each("checking", lambda: check_files(folder, manifest, names[rank::world]))
+    # place: where every tensor goes, DCP's read into it, then the optimizer state and the RNG
     saved_world = manifest["world_size"]
-    same_world = saved_world == world
+    restore = restore_rng and saved_world == world
+    state, new_state, rng = ph.each(
+        "allocating", lambda: _targets(model, optimizer, folder, manifest, restore, rank)
+    )
+    ph.each("reading the tensors of", lambda: dcp_load(state, folder, process_group=ph.group))
+    info = manifest.get("optimizer") if optimizer is not None else None
+    step = manifest.get("step")
+    ph.each("placing", lambda: _place(optimizer, info, new_state, rng, rank))
+    if restore_rng and not rng:
+        seed = reseed(step, rank)
+        if rank == 0:
+            warnings.warn(
+                f"load_checkpoint: the checkpoint was saved at world size {saved_world} and is loaded "
+                f"at {world}: RNG states are not restored; every rank was re-seeded deterministically "
+                f"(rank 0 with {seed})",
+                stacklevel=3,
+            )
+    log.info("layershard: loaded %s in %.2f s", folder, time.perf_counter() - t0)
+    return {
+        "step": step,
+        "extra": manifest.get("extra"),
+        "run_config": manifest.get("run_config"),
+        "world_size": saved_world,
+        "path": str(folder),
+        "rng_restored": bool(rng),
+        "model_config": manifest["model"].get("config"),
+        "layershard_version": manifest.get("layershard_version"),
+    }
+
+
+def _targets(model, optimizer, folder: Path, manifest: dict, restore: bool, rank: int):
+    """What DCP reads into: the model's slices and buffers (in place), the optimizer's state
+    (its current tensors where they fit, else new ones, installed by ``_place``) and this rank's
+    RNG states (``restore``). Changes nothing."""
     state: dict[str, Any] = {}
     for f, slot, p in params(model):
         state[f"model/{slot.name}"] = sharded_1d(
@@ -103,7 +126,6 @@ def load_checkpoint(
     for key, b in buffers(model):
         if key in manifest["model"]["buffers"]:
             state[f"model/{key}"] = b
-
     new_state: dict[Any, dict] = {}
     info = manifest.get("optimizer") if optimizer is not None else None
     if info is not None and optimizer is not None:  # info is None without an optimizer
@@ -143,15 +165,13 @@ def load_checkpoint(
                         )
                         state[f"optim/{slot.name}/{k}"] = t
                     st[k] = t
+    rng = rng_entries(folder, manifest, rank) if restore else {}
+    state.update(rng)
+    return state, new_state, rng
 
-    rng: dict[str, torch.Tensor] = {}
-    if restore_rng and same_world:
-        with agreed(group):  # each rank checks its own entries
-            rng = rng_entries(folder, manifest, rank)
-        state.update(rng)
 
-    dcp_load(state, folder, process_group=group)
-
+def _place(optimizer, info: dict | None, new_state: dict, rng: dict, rank: int) -> None:
+    """After DCP's read: the optimizer's state and hyperparameters, this rank's RNG states."""
     if info is not None and optimizer is not None:
         for p, st in new_state.items():
             optimizer.state[p] = st
@@ -159,27 +179,5 @@ def load_checkpoint(
             for k, v in saved.items():
                 if k != "params":
                     g[k] = hyper_from_json(v, g.get(k))
-    step = manifest.get("step")
     if rng:
-        with agreed(group):  # a corrupt state on one rank fails every rank, not that one alone
-            restore_rng_state(rng, rank)
-    elif restore_rng:
-        seed = reseed(step, rank)
-        if rank == 0:
-            warnings.warn(
-                f"load_checkpoint: the checkpoint was saved at world size {saved_world} and is loaded "
-                f"at {world}: RNG states are not restored; every rank was re-seeded deterministically "
-                f"(rank 0 with {seed})",
-                stacklevel=3,
-            )
-    log.info("layershard: loaded %s in %.2f s", folder, time.perf_counter() - t0)
-    return {
-        "step": step,
-        "extra": manifest.get("extra"),
-        "run_config": manifest.get("run_config"),
-        "world_size": saved_world,
-        "path": str(folder),
-        "rng_restored": bool(rng),
-        "model_config": manifest["model"].get("config"),
-        "layershard_version": manifest.get("layershard_version"),
-    }
+        restore_rng_state(rng, rank)

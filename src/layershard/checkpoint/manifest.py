@@ -1,6 +1,7 @@
-"""What a checkpoint records besides the tensors, and the checks that need no data: the
-model's description, the optimizer's state and param groups, every rank's RNG states, and the
-validation of a manifest and DCP metadata against a model."""
+"""What a checkpoint records, and the checks that need no data: ``collect`` gathers what a save
+writes (tensors, the model's description, the optimizer's state and param groups, the RNG
+states) in one walk; the rest reads it back: the RNG states, and the validation of a manifest and
+DCP metadata against a model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
@@ -32,7 +34,7 @@ from layershard.checkpoint.shards import (
     sharded_1d,
 )
 
-# ---- model description --------------------------------------------------------------------------
+# ---- what a save writes ------------------------------------------------------------------------
 
 
 def model_kind(module: torch.nn.Module) -> str:
@@ -62,33 +64,58 @@ def model_config(module: torch.nn.Module) -> dict | None:
     return None
 
 
-def describe_model(model) -> dict:
+@dataclasses.dataclass
+class Collected:
+    """What a save writes, gathered in one walk of the model and the optimizer: the tensors by
+    DCP key (views of the live state; ``Shard1D`` where each rank holds a slice) and the
+    manifest's parts that describe them."""
+
+    tensors: dict[str, Any]
+    model: dict  # class, kind, config, params and buffers (shapes, dtypes)
+    optimizer: dict | None  # class, param groups, the kinds of every parameter's state
+    rng_keys: list[str]  # this rank's RNG entries ("torch", "py", "cuda")
+
+
+def collect(model, optimizer: torch.optim.Optimizer | None) -> Collected:
+    """Everything a save of ``model`` (and ``optimizer``) writes on this rank."""
+    rank = dist.get_rank(model.process_group)
+    tensors: dict[str, Any] = {}
+    described, index = {}, {}
+    for f, slot, p in params(model):
+        ranges = f.param_ranges(slot)
+        tensors[f"model/{slot.name}"] = sharded_1d(model, p.detach(), slot.numel, ranges, save=True)
+        described[slot.name] = {
+            "shape": list(slot.shape),
+            "dtype": "float32",
+            "requires_grad": slot.requires_grad,
+            "aliases": [u.name for u in slot.uses[1:]],
+        }
+        index[id(p)] = (f, slot, p)
+    bufs = {}
+    for key, b in buffers(model):
+        tensors[f"model/{key}"] = b.detach()
+        bufs[key] = {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
     module = model.module
-    return {
+    desc = {
         "class": f"{type(module).__module__}.{type(module).__qualname__}",
         "kind": model_kind(module),
         "config": model_config(module),
-        "params": {
-            slot.name: {
-                "shape": list(slot.shape),
-                "dtype": "float32",
-                "requires_grad": slot.requires_grad,
-                "aliases": [u.name for u in slot.uses[1:]],
-            }
-            for _, slot, _ in params(model)
-        },
-        "buffers": {
-            key: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for key, b in buffers(model)
-        },
+        "params": described,
+        "buffers": bufs,
     }
+    optim = None if optimizer is None else _optimizer(model, optimizer, index, tensors)
+    rng = rng_state(rank)
+    tensors.update(rng)
+    return Collected(tensors, desc, optim, sorted(k.split("/", 2)[2] for k in rng))
 
 
 # ---- optimizer ---------------------------------------------------------------------------------
 
 
-def optimizer_groups(model, optimizer) -> list[list[tuple[Any, Any, torch.Tensor]]]:
-    """The optimizer's groups as lists of ``(flat, slot, param)``."""
-    by_id = {id(p): (f, slot, p) for f, slot, p in params(model)}
+def optimizer_groups(model, optimizer, index: dict | None = None) -> list[list[tuple]]:
+    """The optimizer's groups as lists of ``(flat, slot, param)`` (``index``: those by
+    ``id(param)``, when the caller has them)."""
+    by_id = index if index is not None else {id(p): (f, s, p) for f, s, p in params(model)}
     groups = []
     for i, g in enumerate(optimizer.param_groups):
         items = []
@@ -126,14 +153,14 @@ def hyper_from_json(value, current):
     return value
 
 
-def optimizer_state(model, optimizer):
-    tensors, kinds = {}, {}
-    groups = optimizer_groups(model, optimizer)
+def _optimizer(model, optimizer, index: dict, tensors: dict[str, Any]) -> dict:
+    """The optimizer's part of the manifest; its state tensors go into ``tensors``."""
+    kinds = {}
+    groups = optimizer_groups(model, optimizer, index)
     for items in groups:
         for f, slot, p in items:
-            st = optimizer.state.get(p, {})
             k_of = {}
-            for k, v in st.items():
+            for k, v in optimizer.state.get(p, {}).items():
                 key = f"optim/{slot.name}/{k}"
                 if isinstance(v, torch.Tensor) and v.dim() == 0:
                     k_of[k] = {"kind": "scalar", "dtype": dtype_name(v.dtype)}
@@ -152,7 +179,7 @@ def optimizer_state(model, optimizer):
                     k_of[k] = {"kind": "value", "value": jsonable(v, f"optimizer state {k!r}")}
             if k_of:
                 kinds[slot.name] = k_of
-    info = {
+    return {
         "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         "param_groups": [
             {"params": [slot.name for _, slot, _ in items]}
@@ -161,7 +188,6 @@ def optimizer_state(model, optimizer):
         ],
         "state": kinds,
     }
-    return tensors, info
 
 
 # ---- RNG ---------------------------------------------------------------------------------------

@@ -22,11 +22,11 @@ an unpickler that admits only DCP's own metadata classes, everything else is JSO
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import errno
 import logging
 import os
 import shutil
+import threading
 import time
 import warnings
 import weakref
@@ -36,30 +36,20 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from layershard.checkpoint import publish as pub
-from layershard.checkpoint.errors import (
-    CheckpointError,
-)
-from layershard.checkpoint.manifest import describe_model, optimizer_state, rng_state
-from layershard.checkpoint.shards import (
-    Shard1D,
-    broadcast_from_rank0,
-    buffers,
-    group_of,
-    jsonable,
-    params,
-    sharded_1d,
-)
-from layershard.engine.agreement import agreed
+from layershard.checkpoint.errors import CheckpointError
+from layershard.checkpoint.manifest import Collected, collect
+from layershard.checkpoint.phases import Phases
+from layershard.checkpoint.shards import Shard1D, jsonable
 from layershard.engine.waits import waiting
 
 log = logging.getLogger("layershard")
 
-# ---- save --------------------------------------------------------------------------------------
-
+# The phases of a save, as its errors name them (checkpoint/phases.py).
+COLLECT, STAGE, CREATE = "collecting the state for", "staging", "creating the folder for"
+WRITE, DIGEST, PUBLISH = "writing", "hashing", "publishing"
 
 # Per-tensor overhead of DCP's files (a zip record per tensor), for the free-space estimate.
 _FILE_OVERHEAD = 4096
@@ -106,39 +96,42 @@ def _no_space(parent: Path, need: int) -> CheckpointError:
     )
 
 
-def _sum_over_ranks(group, value: int) -> int:
-    if dist.get_world_size(group) == 1:
-        return value
-    parts = [0] * dist.get_world_size(group)
-    dist.all_gather_object(parts, value, group=group)
-    return sum(parts)
-
-
 class _Save:
-    """One checkpoint save, in the order every rank runs it: collect the state (views), check the
-    space and create the temporary folder, write (here or in the background), then finalize:
-    hash, manifest, publish. Any failure removes the temporary folder and leaves the previous
-    checkpoint and ``latest`` as they were."""
+    """One checkpoint save, phase by phase, in the order every rank runs it (save_checkpoint).
+    Its phases run on the model's group, those after the write on ``late_group`` (an asynchronous
+    save's background thread, over a group that thread alone uses). Any failure removes the
+    temporary folder and leaves the previous checkpoint and ``latest`` as they were."""
 
-    def __init__(self, final: Path, model, group, keep_last: int | None, manifest: dict):
-        self.final, self.model, self.group = final, model, group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.keep_last, self.manifest = keep_last, manifest
+    def __init__(self, final: Path, keep_last: int | None, group, late_group):
+        self.final, self.keep_last = final, keep_last
+        self.phases = Phases(group, self._fail)
+        self.late = Phases(late_group, self._fail)
         self.tmp: Path | None = None
         self.need = 0
         self.t0 = time.perf_counter()
 
-    def prepare(self, state: dict[str, Any]) -> None:
-        """Collective: free space, then the temporary folder (rank 0), agreed by every rank."""
-        self.need = _sum_over_ranks(self.group, _nbytes(state)) + (1 << 20)  # + metadata
-        tmp = None
-        with agreed(self.group):
-            if self.rank == 0:
-                tmp = self._make_tmp()
-        self.tmp = Path(broadcast_from_rank0(self.group, str(tmp)))
+    def _fail(self, phase: str, exc: BaseException) -> NoReturn:
+        """Every rank has failed ``phase``: remove the temporary folder, raise one error."""
+        if self.phases.rank == 0 and self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if _is_disk_full(exc):
+            raise _no_space(self.final.parent, self.need) from None
+        if isinstance(exc, CheckpointError) or phase == COLLECT:  # COLLECT: the caller's input
+            raise exc
+        unchanged = (
+            "" if phase == PUBLISH else "; the previous checkpoint and `latest` are unchanged"
+        )
+        raise CheckpointError(
+            f"save_checkpoint: {phase} {self.final} failed ({type(exc).__name__}: {exc}){unchanged}"
+        ) from exc
+
+    def create(self, nbytes: list[int]) -> None:
+        """Rank 0 checks the destination and the space every rank needs, creates the folder."""
+        self.need = sum(nbytes) + (1 << 20)  # + metadata
+        self.t0 = time.perf_counter()
+        self.tmp = self.phases.rank0(CREATE, self._make_tmp)
 
     def _make_tmp(self) -> Path:
-        """Rank 0: check the destination and the free space, create the temporary folder."""
         final = self.final
         try:
             if (
@@ -163,79 +156,32 @@ class _Save:
                 else CheckpointError(f"save_checkpoint: cannot create {final.parent}: {e}")
             ) from None
 
-    def write(self, state: dict[str, Any]) -> None:
-        """Collective (on ``self.group``): DCP writes every rank's slices into the folder."""
-        assert self.tmp is not None, "prepare() creates the folder first"
-        try:
-            dcp.save(
-                state,
-                storage_writer=dcp.FileSystemWriter(self.tmp, sync_files=True),
-                process_group=self.group,
-            )
-        except (Exception, CheckpointException) as e:  # the same on every rank (DCP agrees)
-            self.fail(e)
-
-    def fail(self, exc: BaseException) -> NoReturn:
-        """Every rank has failed the same step: remove the temporary folder, raise one error."""
-        if self.rank == 0 and self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        if isinstance(exc, CheckpointError) and not _is_disk_full(exc):
-            raise exc
-        if _is_disk_full(exc):
-            raise _no_space(self.final.parent, self.need) from None
-        raise CheckpointError(
-            f"save_checkpoint: writing {self.final} failed ({type(exc).__name__}: {exc}); the "
-            "previous checkpoint and `latest` are unchanged"
-        ) from exc
-
-    def finalize(self) -> Path:
-        """Collective: hash a share of the files each, then rank 0 writes the manifest and
-        publishes. Every failure is agreed on, so no rank waits for another."""
-        group, rank, world, tmp = self.group, self.rank, self.world, self.tmp
-        assert tmp is not None, "prepare() creates the folder first"
+    def finish(self, manifest: dict) -> Path:
+        """Each rank hashes a share of the files, then rank 0 writes the manifest and publishes."""
         t_write = time.perf_counter() - self.t0
-        digests: dict[str, dict[str, Any]] = {}
-        try:
-            with agreed(group):
-                try:
-                    names = pub.data_files(tmp)
-                    for name in names[rank::world]:
-                        size, sha = pub.file_digest(tmp / name)
-                        digests[name] = {"bytes": size, "sha256": sha}
-                except OSError as e:
-                    raise CheckpointError(f"save_checkpoint: cannot read back {tmp}: {e}") from None
-        except CheckpointError as e:
-            self.fail(e)
-        parts: list[dict[str, Any]] = [digests]
-        if world > 1:
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, digests, group=group)
-            parts = gathered
-
-        with agreed(group):
-            if rank == 0:
-                self._publish(tmp, parts, t_write)
+        parts = self.late.gather(DIGEST, self._digest)
+        self.late.rank0(PUBLISH, lambda: self._publish(manifest, parts, t_write))
         log.info("layershard: saved %s in %.2f s", self.final, time.perf_counter() - self.t0)
         return self.final
 
-    def _publish(self, tmp: Path, parts: list[dict[str, Any]], t_write: float) -> None:
-        """Rank 0: write the manifest and publish; on failure nothing of this save stays."""
-        try:
-            files = {k: v for part in parts for k, v in sorted(part.items())}
-            manifest = dict(self.manifest)
-            manifest["files"] = dict(sorted(files.items()))
-            manifest["total_bytes"] = sum(v["bytes"] for v in files.values())
-            manifest["write_seconds"] = round(t_write, 3)
-            pub.write_atomic(tmp / pub.MANIFEST, pub.dumps(manifest))
-            pub.publish(tmp, self.final, self.keep_last)
-        except Exception as e:  # noqa: BLE001
-            if tmp.exists():  # not published: nothing of this save stays behind
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise (
-                _no_space(self.final.parent, self.need)
-                if _is_disk_full(e)
-                else CheckpointError(f"save_checkpoint: publishing {self.final} failed: {e}")
-            ) from None
+    def _digest(self) -> dict[str, dict[str, Any]]:
+        assert self.tmp is not None, "create() made the folder first"
+        names = pub.data_files(self.tmp)
+        digests = {}
+        for name in names[self.late.rank :: self.late.world]:
+            size, sha = pub.file_digest(self.tmp / name)
+            digests[name] = {"bytes": size, "sha256": sha}
+        return digests
+
+    def _publish(self, manifest: dict, parts: list[dict], t_write: float) -> None:
+        assert self.tmp is not None, "create() made the folder first"
+        files = {k: v for part in parts for k, v in part.items()}
+        manifest = dict(manifest)
+        manifest["files"] = dict(sorted(files.items()))
+        manifest["total_bytes"] = sum(v["bytes"] for v in files.values())
+        manifest["write_seconds"] = round(t_write, 3)
+        pub.write_atomic(self.tmp / pub.MANIFEST, pub.dumps(manifest))
+        pub.publish(self.tmp, self.final, self.keep_last)
 
 
 class AsyncCheckpoint:
@@ -259,36 +205,36 @@ class AsyncCheckpoint:
             self.observed = self._future.done()
 
 
-# One background save at a time per model: its staging buffers, its thread, the gloo group.
-_ASYNC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _Background:
+    """The asynchronous saves over one gloo group (``layershard.groups``: DCP's background
+    collectives must not interleave with the training thread's on the model's own group, and NCCL
+    groups have no CPU backend): their thread and the save in flight, one at a time."""
 
-
-class _AsyncState:
-    def __init__(self, group):
-        # DCP's background collectives must not interleave with the training thread's on the same
-        # process group (and NCCL groups have no CPU backend, which async_save needs): a gloo group
-        # of the same ranks. new_group() is collective on the default group.
-        self.group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
         self.executor = concurrent.futures.ThreadPoolExecutor(1, "layershard-ckpt")
-        self.buffers: dict[str, torch.Tensor] = {}
         self.pending: AsyncCheckpoint | None = None
 
-    @staticmethod
-    def close(group, executor: concurrent.futures.ThreadPoolExecutor) -> None:
-        """When the model is gone: finish the last save, then destroy the group (its sockets
-        and threads). Every rank drops its model, so every rank destroys its end."""
-        executor.shutdown(wait=True)
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):  # the default group may already be gone
-                dist.destroy_process_group(group)
+
+_BACKGROUND: dict[dist.ProcessGroup, _Background] = {}
+_STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its host buffers
 
 
-def _async_state(model, group) -> _AsyncState:
-    st = _ASYNC.get(model)
-    if st is None:
-        st = _ASYNC[model] = _AsyncState(group)
-        weakref.finalize(model, _AsyncState.close, st.group, st.executor)
-    return st
+def _stop(group: dist.ProcessGroup) -> None:
+    """Before the group goes with its model: finish the last save (unless this is its thread)."""
+    bg = _BACKGROUND.pop(group, None)
+    if bg is not None:
+        bg.executor.shutdown(wait=not threading.current_thread().name.startswith("layershard-ckpt"))
+
+
+def _background(model) -> _Background:
+    """``model``'s background saves; the first call makes their group (collective)."""
+    groups = model.sharding.groups
+    group = groups.make("async-save", [groups.ranks], "gloo", before_destroy=_stop)
+    assert group is not None  # this rank is one of the model's
+    if group not in _BACKGROUND:
+        _BACKGROUND[group] = _Background(group)
+    return _BACKGROUND[group]
 
 
 class _PreStaged(AsyncStager):
@@ -325,14 +271,38 @@ def _stage(state: dict[str, Any], buffers: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
+def _write(state: dict[str, Any], folder: Path, group) -> None:
+    """DCP writes every rank's slices into ``folder`` (collective)."""
+    dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=group
+    )
+
+
+def _write_async(state: dict[str, Any], folder: Path, group) -> concurrent.futures.Future:
+    """DCP's asynchronous save of an already staged ``state``: its upload's future."""
+    with warnings.catch_warnings():
+        # "async_save is experimental": layershard pins the torch version it is tested with
+        warnings.simplefilter("ignore", UserWarning)
+        upload = dcp.async_save(
+            state,
+            storage_writer=dcp.FileSystemWriter(folder, sync_files=True),
+            process_group=group,
+            async_stager=_PreStaged(),
+        )
+    # _PreStaged.stage() returns the state itself, not a future: async_save returns the upload's
+    assert isinstance(upload, concurrent.futures.Future)
+    return upload
+
+
 def wait_for_pending_save(model) -> Path | None:
-    """Wait for ``model``'s asynchronous save in flight, if any; returns its folder, or None when
-    there is none or it failed (its error is raised by its own ``wait()``; if nobody waited for
-    it, it is logged here rather than raised by an unrelated save)."""
-    st = _ASYNC.get(model)
-    if st is None or st.pending is None:
+    """Wait for the asynchronous save in flight over ``model``'s ranks, if any; returns its
+    folder, or None when there is none or it failed (its error is raised by its own ``wait()``;
+    if nobody waited for it, it is logged here rather than raised by an unrelated save)."""
+    group = model.sharding.groups.get("async-save")
+    bg = _BACKGROUND.get(group) if group is not None else None
+    if bg is None or bg.pending is None:
         return None
-    pending, st.pending = st.pending, None
+    pending, bg.pending = bg.pending, None
     seen = pending.observed
     try:
         return pending.wait()
@@ -367,17 +337,16 @@ def save_checkpoint(
 
     A save that cannot fit (checked before writing) or runs out of space while writing raises
     ``CheckpointError("no space left on <folder>: needed ~N bytes ...")`` and removes what it wrote.
+    A failure of any phase on any rank raises on every rank, and the save leaves nothing behind.
 
     ``async_save=True`` copies the state (to pinned CPU memory on CUDA) and returns an
     :class:`AsyncCheckpoint` at once; ``torch.distributed.checkpoint.async_save`` writes it in a
-    background thread over a gloo group of the same ranks (created by the first asynchronous save:
-    a collective on the default group), then the manifest and the publication follow, with the
-    same crash safety. One save per model is in flight: a new save (either kind) waits for it.
+    background thread over a gloo group of the same ranks (made by the first asynchronous save:
+    a collective of the model's ranks, ``layershard.groups``), then the manifest and the
+    publication follow, with the same crash safety. One save per model is in flight: a new save
+    (either kind) waits for it.
     """
-    from layershard import __version__
-
     t0 = time.perf_counter()
-    group, rank, world = group_of(model)
     final = Path(path).absolute()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint(keep_last={keep_last}): must be at least 1")
@@ -386,31 +355,47 @@ def save_checkpoint(
     extra = jsonable(extra, "save_checkpoint(extra=...)")
     run_config = jsonable(run_config, "save_checkpoint(run_config=...)")
     wait_for_pending_save(model)
+    bg = _background(model) if async_save else None
+    group = model.process_group if bg is None else bg.group  # where DCP writes
+    save = _Save(final, keep_last, model.process_group, group)
+    ph = save.phases
 
-    # Every part that can fail on one rank only runs under an agreement, so no rank hangs.
-    state: dict[str, Any] = {}
-    optim_info = None
-    with agreed(group):
-        for f, slot, p in params(model):
-            state[f"model/{slot.name}"] = sharded_1d(
-                model, p.detach(), slot.numel, f.param_ranges(slot), save=True
-            )
-        for key, b in buffers(model):
-            state[f"model/{key}"] = b.detach()
-        if optimizer is not None:
-            tensors, optim_info = optimizer_state(model, optimizer)
-            state.update(tensors)
-        state.update(rng_state(rank))
-    kinds = [optim_info["state"] if optim_info else None]
-    if world > 1:
-        kinds = [None] * world
-        dist.all_gather_object(kinds, optim_info["state"] if optim_info else None, group=group)
-    if optim_info is not None and any(k != kinds[0] for k in kinds):
+    got: Collected = ph.each(COLLECT, lambda: collect(model, optimizer))
+    summary = ph.gather(
+        COLLECT, lambda: (got.optimizer and got.optimizer["state"], _nbytes(got.tensors))
+    )
+    if got.optimizer is not None and any(kinds != summary[0][0] for kinds, _ in summary):
         raise CheckpointError(
             "save_checkpoint: the ranks' optimizers hold different kinds of state (has every rank "
             "stepped the same optimizer?)"
         )
-    manifest = {
+    manifest = _manifest(got, step, ph.world, extra, run_config)
+    state = got.tensors
+    if bg is not None:
+        buffers = _STAGING.setdefault(model, {})
+        state = ph.each(STAGE, lambda: _stage(got.tensors, buffers))
+    save.create([n for _, n in summary])
+    folder = save.tmp
+    assert folder is not None  # create() made it, or raised
+    if bg is None:
+        ph.each(WRITE, lambda: _write(state, folder, group))
+        return save.finish(manifest)
+    upload = ph.each(WRITE, lambda: _write_async(state, folder, group))
+
+    def finish() -> Path:  # in the background thread
+        save.late.each(WRITE, upload.result)
+        return save.finish(manifest)
+
+    handle = AsyncCheckpoint(final, bg.executor.submit(finish), time.perf_counter() - t0)
+    bg.pending = handle
+    return handle
+
+
+def _manifest(got: Collected, step, world: int, extra, run_config) -> dict:
+    """The manifest but for the files (added at publication)."""
+    from layershard import __version__
+
+    return {
         "format": pub.FORMAT,
         "format_version": pub.FORMAT_VERSION,
         "layershard_version": __version__,
@@ -420,44 +405,7 @@ def save_checkpoint(
         "world_size": world,
         "extra": extra,
         "run_config": run_config,
-        "model": describe_model(model),
-        "optimizer": optim_info,
-        "rng": {"world_size": world, "keys": sorted(k.split("/", 2)[2] for k in rng_state(0))},
+        "model": got.model,
+        "optimizer": got.optimizer,
+        "rng": {"world_size": world, "keys": got.rng_keys},
     }
-
-    if not async_save:
-        save = _Save(final, model, group, keep_last, manifest)
-        save.prepare(state)
-        save.write(state)
-        return save.finalize()
-
-    st = _async_state(model, group)
-    save = _Save(final, model, st.group, keep_last, manifest)
-    save.prepare(state)
-    assert save.tmp is not None  # prepare() created it
-    staged = _stage(state, st.buffers)
-    try:
-        with warnings.catch_warnings():
-            # "async_save is experimental": layershard pins the torch version it is tested with
-            warnings.simplefilter("ignore", UserWarning)
-            upload = dcp.async_save(
-                staged,
-                storage_writer=dcp.FileSystemWriter(save.tmp, sync_files=True),
-                process_group=st.group,
-                async_stager=_PreStaged(),
-            )
-    except (Exception, CheckpointException) as e:
-        save.fail(e)
-    # _PreStaged.stage() returns the state itself, not a future: async_save returns the upload's
-    assert isinstance(upload, concurrent.futures.Future)
-
-    def finish() -> Path:
-        try:
-            upload.result()
-        except (Exception, CheckpointException) as e:
-            save.fail(e)
-        return save.finalize()
-
-    handle = AsyncCheckpoint(final, st.executor.submit(finish), time.perf_counter() - t0)
-    st.pending = handle
-    return handle

@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -122,11 +121,6 @@ def sharded_1d(model, local: torch.Tensor, numel: int, ranges, save: bool) -> to
     return Shard1D(local, numel, lo if hi > lo else 0)
 
 
-def group_of(model):
-    group = model.process_group
-    return group, dist.get_rank(group), dist.get_world_size(group)
-
-
 def params(model):
     """``(flat, slot, shard_param)`` for every parameter, in unit order."""
     for f in model.flat_params:
@@ -149,14 +143,6 @@ def dtype_from_name(name: Any, where: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise CheckpointCorruptError(f"{where}: {name!r} is not a torch dtype (corrupt manifest)")
     return dtype
-
-
-def broadcast_from_rank0(group, obj):
-    if dist.get_world_size(group) == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, group_src=0, group=group)
-    return box[0]
 
 
 def jsonable(value, what: str):

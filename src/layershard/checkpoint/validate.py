@@ -260,6 +260,7 @@ def open_checkpoint(
     with ``sizes``, SHA-256 with ``digest``. Returns ``(folder, manifest, DCP metadata)``; raises
     ``CheckpointError`` with one line."""
     folder = pub.resolve(path)
+    _no_links(folder, [pub.MANIFEST])  # every file of a checkpoint, the manifest first
     manifest = pub.read_manifest(folder)
     try:
         check_manifest(folder, manifest)

@@ -245,10 +245,8 @@ class Comm:
         self._two_stage: list[_TwoStage] = []
         # Small agreements between ranks (which units a backward reaches) run on the CPU: on
         # gloo the model's own group; under NCCL a gloo group of the same ranks, made at
-        # shard() (collective), so that no agreement waits for the GPU.
-        self.control = full_group
-        if self.backend != "gloo" and dist.get_world_size(full_group) > 1:
-            self.control = dist.new_group(dist.get_process_group_ranks(full_group), backend="gloo")
+        # shard() (collective), so that no agreement waits for the GPU (layershard/groups.py).
+        self.control = sharding.groups.control()
         self.control_size = dist.get_world_size(full_group)
 
     def scratch_numel(self, numel: int, shard_numel: int) -> int:

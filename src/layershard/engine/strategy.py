@@ -13,17 +13,21 @@ Every strategy is the same engine with different groups (N ranks in all):
 
 A unit's gradients are reduce-scattered over the shard group, then the slices are all-reduced over
 the replicate group; the optimizer steps on the slice a rank holds (replicated ranks step the same
-slice with the same gradients, so they stay equal). Groups come from torch: ``DeviceMesh`` for the
-2-D (replicate, shard) layout of ``hybrid``, ``new_subgroups`` for the hpZ groups.
+slice with the same gradients, so they stay equal). The hpZ and hybrid groups are made by
+``layershard.groups`` (consecutive blocks of K ranks, and every K-th rank for hybrid's replicas, as
+torch's ``DeviceMesh`` lays them out), which also says when they go; a 2-D ``mesh`` passed in is
+the caller's.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from layershard.groups import Groups, blocks, strided
 
 STRATEGIES = {
     "full": "ZeRO-3: parameters, gradients and optimizer state sharded over all ranks",
@@ -51,6 +55,7 @@ class Sharding:
     shard_group: dist.ProcessGroup | None  # None: a group of one (this rank alone)
     replicate_group: dist.ProcessGroup | None  # None: no replicas
     keep_gathered: bool  # grad_op, no_shard: no re-gather in backward
+    groups: Groups = field(compare=False, repr=False)  # every group made for this model
     hpz_group: dist.ProcessGroup | None = None  # full with reshard_after_forward=K
 
     @property
@@ -157,9 +162,17 @@ def resolve(
     reshard_after_forward: bool | int = True,
     mesh: DeviceMesh | None = None,
 ) -> Sharding:
-    """Build the groups of ``strategy`` over ``group`` (collective: every rank calls it)."""
+    """Build the groups of ``strategy`` over ``group`` (collective: every rank calls it). The
+    groups made here live as long as the returned ``Sharding`` (``layershard.groups``)."""
     world = dist.get_world_size(group)
     check_options(strategy, world, shard_size, reshard_after_forward, mesh is not None)
+    groups = Groups(group)
+    sharding = _resolve(strategy, group, groups, world, shard_size, reshard_after_forward, mesh)
+    groups.owned_by(sharding)
+    return sharding
+
+
+def _resolve(strategy, group, groups, world, shard_size, reshard_after_forward, mesh) -> Sharding:
     if strategy == "full":
         hpz = None
         if reshard_after_forward is not True and reshard_after_forward is not False:
@@ -167,14 +180,14 @@ def resolve(
             if k < world:
                 if group is not dist.group.WORLD:
                     raise ValueError("shard(reshard_after_forward=K) needs the default group")
-                hpz, _ = dist.new_subgroups(group_size=k)
+                hpz = groups.make("hpz", blocks(groups.ranks, k))
         elif reshard_after_forward is False:
-            return Sharding("grad_op", group, None, keep_gathered=True)
-        return Sharding("full", group, None, keep_gathered=False, hpz_group=hpz)
+            return Sharding("grad_op", group, None, True, groups)
+        return Sharding("full", group, None, False, groups, hpz_group=hpz)
     if strategy == "grad_op":
-        return Sharding("grad_op", group, None, keep_gathered=True)
+        return Sharding("grad_op", group, None, True, groups)
     if strategy == "no_shard":
-        return Sharding("no_shard", None, group if world > 1 else None, keep_gathered=True)
+        return Sharding("no_shard", None, group if world > 1 else None, True, groups)
     # hybrid
     if mesh is not None:
         if mesh.ndim != 2:
@@ -184,12 +197,9 @@ def resolve(
         k = shard_size if shard_size is not None else _local_world_size(world)
         if group is not dist.group.WORLD:
             raise ValueError("shard(strategy='hybrid') builds its groups over the default group")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        backend = dist.get_backend(group)
-        device_type = "cuda" if backend == "nccl" else "cpu"
-        m = init_device_mesh(device_type, (world // k, k), mesh_dim_names=("replicate", "shard"))
-        shard_group, replicate_group = m.get_group("shard"), m.get_group("replicate")
+        shard_group = groups.make("shard", blocks(groups.ranks, k))
+        replicate_group = groups.make("replicate", strided(groups.ranks, k))
+        assert shard_group is not None and replicate_group is not None  # every rank is in one
     shard = shard_group if dist.get_world_size(shard_group) > 1 else None
     replicate = replicate_group if dist.get_world_size(replicate_group) > 1 else None
-    return Sharding("hybrid", shard, replicate, keep_gathered=False)
+    return Sharding("hybrid", shard, replicate, False, groups)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layershard.loss import chunked_causal_lm_loss
+from layershard.loss import ChunkedLossModel, chunked_causal_lm_loss
 
 if TYPE_CHECKING:  # transformers is optional; imported lazily in hf_llama_config()
     import transformers
@@ -369,7 +369,7 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module, ChunkedLossModel):
     """``loss_chunks`` (0: off; set by ``layershard.chunked_loss``): with labels, the LM head
     computes the loss in that many chunks of tokens and the output's ``logits`` are None."""
 

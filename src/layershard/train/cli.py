@@ -14,11 +14,16 @@ import yaml
 
 from layershard.plan.calibrate import against_plan
 from layershard.train import status as st
-from layershard.train.config import ConfigError, TrainConfig, check_launch, field_infos
+from layershard.train.config import (
+    ConfigError,
+    LaunchOptions,
+    TrainConfig,
+    check_launch,
+    field_infos,
+)
 from layershard.train.launch import (
     DEFAULT_TIMEOUT_S,
     AlreadyFinished,
-    LaunchOptions,
     launch,
     outcome,
     prepare,

@@ -272,6 +272,32 @@ class LaunchSchema:
         return self
 
 
+@dataclasses.dataclass
+class LaunchOptions:
+    """One invocation's options that are not part of the run's recorded config."""
+
+    config: str | None = None
+    overwrite: bool = False
+    resume: str | None = None  # "latest" or a checkpoint folder
+    stop_at_step: int | None = None
+    nproc_per_node: int | None = None
+    nnodes: str = "1"
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    max_restarts: int = 0
+    resume_fallback: bool = False
+    allow_data_change: bool = False  # --resume on a changed corpus (train/identity.py)
+    timeout: float | None = None
+    dry_run: bool = False
+    notes: list[str] = field(default_factory=list)
+    # set by prepare(): this launch's id (in launch.json and every rank's status) and its lock
+    launch_id: str = ""
+    lock: Path | None = None
+
+
 def check_launch(options: dict[str, Any]) -> None:
     """Validate ``layershard train``'s launch options (a dict of the flags given)."""
     given = {k: v for k, v in options.items() if k in _FIELDS_LAUNCH}

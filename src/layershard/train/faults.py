@@ -8,8 +8,9 @@ group), so they work while the process group is busy or stuck:
   next step, and every rank reads the one proposal that won, so all of them stop after the same
   step and can save a checkpoint together.
 - ``Watchdog``: a thread that publishes this rank's heartbeat and position (step, collectives
-  issued) and, when the main thread has made no progress for a while, says where it waits (which
-  collective, which unit, from its Python stack) and which ranks are not there yet.
+  issued) and, when the rank has made no progress for a while, says where it waits (which
+  collective, which unit, from the labels its threads set and their Python stacks) and which
+  ranks are not there yet.
 """
 
 from __future__ import annotations
@@ -141,7 +142,20 @@ class StopRequest:
         return self.stop_at is not None and step >= self.stop_at
 
 
-# ---- where the main thread waits -------------------------------------------------------------------
+# ---- where the rank waits ------------------------------------------------------------------------
+
+
+def where_rank_waits() -> str:
+    """Where this rank waits, as its watchdog reports it: the newest label any thread set
+    (``waits.innermost``; on a GPU the backward's waits are labelled on autograd's device thread
+    while the main thread waits inside ``backward()``), with the innermost layershard frame of the
+    thread holding it; with no label, the main thread's stack."""
+    found = waits.innermost()
+    if found is None:
+        frame = main_thread_stack()
+        return describe_stack(frame) if frame is not None else "?"
+    ident, what = found
+    return _where(what, sys._current_frames().get(ident))
 
 
 def describe_stack(frame: Any, thread_id: int | None = None) -> str:
@@ -149,7 +163,10 @@ def describe_stack(frame: Any, thread_id: int | None = None) -> str:
     as the code that blocks says it (``layershard.engine.waits``), with the innermost layershard frame
     of its stack."""
     ident = thread_id if thread_id is not None else threading.main_thread().ident
-    what = waits.describe(ident) if ident is not None else None
+    return _where(waits.describe(ident) if ident is not None else None, frame)
+
+
+def _where(what: str | None, frame: Any) -> str:
     inner = frame
     while inner is not None and f"{os.sep}layershard{os.sep}" not in inner.f_code.co_filename:
         inner = inner.f_back
@@ -217,8 +234,7 @@ class Watchdog(threading.Thread):
 
     def _heartbeat(self, token: tuple[int, int]) -> None:
         self._seq += 1
-        frame = main_thread_stack()
-        where = describe_stack(frame) if frame is not None else "?"
+        where = where_rank_waits()
         record = {"seq": self._seq, "step": token[0], "collectives": token[1], "where": where}
         self.store.set(f"hb/{self.rank}", json.dumps(record))
 
@@ -238,8 +254,7 @@ class Watchdog(threading.Thread):
         return out
 
     def describe(self, token: tuple[int, int], stalled: float) -> str:
-        frame = main_thread_stack()
-        where = describe_stack(frame) if frame is not None else "?"
+        where = where_rank_waits()
         step, mine = token
         doing = f"busy {where}" if where.startswith("outside") else f"waiting in the {where}"
         lines = [

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from layershard.train import status as st
 from layershard.train.checks import check_prepared
 from layershard.train.config import (
     ConfigError,
+    LaunchOptions,
     TrainConfig,
     check_launch,
     check_world,
@@ -50,33 +50,6 @@ from layershard.train.nodes import (
 from layershard.train.prepare import bpe_texts, corpus_hash, prepare_splits
 from layershard.train.sources import find_files
 from layershard.train.tokenizer import load_tokenizer, train_or_load_bpe
-
-
-@dataclass
-class LaunchOptions:
-    """One invocation's options that are not part of the run's recorded config."""
-
-    config: str | None = None
-    overwrite: bool = False
-    resume: str | None = None  # "latest" or a checkpoint folder
-    stop_at_step: int | None = None
-    nproc_per_node: int | None = None
-    nnodes: str = "1"
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    rdzv_backend: str | None = None
-    rdzv_id: str | None = None
-    rdzv_conf: str | None = None
-    max_restarts: int = 0
-    resume_fallback: bool = False
-    allow_data_change: bool = False  # --resume on a changed corpus (train/identity.py)
-    timeout: float | None = None
-    dry_run: bool = False
-    notes: list[str] = field(default_factory=list)
-    # set by prepare(): this launch's id (in launch.json and every rank's status) and its lock
-    launch_id: str = ""
-    lock: Path | None = None
-
 
 # The process-group timeout `layershard train` gives its ranks unless told otherwise: a rank that
 # waits longer than this in one collective fails the job. Long enough for the slowest legitimate

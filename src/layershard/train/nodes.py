@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from layershard.train import status as st
-from layershard.train.config import ConfigError, TrainConfig, grad_accum_for
-
-if TYPE_CHECKING:
-    from layershard.train.launch import LaunchOptions
+from layershard.train.config import ConfigError, LaunchOptions, TrainConfig, grad_accum_for
 
 
 def default_nproc() -> int:

@@ -2,7 +2,8 @@
 
 Records are ``{"prompt": ..., "response": ...}`` or ``{"messages": [{"role", "content"}, ...]}``.
 Only assistant (response) tokens and the end-of-text after them are trained on (mask 1); the
-prompt, system text and role markers are context only (mask 0, label -100).
+prompt, system text and role markers are context only (mask 0, label -100). A record's shape is
+checked where it is read (``sources.messages_of``), with its file and line.
 """
 
 from __future__ import annotations
@@ -10,41 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from layershard.train.config import ConfigError
+from layershard.train.sources import messages_of
 from layershard.train.tokenizer import ASSISTANT, SYSTEM, USER, TextTokenizer
 
 _PLAIN_MARKERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
 _TOKEN_MARKERS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
-
-
-def messages_of(rec: Any, where: str) -> list[dict[str, str]]:
-    if isinstance(rec, dict) and "messages" in rec:
-        msgs = rec["messages"]
-    elif isinstance(rec, dict) and "prompt" in rec and "response" in rec:
-        for key in ("prompt", "response"):
-            if not isinstance(rec[key], str):
-                what = "null" if rec[key] is None else f"a {type(rec[key]).__name__}"
-                raise ConfigError(f"{where}: '{key}' is {what}, not a string")
-        msgs = [
-            {"role": "user", "content": rec["prompt"]},
-            {"role": "assistant", "content": rec["response"]},
-        ]
-    else:
-        raise ConfigError(
-            f"{where}: an SFT record needs 'prompt' and 'response' fields or a 'messages' list"
-        )
-    if not isinstance(msgs, list) or not msgs:
-        raise ConfigError(f"{where}: 'messages' must be a non-empty list")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in _PLAIN_MARKERS or "content" not in m:
-            raise ConfigError(
-                f"{where}: each message needs a role (system/user/assistant) and content"
-            )
-        if not isinstance(m["content"], str):
-            what = "null" if m["content"] is None else f"a {type(m['content']).__name__}"
-            raise ConfigError(f"{where}: the content of message {i + 1} is {what}, not a string")
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise ConfigError(f"{where}: the record has no assistant message to train on")
-    return msgs
 
 
 def encode_example(

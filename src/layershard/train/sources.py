@@ -309,8 +309,6 @@ def records(f: Path, name: str, cfg: TrainConfig) -> Iterator[tuple[str, Any]]:
 
 def record(rec: Any, cfg: TrainConfig, where: str) -> Any:
     if cfg.task == "sft":
-        from layershard.train.sft import messages_of
-
         messages_of(rec, where)  # a malformed record is named here, with its file and line
         return rec
     if isinstance(rec, str):
@@ -324,6 +322,42 @@ def record(rec: Any, cfg: TrainConfig, where: str) -> Any:
         what = "null" if text is None else f"a {type(text).__name__}, not a string"
         raise ConfigError(f"{where}: '{cfg.text_key}' is {what}; fix or remove the record")
     return text
+
+
+_ROLES = frozenset({"system", "user", "assistant"})  # the roles an SFT message may have
+
+
+def messages_of(rec: Any, where: str) -> list[dict[str, str]]:
+    """An SFT record's messages (``{"prompt", "response"}`` as a user and an assistant message),
+    checked: a malformed record raises a ``ConfigError`` naming ``where``."""
+    if isinstance(rec, dict) and "messages" in rec:
+        msgs = rec["messages"]
+    elif isinstance(rec, dict) and "prompt" in rec and "response" in rec:
+        for key in ("prompt", "response"):
+            if not isinstance(rec[key], str):
+                what = "null" if rec[key] is None else f"a {type(rec[key]).__name__}"
+                raise ConfigError(f"{where}: '{key}' is {what}, not a string")
+        msgs = [
+            {"role": "user", "content": rec["prompt"]},
+            {"role": "assistant", "content": rec["response"]},
+        ]
+    else:
+        raise ConfigError(
+            f"{where}: an SFT record needs 'prompt' and 'response' fields or a 'messages' list"
+        )
+    if not isinstance(msgs, list) or not msgs:
+        raise ConfigError(f"{where}: 'messages' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES or "content" not in m:
+            raise ConfigError(
+                f"{where}: each message needs a role (system/user/assistant) and content"
+            )
+        if not isinstance(m["content"], str):
+            what = "null" if m["content"] is None else f"a {type(m['content']).__name__}"
+            raise ConfigError(f"{where}: the content of message {i + 1} is {what}, not a string")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ConfigError(f"{where}: the record has no assistant message to train on")
+    return msgs
 
 
 # --- pieces for the tokenizer ----------------------------------------------------------------

@@ -1,0 +1,168 @@
+"""Every process group layershard makes is made here, and here each one's life ends.
+
+A sharded model may need groups besides the one it runs on: a gloo *control* group for the small
+agreements of an NCCL model (``Comm.control``), a gloo group for its asynchronous checkpoint
+saves (checkpoint/save.py), and its strategy's hpZ or hybrid groups (engine/strategy.py). Each
+model has one ``Groups`` (``model.sharding.groups``), and every group is made by ``Groups.make``.
+
+Who calls, in which order:
+
+- Every rank of the model's group calls ``make`` at the same point of its program (shard(), the
+  first asynchronous save), as for any collective, in the same order.
+- A model over every rank of the world: each rank makes every group of a partition, also those
+  it is not a member of. torch names these groups by a count each rank keeps (``new_group``), so
+  a rank that skipped one would look for the next group under another name.
+- A model over a subgroup (``shard(process_group=...)`` called by that group's ranks only): only
+  its ranks call, each making its own group (``new_group(use_local_synchronization=True)``); the
+  other ranks may do anything meanwhile. torch names such a group after its ranks and the number
+  of groups alive in the process, so the ranks first collect garbage (a dead model's groups go
+  now, not whenever each rank finds it) and check that this number agrees: a mismatch raises
+  instead of leaving each rank waiting for peers under another name. (A plain ``new_group``
+  called by some ranks only hangs: two pairs of a 4-rank world, each making its own group, got
+  the same name; torch 2.13.) hpZ and hybrid groups are made over the default group only
+  (strategy.py refuses others): an NCCL group is split from the default group's communicator,
+  which every rank of it must join.
+
+When a group goes:
+
+- A gloo group made over the whole world is destroyed when the ``Sharding`` that holds it is
+  garbage (``weakref.finalize``; the model's engine holds it, and with it every hook shard()
+  installed): nothing can issue a collective on the group any more. Destroying an idle gloo group
+  is local (tried: one rank destroying while its peers were busy elsewhere, 3 x 5 times, 4 ranks).
+  Not at interpreter exit, where peers may still be mid-collective.
+- A group made by a subgroup's ranks alone is kept for the process and reused by the next model
+  over the same ranks. Destroyed, the next group of those ranks would get its name (the count is
+  back where it was), and gloo's rendezvous would read the dead group's addresses from the store:
+  with torch 2.13, destroying and re-making one such group failed in 2 of 3 runs ("Connection
+  reset by peer", or a send timeout).
+- An NCCL group (hpZ, hybrid) is kept and reused too: destroying one waits until every member
+  destroys it (``ncclCommFinalize``), and garbage is not found at the same point on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import weakref
+from collections.abc import Callable
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+# LAYERSHARD_FORCE_CONTROL_GROUP=1: make the control group on gloo too (as under NCCL), so that
+# tests walk the NCCL path's group creation on CPU.
+FORCE_CONTROL = "LAYERSHARD_FORCE_CONTROL_GROUP"
+
+Partition = list[list[int]]  # groups of global ranks, together every rank of the model once
+
+# Groups kept for the process, by (purpose, backend, partition): this rank's group of it.
+_KEPT: dict[tuple, dist.ProcessGroup | None] = {}
+
+
+def blocks(ranks: list[int], size: int) -> Partition:
+    """``ranks`` in consecutive blocks of ``size`` (a node's ranks: hpZ, hybrid's shard groups)."""
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
+
+
+def strided(ranks: list[int], size: int) -> Partition:
+    """The ranks at the same place of every block of ``size`` (hybrid's replicate groups)."""
+    return [ranks[i::size] for i in range(size)]
+
+
+class Groups:
+    """The groups made for one model over ``parent`` (see the module docstring)."""
+
+    def __init__(self, parent: dist.ProcessGroup) -> None:
+        self.parent = parent
+        self.ranks: list[int] = dist.get_process_group_ranks(parent)
+        self.whole_world = len(self.ranks) == dist.get_world_size()
+        self._made: dict[str, dist.ProcessGroup | None] = {}  # by purpose
+        self._owned: list[tuple[dist.ProcessGroup, Callable | None]] = []  # destroyed by close
+
+    def owned_by(self, owner: object) -> None:
+        """Destroy this model's own groups when ``owner`` is garbage."""
+        weakref.finalize(owner, self.close).atexit = False
+
+    def control(self) -> dist.ProcessGroup:
+        """Where the small agreements run, on CPU tensors: on gloo the model's own group; under
+        another backend (NCCL) a gloo group of the same ranks, so that no agreement waits for the
+        GPU. Collective at shard()."""
+        native = dist.get_backend(self.parent) == "gloo" and os.environ.get(FORCE_CONTROL) != "1"
+        if native or len(self.ranks) == 1:
+            return self.parent
+        group = self.make("control", [self.ranks], "gloo")
+        assert group is not None  # this rank is one of self.ranks
+        return group
+
+    def get(self, purpose: str) -> dist.ProcessGroup | None:
+        """The group made for ``purpose``, or None if none was."""
+        return self._made.get(purpose)
+
+    def make(
+        self,
+        purpose: str,
+        partition: Partition,
+        backend: str | None = None,
+        before_destroy: Callable[[dist.ProcessGroup], None] | None = None,
+    ) -> dist.ProcessGroup | None:
+        """This rank's group of ``partition`` (None if it is in none), made once per model and
+        ``purpose``; ``before_destroy(group)`` runs first if the group is destroyed. Collective
+        over the model's ranks (the rules above)."""
+        if purpose in self._made:
+            return self._made[purpose]
+        backend = backend or dist.get_backend(self.parent)
+        kept = not self.whole_world or backend != "gloo"
+        key = (purpose, backend, tuple(tuple(ranks) for ranks in partition))
+        if kept and key in _KEPT:
+            group = _KEPT[key]
+        else:
+            group = self._new(partition, backend)
+            if kept:
+                _KEPT[key] = group
+            elif group is not None:
+                self._owned.append((group, before_destroy))
+        self._made[purpose] = group
+        return group
+
+    def _new(self, partition: Partition, backend: str) -> dist.ProcessGroup | None:
+        me = dist.get_rank()
+        if self.whole_world:
+            mine = None
+            for ranks in partition:  # every rank, every group, in order
+                group = dist.new_group(ranks, backend=backend)
+                if me in ranks:
+                    mine = group
+            return mine
+        self._check_names()
+        for ranks in partition:  # this rank's group only
+            if me in ranks:
+                return dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+        return None
+
+    def _check_names(self) -> None:
+        """The ranks agree on the number torch names their next group by (see above)."""
+        gc.collect()
+        names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+        if names is None:  # a torch that keeps no such registry: nothing to compare
+            return
+        counts: list = [None] * len(self.ranks)
+        dist.all_gather_object(counts, len(names), group=self.parent)
+        if len(set(counts)) > 1:
+            held = ", ".join(f"rank {r}: {n}" for r, n in zip(self.ranks, counts))
+            raise RuntimeError(
+                f"layershard: the ranks of this process group hold different numbers of process "
+                f"groups ({held}); torch names a group made by some ranks only after that number, "
+                "so they would wait for each other forever. Make the same groups, in the same "
+                "order, on every rank of the group"
+            )
+
+    def close(self) -> None:
+        """Destroy the groups made for this model alone, the last made first."""
+        while self._owned:
+            group, before = self._owned.pop()
+            with contextlib.suppress(Exception):  # e.g. every group was destroyed already
+                if before is not None:
+                    before(group)
+                if dist.is_initialized():
+                    dist.destroy_process_group(group)

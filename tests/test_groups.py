@@ -1,0 +1,146 @@
+"""The process groups layershard makes (layershard/groups.py), at world size 4: the NCCL path's
+gloo control group, made here on gloo (``LAYERSHARD_FORCE_CONTROL_GROUP=1``); groups made by a
+subgroup's ranks alone; and every group going when its model goes.
+
+Live groups are counted in torch's registry of this process's groups,
+``torch.distributed.distributed_c10d._world.pg_map`` (one entry per group this rank is a member
+of, the default group included; ``destroy_process_group`` removes it). Private, but the only
+place that sees a group nobody holds a handle to any more."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+from _dist import RankChecks, shared_tmp
+from _parity import LR, batches, lm_loss, local, max_diff, param_bound, train_in_orders
+from _parity import tiny_llama as _tiny
+from torch.distributed.distributed_c10d import _world
+
+import layershard as ls
+
+checks = RankChecks(world_size=4)
+STEPS = 3
+
+
+@contextlib.contextmanager
+def _like_nccl():
+    """shard() makes its control group as under NCCL (a gloo group of the model's ranks)."""
+    os.environ["LAYERSHARD_FORCE_CONTROL_GROUP"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["LAYERSHARD_FORCE_CONTROL_GROUP"]
+
+
+def _live() -> int:
+    gc.collect()
+    return len(_world.pg_map)
+
+
+def _step(model, opt, batch, rank: int, world: int) -> None:
+    lm_loss(model, local(batch, rank, world)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _train_and_compare(model, group: dist.ProcessGroup) -> None:
+    """STEPS steps over ``group`` on the global batches; the weights against the single-process
+    reference, within the spread of its legitimate summation orders (_parity.py)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = batches(STEPS)
+    for batch in data:
+        _step(model, opt, batch, rank, world)
+    reference = _tiny()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for batch in data:
+        lm_loss(reference, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    bound = param_bound(reference, *train_in_orders(_tiny(), data, world))
+    diff, where = max_diff(model.full_state_dict(rank0_only=False), reference)
+    assert diff <= bound, (diff, bound, where)
+
+
+@checks.check
+def control_group_is_made_as_under_nccl(rank: int, world: int) -> None:
+    """Under NCCL shard() makes a gloo group of the model's ranks for the agreements, which was
+    never destroyed. Made here on gloo: it is its own group of the model's ranks, the
+    agreements run on it, and it goes when the model goes."""
+    start = _live()
+    with _like_nccl():
+        model = ls.shard(_tiny())
+    control = model._schedule.comm.control
+    assert control is not model.process_group, "no control group of its own was made"
+    assert dist.get_process_group_ranks(control) == list(range(world))
+    assert dist.get_backend(control) == "gloo" and _live() == start + 1
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _step(model, opt, batches(1)[0], rank, world)  # its backward agrees on the control group
+    del model, opt, control
+    assert _live() == start, "the control group outlived its model"
+
+
+@checks.check
+def groups_go_with_their_model(rank: int, world: int) -> None:
+    """hpZ's groups, hybrid's, the control group and the asynchronous save's group: after a step
+    and a save, deleting the model leaves as many live groups as before it was made (hpZ's,
+    from ``new_subgroups``, and hybrid's, from ``init_device_mesh``, were never destroyed)."""
+    cases = {
+        "hpz": {"reshard_after_forward": 2},
+        "hybrid": {"strategy": "hybrid", "shard_size": 2},
+        "control": {},
+    }
+    start = _live()
+    for name, opts in cases.items():
+        with _like_nccl() if name == "control" else contextlib.nullcontext():
+            model = ls.shard(_tiny(), **opts)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        _step(model, opt, batches(1)[0], rank, world)
+        ls.save_checkpoint(shared_tmp() / name, model, opt, async_save=True).wait()
+        assert _live() > start + 1, name  # its own groups, the save's
+        del model, opt
+        assert _live() == start, f"{name}: {_live() - start} groups outlived their model"
+
+
+@checks.check
+def subgroup_shards_alone(rank: int, world: int) -> None:
+    """shard(process_group=...) called by that group's ranks only: ranks 0-1 shard one model
+    over their pair while ranks 2-3 shard, save (asynchronously), delete and shard again over
+    theirs, each making the NCCL path's groups by themselves. Both train as one process would;
+    the second model of 2-3 reuses the groups of the first (a group made by some ranks only is
+    kept: re-made, it would take the dead one's name); and the world can still make groups
+    together afterwards (their names did not drift apart)."""
+    pair = [0, 1] if rank < 2 else [2, 3]
+    group = dist.new_group(pair, use_local_synchronization=True)
+    with _like_nccl():
+        if rank >= 2:
+            first = ls.shard(_tiny(), process_group=group)
+            first_control = first._schedule.comm.control
+            assert first_control is not group
+            first_opt = torch.optim.AdamW(first.parameters(), lr=LR)
+            _step(first, first_opt, batches(1)[0], dist.get_rank(group), 2)
+            ls.save_checkpoint(shared_tmp() / "first", first, async_save=True).wait()
+            kept = _live()
+            del first, first_opt
+            assert _live() == kept, "a group made by some ranks alone was destroyed"
+        model = ls.shard(_tiny(), process_group=group)
+        control = model._schedule.comm.control
+        assert control is not group and dist.get_process_group_ranks(control) == pair
+        if rank >= 2:
+            assert control is first_control and _live() == kept
+    _train_and_compare(model, group)
+    if rank >= 2:
+        ls.save_checkpoint(shared_tmp() / "second", model, async_save=True).wait()
+        assert _live() == kept
+    dist.barrier()
+    with _like_nccl():  # every rank of the world together, as before
+        everyone = ls.shard(_tiny())
+    opt = torch.optim.AdamW(everyone.parameters(), lr=LR)
+    _step(everyone, opt, batches(1)[0], rank, world)
+
+
+checks.collect(globals())
