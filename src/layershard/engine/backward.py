@@ -92,16 +92,23 @@ def output_tensors(out: Any, limit: int = 4096) -> list[torch.Tensor]:
     return found
 
 
-@dataclass(frozen=True)
 class WeightView:
     """What a unit's forward saved of its gathered weights: where in the unit's buffer, not the
-    tensor, so that its backward reads them wherever they are gathered then."""
+    tensor, so that its backward reads them wherever they are gathered then. ``index``: which of
+    the unit's parameter views it is (most ops save the weight itself), -1 for another view of
+    the buffer (a transpose), rebuilt from its strides. One is made per weight an op saves, in
+    every forward: a plain class, not a dataclass (half the cost)."""
 
-    offset: int
-    shape: torch.Size
-    stride: tuple[int, ...]
+    __slots__ = ("offset", "shape", "stride", "index")
 
-    def of(self, buffer: torch.Tensor) -> torch.Tensor:
+    def __init__(self, offset: int, shape: torch.Size, stride: tuple[int, ...], index: int):
+        self.offset, self.shape, self.stride, self.index = offset, shape, stride, index
+
+    def of(self, views: list[torch.Tensor] | None, buffer: torch.Tensor) -> torch.Tensor:
+        """The saved weight in this backward's ``buffer``, whose parameter views are ``views``
+        (None: make it)."""
+        if self.index >= 0 and views is not None:
+            return views[self.index]
         return buffer.as_strided(self.shape, self.stride, self.offset)
 
 
@@ -185,22 +192,32 @@ def mark_inputs(record: Use, args: tuple, kwargs: dict):
 
 
 def weight_saving_hooks(
-    weights: torch.Tensor, begin: Callable[[], None], backward_weights: Callable[[], torch.Tensor]
+    weights: torch.Tensor,
+    keys: dict[tuple, int],
+    begin: Callable[[], None],
+    backward_weights: Callable[[], tuple[list[torch.Tensor] | None, torch.Tensor]],
 ) -> saved_tensors_hooks | None:
     """Saved-tensor hooks for a unit's forward (trigger 2 in ``Schedule``'s note on what begins
     a unit's backward): a view of the unit's gathered ``weights`` is saved as a ``WeightView``
-    and read back from ``backward_weights()``, the buffer of this backward; every unpack first
-    calls ``begin()``. Composes with the hooks already active (``save_on_cpu``, say). None when
-    the caller disabled saved-tensor hooks (functorch transforms): the other triggers remain."""
+    (``keys``: its parameter views, ``flat.view_keys``) and read back from ``backward_weights()``,
+    the parameter views and buffer of this backward; every unpack first calls ``begin()``.
+    Composes with the hooks already active (``save_on_cpu``, say). None when the caller disabled
+    saved-tensor hooks (functorch transforms): the other triggers remain."""
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
         return None
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
-    storage = weights.untyped_storage().data_ptr()
+    # A view of the weights is a tensor whose data lies in their buffer (no other live tensor's
+    # does), of their dtype: an address comparison, cheaper than asking for each tensor's
+    # storage (every tensor the unit's forward saves comes here).
+    lo, size, dtype = weights.data_ptr(), weights.element_size(), weights.dtype
+    hi = lo + weights.numel() * size
 
     def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() == storage:  # a view of the unit's weights
-            return WeightView(int(t.storage_offset()), t.shape, t.stride())
+        p = t.data_ptr()
+        if lo <= p < hi and t.dtype == dtype:
+            key = ((p - lo) // size, t.shape, t.stride())
+            return WeightView(*key, keys.get(key, -1))
         # Never ``t`` itself: when ``t`` is an output of the op that saves it, its grad_fn is
         # that op's node, which would then hold itself through this object, and a graph no
         # backward runs (or one kept with retain_graph) would never be freed. Autograd puts
@@ -209,8 +226,8 @@ def weight_saving_hooks(
 
     def unpack(x):
         begin()
-        if isinstance(x, WeightView):
-            return x.of(backward_weights())
+        if type(x) is WeightView:
+            return x.of(*backward_weights())
         return x if outer_unpack is None else outer_unpack(x)
 
     return saved_tensors_hooks(pack, unpack)

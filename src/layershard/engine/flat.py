@@ -186,3 +186,17 @@ class FlatParam:
         assert self.grad is not None, "a frozen flat parameter has no gradient"
         lo, hi = self.local_range(self.slots[i])
         return self.grad[lo - self.shard_start : hi - self.shard_start]
+
+
+def view_keys(shapes: list[tuple[int, torch.Size]]) -> dict[tuple, int]:
+    """``(offset, shape, stride) -> index`` of a unit's parameter views in its gathered buffer,
+    from their ``(offset, shape)`` (contiguous views): how the saved-tensor hooks recognize a
+    saved weight as one of them."""
+    keys = {}
+    for i, (offset, shape) in enumerate(shapes):
+        stride, step = [], 1
+        for n in reversed(shape):
+            stride.append(step)
+            step *= n
+        keys[(offset, torch.Size(shape), tuple(reversed(stride)))] = i
+    return keys

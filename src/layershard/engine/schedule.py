@@ -295,7 +295,9 @@ class Schedule:
             if (bw is None or use not in bw.began_uses) and self.in_backward():
                 self.begin_backward_use(u, use)
 
-        hooks = weight_saving_hooks(u.slot.alias, begin, lambda: self.backward_weights(u))
+        hooks = weight_saving_hooks(
+            u.slot.alias, u.view_keys, begin, lambda: self.backward_weights(u)
+        )
         if hooks is not None:
             hooks.__enter__()
             self._hooks.append((u, hooks))
@@ -346,14 +348,15 @@ class Schedule:
         else:
             self.ensure(u, Phase.BACKWARD)
 
-    def backward_weights(self, u: Unit) -> torch.Tensor:
-        """The buffer holding ``u``'s gathered weights in this backward (laid out as in its
-        slot): its slot, or its own buffer when only some ranks reach it."""
+    def backward_weights(self, u: Unit) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+        """The parameter views (None: not kept) and the buffer holding ``u``'s gathered weights
+        in this backward (laid out as in its slot): its slot, or its own buffer when only some
+        ranks reach it."""
         private = self.bw.private.get(id(u)) if self.bw is not None else None
         if private is not None:
-            return private.buffer
+            return private.views, private.buffer
         assert u.slot.alias is not None  # gathered: its backward began
-        return u.slot.alias
+        return (None if u.slot.transient else u.full_views), u.slot.alias
 
     def post_backward(self, u: Unit, use: int | None, grads: tuple) -> None:
         bw = self.backward_pass()

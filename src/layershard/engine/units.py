@@ -21,7 +21,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from layershard.engine.buffers import GatherSlot
-from layershard.engine.flat import FlatParam, ParamSlot, ParamUse
+from layershard.engine.flat import FlatParam, ParamSlot, ParamUse, view_keys
 
 
 @dataclass
@@ -170,6 +170,14 @@ class Unit:
             self.flat_offsets.append(off)
             off += f.padded_numel
         self.gather_numel = off
+        # each parameter view's place in the gathered buffer (the saved-tensor hooks' keys)
+        self.view_keys = view_keys(
+            [
+                (o + s.offset, torch.Size(s.shape))
+                for f, o in zip(flats, self.flat_offsets)
+                for s in f.slots
+            ]
+        )
         self._views: tuple[int, list[torch.Tensor]] | None = None  # see full_views
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         # reshard_after_forward=K: per flat, this rank's 1/K of the gathered weights, kept from
