@@ -9,7 +9,17 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _parity import LOSS_RTOL, PARAM_TOL, batches, clone, lm_loss, local, max_diff, tiny_llama
+from _parity import (
+    LOSS_RTOL,
+    batches,
+    clone,
+    lm_loss,
+    local,
+    max_diff,
+    param_bound,
+    tiny_llama,
+    train_in_orders,
+)
 
 import layershard as ls
 
@@ -51,7 +61,11 @@ def main(out: str) -> None:
     full = model.full_state_dict()
     if rank == 0:
         dev, where = max_diff(full, reference)
-        assert dev <= PARAM_TOL, (dev, where)  # DDP-calibrated (tests/_parity.py)
+        # within the spread of other legitimate orders of the sums (tests/_parity.py); measured
+        # 2026-11-26, torch 2.13, max |param - ref| / bound: AVX-512+AMX 2.6e-6 / 8.9e-6, AVX2
+        # 3.5e-6 / 1.9e-5, default 9.8e-6 / 6.0e-5
+        bound = param_bound(reference, *train_in_orders(base, batches(3), world))
+        assert dev <= bound, (dev, where, bound)
     with open(os.path.join(out, f"rank{rank}.ok"), "w") as fh:
         fh.write(f"node {node} shard {s.shard_ranks()} replicate {replicas}\n")
     dist.barrier()

@@ -3,6 +3,7 @@ HF export/import, the CLI. Ranks write what they measured to files; the test rea
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
-from _parity import LOSS_RTOL, PARAM_TOL
+from _parity import LOSS_RTOL, pair_bound, train_in_orders
 
 import layershard as ls
 from layershard.checkpoint import (
@@ -146,12 +147,25 @@ def _resume(rank: int, world: int, root: str, src: int) -> None:
         assert losses == expected_losses, (losses, expected_losses)
         for name, t in final.items():
             assert torch.equal(t, ref["final"][name]), name
-    else:  # another reduction order: the engine tests' DDP-calibrated tolerance
+    else:  # another reduction order from the save on
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(expected_losses), rtol=LOSS_RTOL, atol=0
         )
-        for name, t in final.items():
-            torch.testing.assert_close(t, ref["final"][name], rtol=0, atol=PARAM_TOL, msg=name)
+        if rank == 0:
+            bound = _two_orders_apart(max(world, src))
+            for name, t in final.items():
+                torch.testing.assert_close(t, ref["final"][name], rtol=0, atol=bound, msg=name)
+
+
+@functools.cache
+def _two_orders_apart(parts: int) -> float:
+    """How far two runs that sum the ranks' gradients in different legitimate orders may land
+    apart after STEPS steps (tests/_parity.py, pair_bound); the resumed runs differ only for the
+    steps after SAVE_AT, so this is generous, and a resharding fault moves weights by ~lr.
+    Measured 2026-11-26, torch 2.13: 2.8e-8-1.2e-7 against bounds of 2.3e-6-1.2e-5 under AVX-512
+    +AMX, AVX2 and default."""
+    data = [_batch(step, 0, 1) for step in range(STEPS)]
+    return pair_bound(*train_in_orders(_model(), data, parts))
 
 
 def _ws4(rank: int, world: int, root: str) -> None:

@@ -237,3 +237,71 @@ def test_export_refuses_a_zero_shard_size(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "--max-shard-size must be at least 1 byte" in err, err
     assert not out.exists()
+
+
+# ---- issue 35 §3-4: options checked where they are given; a hostile config.yaml --------------
+
+
+def test_an_unknown_compile_backend_is_refused_before_launch(tmp_path, capsys):
+    """`compile: {backend: no_such_backend}` passed the checks; both ranks then failed with
+    tracebacks and left a run folder that needed --overwrite. The backend (and torch.compile's
+    own option names) are now checked with the config, before anything starts."""
+    message = _refused(compile={"backend": "no_such_backend"})
+    assert message.startswith("compile: backend 'no_such_backend' is not a torch.compile "
+                              "backend; use one of "), message  # fmt: skip
+    assert "aot_eager" in message
+    assert "unknown torch.compile option 'bakend'" in _refused(compile={"bakend": "eager"})
+    assert resolve({"compile": {"backend": "aot_eager", "dynamic": False}}).compile
+    y = tmp_path / "run.yaml"
+    y.write_text("compile: {backend: no_such_backend}\n")
+    err = refused_one_line(capsys, tmp_path, *TINY, "--config", str(y), "--dry-run")
+    assert "compile: backend 'no_such_backend' is not a torch.compile backend" in err
+
+
+def test_a_loss_scale_without_fp16_is_refused(tmp_path, capsys):
+    """`--loss-scale 1024` without fp16 was accepted and recorded, and did nothing."""
+    err = refused_one_line(capsys, tmp_path, *TINY, "--loss-scale", "1024", "--dry-run")
+    assert "loss_scale 1024 is fp16's initial loss scale, but this run computes in auto" in err
+    assert "leave out --loss-scale, or pass --precision fp16" in err
+    assert resolve({"precision": "fp16", "loss_scale": 1024}).loss_scale == 1024
+
+
+def test_a_plan_record_is_validated_on_read_and_never_fails_a_finished_run(tmp_path, capsys):
+    """A `plan --write-config` file whose predicted step_s was edited to 0 trained to the end,
+    then crashed with ZeroDivisionError (exit 1). The plan: block is now checked with the
+    config, and the closing comparison leaves out a record it cannot use."""
+    from layershard.plan.calibrate import against_plan
+
+    summary = {"step_time_s_median": 0.2, "mem_mib_max": 5.0, "mem_kind": "peak"}
+    for bad in (0, -1.0, math.nan, "1", True):  # a summary.json written before the check
+        assert against_plan({**summary, "plan": {"step_s": bad, "peak_bytes": 0}}) == ""
+    assert against_plan({**summary, "plan": {"step_s": 0.1, "peak_bytes": 0}}) == (
+        "plan predicted 0.1 s/step, measured 0.2 s (2x)"
+    )
+    y = tmp_path / "run.yaml"
+    y.write_text("plan: {gpus: 2, gpu: H100, step_s: 0, peak_bytes: 1000}\n")
+    err = refused_one_line(capsys, tmp_path, *TINY, "--config", str(y), "--dry-run")
+    assert "plan: step_s must be a number greater than 0, got 0" in err
+    assert "write it again, or remove the block" in err
+    assert _refused(plan={"step_s": "fast"}).startswith("plan: step_s must be a number")
+    assert resolve({"plan": {"step_s": 0.5, "gpus": 2, "gpu": "H100"}}).plan
+
+
+def test_a_python_tagged_config_yaml_on_resume_is_one_line_and_never_run(tmp_path, capsys):
+    """A run folder's config.yaml with a python tag: --resume printed a traceback (nothing ran).
+    Now one line, exit 2, and the tag's command is never run."""
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"!!python/object/apply:os.system ['touch {marker}']\n")
+    before = sorted(p.name for p in run.iterdir())
+    assert train_main(["--resume", "--run-dir", str(run), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("layershard train: error: "), err
+    assert (
+        f"{run / 'config.yaml'} is not a run config layershard wrote: it is not plain YAML" in err
+    )
+    assert not marker.exists()
+    assert sorted(p.name for p in run.iterdir()) == before
+    (run / "config.yaml").write_text("- a list\n- not a mapping\n")
+    assert train_main(["--resume", "--run-dir", str(run), *TINY]) == 2
+    assert "must hold a mapping" in capsys.readouterr().err

@@ -224,3 +224,73 @@ def test_corpus_change_names_what_changed(tmp_path):
     (other / "a.txt").write_text("hello\n" * 100)
     line = corpus_change(rec, find_files(resolve({"data": [str(other)]})))
     assert line is not None and line.startswith(f"{a} is no longer in the corpus, which now has")
+
+
+def test_a_file_rewritten_while_it_is_tokenized_is_never_cached(tmp_path, monkeypatch):
+    """Issue 35: a corpus file rewritten in place while it was being tokenized gave exit 0 and
+    a cache entry that recorded the old file's size and hash over tokens of neither version.
+    Preparation now compares each file's size and full hash after reading with what it
+    recorded before, and refuses (one line naming the file) without caching anything."""
+    from layershard.train import sources
+    from layershard.train.config import ConfigError
+
+    monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LAYERSHARD_PREPARE_WORKERS", raising=False)
+    f = tmp_path / "corpus.txt"
+    old = "one two three four five six seven\n" * 40_000  # ~1.4 MB: several blocks
+    f.write_text(old)
+    cfg = resolve({"data": [str(f)], "val_fraction": 0.05, "vocab_size": 300})
+    files = find_files(cfg)
+    chash = corpus_hash(files, cfg)
+    tok, _ = train_or_load_bpe(lambda: bpe_texts(files, cfg), chash, 300)
+    read = sources.text_blocks
+
+    def rewritten_after_the_first_block(path, *args):
+        for k, block in enumerate(read(path, *args)):
+            yield block
+            if k == 0:  # another program rewrites the file in place, at the same size
+                with open(path, "r+b") as fh:
+                    fh.write(old.replace("two", "TWO").encode())
+
+    monkeypatch.setattr(sources, "text_blocks", rewritten_after_the_first_block)
+    with pytest.raises(ConfigError) as e:
+        prepare_splits(files, cfg, tok, chash)
+    assert str(e.value).startswith(f"{f} changed while it was being tokenized"), e.value
+    assert "\n" not in str(e.value)
+    entry = entry_folder(cfg, tok, chash)
+    assert not entry.exists() and not list(entry.parent.glob(".*tmp*"))
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_is_one_line_naming_the_folder_and_the_space(tmp_path, monkeypatch, capsys):
+    """Issue 35: a full disk during preparation ended in numpy's traceback ("OSError: N
+    requested and 0 written"), which never says the disk is full. The token files are written
+    to /dev/full here (ENOSPC from the kernel, numpy's own error): `layershard train` exits 2
+    with one line naming the cache folder and the space needed, and leaves no scratch folder."""
+    from _train import train_main
+
+    from layershard.train import prepare
+
+    monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LAYERSHARD_PREPARE_WORKERS", raising=False)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("def f(x):\n    return x * 2\n" * 2000)
+    real = prepare._Writer.__init__
+
+    def on_a_full_disk(self, folder, split, dtype, with_mask):
+        real(self, folder, split, dtype, with_mask)
+        self.fh.close()
+        self.fh = open("/dev/full", "wb")  # noqa: SIM115 - closed by the writer
+
+    monkeypatch.setattr(prepare._Writer, "__init__", on_a_full_disk)
+    run = tmp_path / "run"
+    argv = ["--data", str(tmp_path / "data"), "--vocab-size", "300", "--run-dir", str(run),
+            "--nproc-per-node", "1", "--seq-len", "16", "--micro-batch", "1"]  # fmt: skip
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    tokens = tmp_path / "cache" / "tokens"
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"layershard train: error: the disk holding {tokens} is full ("), err
+    assert "the tokenized corpus needs up to" in err and "LAYERSHARD_CACHE" in err, err
+    assert not run.exists()
+    assert not [p for p in tokens.iterdir() if not p.name.endswith(".lock")]

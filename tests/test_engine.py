@@ -12,7 +12,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import RankChecks, run_ranks
-from _parity import LOSS_RTOL, LR, PARAM_TOL, batches, clone, global_mean, lm_loss, local, max_diff
+from _parity import (
+    LOSS_RTOL,
+    LR,
+    batches,
+    clone,
+    global_mean,
+    lm_loss,
+    local,
+    max_diff,
+    param_bound,
+    train_in_orders,
+)
 from _parity import tiny_llama as _tiny
 from torch import nn
 
@@ -207,9 +218,14 @@ def _backward_drains_collectives(rank: int, world: int) -> None:
         ref_opt.zero_grad()
         assert abs(global_mean(loss) - ref_loss.item()) <= LOSS_RTOL * ref_loss.item()
     full = model.full_state_dict()
-    if rank == 0:
+    if rank == 0:  # within the spread of other legitimate orders (tests/_parity.py); measured
+        # 2026-11-26, torch 2.13, max |param - ref| / bound: AVX-512+AMX 3.2e-7 / 1.2e-6, AVX2
+        # 4.3e-7 / 9.9e-7, default 6.9e-7 / 1.5e-6
         dev, where = max_diff(full, reference)
-        assert dev <= PARAM_TOL, (dev, where)
+        bound = param_bound(
+            reference, *train_in_orders(_freeze_first(clone(base)), batches(4), world)
+        )
+        assert dev <= bound, (dev, where, bound)
 
 
 @checks.check

@@ -14,7 +14,6 @@ from _dist import RankChecks, run_ranks
 from _parity import (
     LOSS_RTOL,
     LR,
-    PARAM_TOL,
     SEQ,
     batches,
     clone,
@@ -22,7 +21,9 @@ from _parity import (
     lm_loss,
     local,
     max_diff,
+    param_bound,
     tiny_llama,
+    train_in_orders,
 )
 from torch import nn
 
@@ -98,8 +99,12 @@ def _odd_tied_frozen(rank: int, world: int) -> None:
     if rank == 0:
         assert full["head.weight"] is full["embed.weight"]
         dev, where = max_diff(full, reference)
-        print(f"odd world {world}: max |param - ref| {dev:.2e} ({where})", flush=True)
-        assert dev <= PARAM_TOL, (dev, where)
+        # within the spread of other legitimate orders (tests/_parity.py); measured 2026-11-26,
+        # torch 2.13: 1.2e-7-2.4e-7 against a bound of 8.7e-7 under AVX-512+AMX, AVX2 and default
+        runs = train_in_orders(base, batches(10, vocab=17), world, loss=lambda m, x: m(x, labels=x))
+        bound = param_bound(reference, *runs)
+        print(f"odd world {world}: max |param - ref| {dev:.2e} ({where}), bound {bound:.2e}")
+        assert dev <= bound, (dev, where, bound)
         for n, p in base.named_parameters():
             if not p.requires_grad:
                 assert torch.equal(full[n], p.detach()), n
@@ -174,9 +179,25 @@ def _train_variant(rank, world, variant: str) -> None:
         if ref_after is not None:
             assert abs(global_mean(loss) - ref_after) <= LOSS_RTOL * abs(ref_after), (variant, step)
     full = model.full_state_dict()
-    if rank == 0:
+    if rank == 0:  # within the spread of other legitimate orders (tests/_parity.py). Measured
+        # 2026-11-26, torch 2.13, the worst variant / its bound: AVX-512+AMX accumulate 4.3e-6 /
+        # 9.1e-6 (the others 2.0e-6-4.2e-6, <= 0.49 of theirs), AVX2 clip_2 5.5e-6 / 1.1e-5 (<=
+        # 0.50), default accumulate 1.1e-5 / 5.8e-5 (clip_inf 6.7e-6 / 2.2e-5, <= 0.31)
         dev, where = max_diff(full, reference)
-        assert dev <= PARAM_TOL, (variant, dev, where)
+        micro = 2 if variant in ("accumulate", "no_sync") else 1
+        clip = (
+            (0.05, math.inf if variant == "clip_inf" else 2.0)
+            if variant.startswith("clip")
+            else None
+        )
+        bound = param_bound(reference, *_orders(world * micro, clip))
+        assert dev <= bound, (variant, dev, where, bound)
+
+
+@functools.cache
+def _orders(parts: int, clip: tuple[float, float] | None) -> list:
+    """_train_variant's legitimate runs, once per (parts, clip) for all the checks of a spawn."""
+    return train_in_orders(tiny_llama(), batches(6), parts, clip=clip)
 
 
 VARIANTS = {
@@ -366,7 +387,12 @@ def _hf(rank, world) -> None:
         if rank == 0:
             assert set(full) == set(reference.state_dict())
             dev, where = max_diff(full, reference)
-            assert dev <= PARAM_TOL, (tied, dev, where)
+            # within the spread of other legitimate orders (tests/_parity.py); measured
+            # 2026-11-26, torch 2.13, untied / tied against their bounds: AVX-512+AMX 4.4e-6 /
+            # 2.1e-5, 1.8e-6 / 7.2e-6; AVX2 3.4e-6 / 3.6e-5, 3.1e-6 / 7.7e-6; default 2.4e-5 /
+            # 6.8e-5, 8.8e-7 / 8.7e-6
+            bound = param_bound(reference, *train_in_orders(base, batches(10), world))
+            assert dev <= bound, (tied, dev, where, bound)
         model.eval()
         with torch.no_grad():
             logits = model(local(batch, rank, world)).logits

@@ -34,3 +34,25 @@ def test_accelerate_save_state_load_state_and_save_model() -> None:
     assert ls_run["replay_param_diff"] == 0.0
     assert {"config.json", "model.safetensors"} <= set(ls_run["model_files"])
     assert ls_run["saved_diff"] == 0.0
+
+
+def test_a_plugin_computing_in_fp16_needs_fp16_for_its_loss_scaler() -> None:
+    """Issue 35: `ShardingPlugin(mixed_precision=MixedPrecision(param_dtype=torch.float16))`
+    with neither fp16 nor bf16 in TrainingArguments trained in float16 without a loss scaler.
+    The scaler is accelerate's (fp16=True), so the plugin alone is refused in one line, before
+    any model is touched (``Accelerator.__init__`` folds it in before the process group)."""
+    import pytest
+    import torch
+
+    from layershard import MixedPrecision
+    from layershard.hf import ShardingPlugin
+
+    fp16 = ShardingPlugin(mixed_precision=MixedPrecision(param_dtype=torch.float16))
+    for amp in ("no", None):
+        with pytest.raises(ValueError) as e:
+            fp16.with_amp(amp)
+        assert "\n" not in str(e.value)
+        assert "computes in fp16, which needs a loss scaler: also pass fp16=True" in str(e.value)
+    assert fp16.with_amp("fp16") is fp16  # with TrainingArguments(fp16=True): the scaler
+    bf16 = ShardingPlugin(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    assert bf16.with_amp("no") is bf16  # bf16 needs no scaler

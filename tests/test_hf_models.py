@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
+from _parity import param_bound, train_in_orders
 
 import layershard as ls
 
@@ -54,8 +55,8 @@ def _hf_architectures(rank: int, world: int) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
         g = torch.Generator().manual_seed(1)
-        for step in range(STEPS):
-            x = torch.randint(1, V, (4, 16), generator=g)
+        data = [torch.randint(1, V, (4, 16), generator=g) for _ in range(STEPS)]
+        for step, x in enumerate(data):
             b = x.shape[0] // world
             loss = _loss(model, kind, x[rank * b : (rank + 1) * b])
             loss.backward()
@@ -77,7 +78,16 @@ def _hf_architectures(rank: int, world: int) -> None:
             sd = reference.state_dict()
             assert set(full) == set(sd), name
             worst = max((full[k] - sd[k]).abs().max().item() for k in sd)
-            assert worst <= 3e-5, (name, worst)  # tests/_parity.py's DDP-calibrated PARAM_TOL
+            # within the spread of other legitimate orders of the sums (tests/_parity.py).
+            # Measured 2026-11-26, torch 2.13: every architecture at <= 0.50 of its bound under
+            # AVX-512+AMX, AVX2 and default (at 2 ranks layershard lands where the 2-part plan
+            # does); e.g. GPT-2 2.1e-5 / 4.9e-5, 2.4e-5 / 4.9e-5, 1.6e-5 / 6.5e-5, Mixtral
+            # 1.6e-5 / 3.2e-5, 2.2e-5 / 4.5e-5, 1.6e-5 / 3.2e-5
+            runs = train_in_orders(
+                base, data, world, loss=lambda m, x, kind=kind: _loss(m, kind, x)
+            )
+            bound = param_bound(reference, *runs)
+            assert worst <= bound, (name, worst, bound)
         seen.append(name)
     assert len(seen) >= 6, seen
 

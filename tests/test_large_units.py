@@ -9,8 +9,8 @@ import functools
 
 import torch
 from _dist import RankChecks
-from _parity import TINY, batches, clone, global_mean, local, max_diff, tiny_llama
-from test_chunked_loss import CHUNKED_TOL
+from _parity import TINY, batches, clone, global_mean, local, max_diff, param_bound, tiny_llama
+from test_chunked_loss import legit_chunked_runs
 from test_strategies import MEMORY_CASES
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -24,7 +24,7 @@ VOCAB = 512  # embedding and head 16,384 elements each; a block of the tiny Llam
 STRATEGIES = MEMORY_CASES  # (name, ls.shard options, the planner's options), as there
 
 
-def _sgd(model):  # SGD, as tests/test_chunked_loss.py (why: next to CHUNKED_TOL there)
+def _sgd(model):  # SGD, as tests/test_chunked_loss.py (why: above legit_chunked_runs there)
     return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
 
@@ -47,10 +47,17 @@ def _watch_head(model) -> list[bool]:
     return seen
 
 
+@functools.cache
+def _legit(tied: bool, world: int) -> list:
+    """The reference in other legitimate orders, plain and chunked: once per spawn."""
+    base = tiny_llama(vocab_size=VOCAB, tie_embeddings=tied)
+    return legit_chunked_runs(base, batches(STEPS, vocab=VOCAB), world, lambda m: [_sgd(m)])
+
+
 def _large_units(rank: int, world: int, name: str) -> None:
     """Tied and untied, the plain and the chunked loss (4 chunks), 6 SGD steps at world size 4
     against the single-process reference and DDP on the same batches: the loss every step and
-    the final weights (no farther from the reference than DDP lands, or CHUNKED_TOL). Where
+    the final weights (within the spread of DDP and other legitimate orders). Where
     weights are resharded (full, hybrid, hpZ, offload) the embedding and head take storage of
     their own, freed after their forward (before the plain loss) and at the end of backward,
     and the shared slots are sized for a block; the bytes of each rank equal
@@ -104,11 +111,19 @@ def _large_units(rank: int, world: int, name: str) -> None:
         fulls = {chunks: m.full_state_dict() for chunks, m in ours.items()}
         if rank == 0:
             ddp_dev, _ = max_diff(ddp_full, ref)
-            tol = max(CHUNKED_TOL, 1.5 * ddp_dev)
+            # the spread of DDP and other legitimate orders, plain and chunked (tests/_parity.py).
+            # Measured 2026-11-26 (torch 2.13), the worst run / the bound, untied and tied:
+            # AVX-512+AMX 8.2e-8 / 3.6e-7, 1.6e-7 / 5.6e-7; AVX2 1.2e-7 / 3.6e-7, 1.6e-7 / 5.5e-7;
+            # default 1.2e-7 / 3.6e-7, 1.9e-7 / 4.9e-7
+            runs = _legit(tied, world)
+            tol = param_bound(ref, *runs, ddp_full)
             for chunks, full in fulls.items():
                 dev, where = max_diff(full, ref)
-                print(f"{name} tied={tied} chunks={chunks}: {dev:.2e} ({where}), DDP {ddp_dev:.2e}")
-                assert dev <= tol, (name, tied, chunks, dev, where, ddp_dev)
+                print(
+                    f"{name} tied={tied} chunks={chunks}: {dev:.2e} ({where}), "
+                    f"DDP {ddp_dev:.2e}, bound {tol:.2e}"
+                )
+                assert dev <= tol, (name, tied, chunks, dev, where, ddp_dev, tol)
 
 
 checks = RankChecks(world_size=4, suffix="_with_large_units_matches_single_process")

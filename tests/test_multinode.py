@@ -330,13 +330,90 @@ def test_torchrun_command_node_0_hosts_the_rendezvous_on_loopback():
         return backend, (cmd[i + 1] if i else None)
 
     ep = "127.0.0.1:29500"
-    assert conf(nnodes="1:2", node_rank=0, rdzv_endpoint=ep) == ("c10d", "is_host=1")
+    assert conf(nnodes="1:2", node_rank=0, rdzv_endpoint=ep) == (
+        "c10d",
+        "is_host=1,join_timeout=300",
+    )
     assert conf(nnodes="1:2", node_rank=1, rdzv_endpoint=ep, rdzv_conf="last_call_timeout=2") == (
         "c10d",
-        "is_host=0,last_call_timeout=2",
+        "is_host=0,last_call_timeout=2,join_timeout=300",
     )
-    assert conf(nnodes="2", node_rank=1, rdzv_endpoint=ep) == (None, None)  # static: node 0 hosts
-    assert conf(nnodes="1:2", node_rank=1, rdzv_endpoint="node0:29500") == ("c10d", None)
+    # static: node 0 hosts; --rdzv-timeout is torchrun's `timeout` (static) or `join_timeout`
+    # (c10d; its `read_timeout`, how long a node tries to reach the store, when shorter than 60 s)
+    assert conf(nnodes="2", node_rank=1, rdzv_endpoint=ep) == (None, "timeout=300")
+    assert conf(nnodes="2", node_rank=1, rdzv_endpoint=ep, rdzv_timeout=7.5) == (None, "timeout=8")
+    assert conf(nnodes="1:2", node_rank=1, rdzv_endpoint="node0:29500", rdzv_timeout=5) == (
+        "c10d",
+        "join_timeout=5,read_timeout=5",
+    )
+    assert conf(nnodes="2", rdzv_endpoint=ep, rdzv_conf="timeout=9") == (None, "timeout=9")
+
+
+def test_the_nodes_settings_differences_name_each_key():
+    from layershard.train.rendezvous import differences
+
+    a = {"seq_len": 64, "strategy": "full", "seed": 0}
+    b = {"seq_len": 32, "strategy": "full", "seed": 0, "model_overrides.n_layers": 3}
+    nodes = [{"node": 0, "settings": a}, {"node": 1, "settings": b}]
+    assert differences(nodes) == (
+        "seq_len (node 0: 64, node 1: 32); model_overrides.n_layers (node 0: unset, node 1: 3)"
+    )
+    assert differences([nodes[0], {"node": 1, "settings": dict(a)}]) == ""
+    many = {f"k{i}": i for i in range(6)}
+    text = differences([nodes[0], {"node": 1, "settings": {**a, **many}}])
+    assert text.endswith("; k3 (node 0: unset, node 1: 3), and 2 more"), text
+
+
+def test_nodes_started_with_different_settings_refuse_in_one_line(tmp_path, cache, no_leftovers):
+    """Issue 35: node 0 with the defaults, node 1 with `--strategy grad_op --model-override
+    n_layers=3 --seq-len 32`: both exited 0, node 1's settings silently dropped (its ranks read
+    node 0's config.yaml). Now every node compares its settings at the rendezvous, and both
+    refuse with exit 2 and the same line naming the keys, before any rank starts; node 0 takes
+    back what it wrote, so the corrected commands start as if nothing happened."""
+    run = tmp_path / "run"
+    port = _free_port()
+    common = [*ONE, *COMMON, "--run-dir", str(run), "--nnodes", "2",
+              "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
+    odd = ["--strategy", "grad_op", "--model-override", "n_layers=3", "--seq-len", "32"]
+    nodes = [Node(tmp_path, 0, common, _env(cache, 0)),
+             Node(tmp_path, 1, [*common, *odd], _env(cache, 1))]  # fmt: skip
+    assert [n.wait() for n in nodes] == [2, 2], [n.stderr()[-2000:] for n in nodes]
+    expected = (
+        "layershard train: error: the nodes were started with different settings: "
+        "model_overrides.n_layers (node 0: 2, node 1: 3); seq_len (node 0: 64, node 1: 32); "
+        "strategy (node 0: 'full', node 1: 'grad_op'); start the same command on every node "
+        "(only --node-rank differs)"
+    )
+    for n in nodes:
+        assert n.stderr().strip().splitlines()[-1] == expected, n.stderr()[-2000:]
+        assert "Traceback" not in n.stderr() and "rank" not in n.stdout().replace("node-rank", "")
+    assert not run.exists()
+
+
+def test_an_unreachable_rendezvous_is_one_line_naming_the_endpoint(tmp_path, cache, no_leftovers):
+    """Issue 35: a node pointed at a rendezvous nobody hosts printed ~30 lines of C++ frames,
+    ended with "the training ranks failed" though no rank started, and waited torch's 600 s.
+    `--rdzv-timeout` bounds the wait; node 1 says which endpoint it could not reach, node 0
+    alone says that the other nodes did not join; one line each, exit 1, nothing left behind."""
+    lone = {}
+    for k in (0, 1):
+        port = _free_port()
+        argv = [*ONE, *COMMON, "--run-dir", str(tmp_path / f"run{k}"), "--nnodes", "2",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "3"]  # fmt: skip
+        lone[k] = (Node(tmp_path, k, argv, _env(cache, k)), port)
+    for k, (n, port) in lone.items():
+        assert n.wait(timeout=120) == 1, n.stderr()[-2000:]
+        err = [x for x in n.stderr().strip().splitlines() if not x.startswith("train:")]
+        assert len(err) == 1, err
+        ep = f"127.0.0.1:{port}"
+        if k == 1:
+            assert err[0].startswith(f"layershard train: error: node 1 could not reach the "
+                                     f"rendezvous at {ep} within 3 s: start node 0"), err  # fmt: skip
+        else:
+            assert err[0].startswith(f"layershard train: error: node 0: the other nodes did not "
+                                     f"join the rendezvous at {ep} within 3 s (1 of 2 nodes "
+                                     "there)"), err  # fmt: skip
+        assert not (tmp_path / f"run{k}").exists()
 
 
 def test_rounds_agree_across_agents_and_republish_the_ranks_store():

@@ -10,18 +10,27 @@ DDP lands visibly far from the single process. Two kinds of checks therefore:
 - *identical gradients*: each rank's slices set from the reference's own gradients; after three
   steps every parameter must equal torch's bit for bit (this is the tight check of the update
   rule: slicing, routing, transposition, momentum, learning-rate scaling and weight decay);
-- *training*: 10 steps from the same batches, against the DDP-calibrated tolerances below.
+- *training*: 10 steps from the same batches, within SPREAD_FACTOR x the spread of DDP and of the
+  reference trained again in other legitimate orders of its sums with the same torch optimizers
+  (tests/_parity.py, `train_in_orders`): the first update (largest difference), the worst step's
+  loss, and the weights after 10 steps as ||params - reference|| / ||reference - start||. Not
+  the largest difference there: AdamW moves an element whose gradient is near its eps by ~lr in
+  whichever direction rounding picks, so that figure jumps between legitimate runs (the strategy
+  runs, CPU, AVX2: 1.09e-02 on one embedding element in 4 of 16 orders, 2.9e-03-4.8e-03 in the
+  others; the relative distance 1.87e-02-2.02e-02 in all 16, 5.2e-01 with one of the 8
+  micro-batches left out). How wide the spread is depends on the CPU's kernels, so it is measured
+  in each run. Measured 2026-11-26, torch 2.13, layershard / DDP / bound at world size 4 (the
+  first update: max |difference|; after 10 steps: relative distance; loss: worst step, relative;
+  strategies: full, no_shard, hybrid):
+      capability   first update                10 steps                    loss
+      AVX-512+AMX  1.83e-4 / 1.83e-4 / 3.66e-4  3.20e-2 / 3.10e-2 / 6.40e-2  1.42e-5 / 1.45e-5 / 5.55e-5
+      AVX2         3.7e-9 / 6.0e-8 / 2.34e-4    2.57e-2 / 2.53e-2 / 6.37e-2  2.73e-5 / 1.18e-5 / 5.49e-5
+      default      1.19e-7 / 1.19e-7 / 3.59e-7  2.50e-2 / 2.52e-2 / 5.07e-2  1.77e-5 / 2.60e-5 / 1.02e-4
+  strategies: AVX-512 1.85e-2-2.21e-2 / 1.55e-2 / 3.89e-2, AVX2 1.87e-2-2.04e-2 / 1.97e-2 /
+  4.03e-2, default 2.17e-2-2.18e-2 / 2.16e-2 / 4.38e-2. The fixed tolerances these replace
+  (calibrated under AVX-512) failed under AVX2: hybrid 1.09e-2 against 1.5 x DDP's 4.37e-3.
 
-Calibration (2026-11-22, CPU, torch 2.13, gloo; this tiny Llama, lr 0.02 for Muon and 1e-2 for
-AdamW, seed 0; `max |param - reference|`, measured next to layershard in every run):
-    first step's update:  DDP 2.15e-04 at world size 2 and 4 (layershard: the same figures)
-    after 10 steps:       DDP 7.05e-03 at world size 2, 6.61e-03 at 4 (layershard 7.05e-03, 8.39e-03)
-    loss, worst step:     DDP 1.64e-05 (relative) at world size 2, 2.97e-05 at 4 (layershard
-                          1.64e-05, 2.39e-05)
-Tolerances: ~40% above DDP's worst case at seed 0. Over six seeds DDP spanned 1.2e-07-3.9e-04
-(first update) and 5.7e-03-1.95e-02 (10 steps); after 10 steps layershard stayed within 1.3 x
-DDP in every seed, on the first update within 1.7 x (seed 5, world size 4: 2.76e-04 against
-1.66e-04): the "no farther than 1.5 x DDP" checks hold for this seed, not for every seed. What a wrong update gives instead (one process, same seed, measured): orthogonalizing
+What a wrong update gives instead (one process, seed 0, measured 2026-11-22): orthogonalizing
 two row blocks separately 1.0e-02 after one step; no Nesterov 2.7e-03; momentum 0.9 3.0e-03;
 the other `adjust_lr_fn` 5.6e-03; no transposition of tall matrices 3.3e-04; no weight decay
 1.5e-04 (caught by the identical-gradient check only, like any error below the noise).
@@ -29,10 +38,30 @@ the other `adjust_lr_fn` 5.6e-03; no transposition of tall matrices 3.3e-04; no 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
-from _parity import LR, STEPS, batches, clone, global_mean, lm_loss, local, max_diff, tiny_llama
+from _parity import (
+    LR,
+    SPREAD_FACTOR,
+    STEPS,
+    batches,
+    clone,
+    global_mean,
+    lm_loss,
+    local,
+    loss_bound,
+    max_diff,
+    pair_loss_bound,
+    pair_relative_bound,
+    param_bound,
+    relative_bound,
+    relative_distance,
+    tiny_llama,
+    train_in_orders,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -42,9 +71,6 @@ from layershard.optim import muon as muon_module
 
 MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.1)  # torch.optim.Muon's other defaults
 ADAMW = dict(lr=LR)
-UPDATE_TOL = 3e-4  # first step's update (DDP: 2.15e-04)
-MUON_PARAM_TOL = 1e-2  # after 10 steps (DDP: 7.05e-03)
-MUON_LOSS_TOL = 4e-5  # relative, worst step (DDP: 2.97e-05)
 
 
 def _is_muon(name: str, p: torch.Tensor) -> bool:
@@ -225,6 +251,20 @@ def _check_step_collectives(model, opt, spy: _Collectives, ns: _NewtonSchulzCall
 # ---- parity at world sizes 1, 2 and 4 ------------------------------------------------------------
 
 
+@functools.cache
+def _legit(parts: int, steps: int, seed: int = 1, clip: float | None = None) -> list:
+    """The reference (torch's Muon and AdamW) trained again in other legitimate orders of its
+    sums (tests/_parity.py): once per spawn for each setting."""
+    data = batches(steps, seed=seed)
+    return train_in_orders(
+        tiny_llama(),
+        data,
+        parts,
+        optimizers=_torch_optims,
+        clip=None if clip is None else (clip, 2.0),
+    )
+
+
 def _parity(rank: int, world: int) -> None:
     base = tiny_llama()
     reference = clone(base)
@@ -249,6 +289,7 @@ def _parity(rank: int, world: int) -> None:
 
     start = _plain(reference)
     worst_loss = {"ours": 0.0, "ddp": 0.0}
+    ref_losses: list[float] = []
     for step, batch in enumerate(batches(STEPS)):
         x = local(batch, rank, world)
         loss = lm_loss(model, x)
@@ -261,6 +302,7 @@ def _parity(rank: int, world: int) -> None:
         opt.zero_grad()
         ref_loss, _ = _train_step(reference, ref_opts, batch)
         ref = ref_loss.item()
+        ref_losses.append(ref)
         worst_loss["ours"] = max(worst_loss["ours"], abs(global_mean(loss) - ref) / ref)
         if ddp is not None:
             ddp_loss, _ = _train_step(ddp, ddp_opts, x)
@@ -274,10 +316,13 @@ def _parity(rank: int, world: int) -> None:
                 continue
             ddp_now = _plain(ddp, "module.")
             ddp_du = max((ddp_now[k] - theirs[k]).abs().max().item() for k in theirs)
-            if rank == 0:
-                print(f"world {world}: first update {size:.2e}; off by {du:.2e}, DDP {ddp_du:.2e}")
-            assert du <= UPDATE_TOL and du <= 1.5 * ddp_du + 1e-7, (du, ddp_du)
-            assert ddp_du <= UPDATE_TOL, f"calibration drifted: DDP now {ddp_du:.2e}"
+            if rank == 0:  # within the spread of DDP and other legitimate orders
+                first = param_bound(reference, *_legit(world, 1), ddp_now)
+                print(
+                    f"world {world}: first update {size:.2e}; off by {du:.2e}, DDP {ddp_du:.2e}"
+                    f", bound {first:.2e}"
+                )
+                assert du <= first, (du, ddp_du, first)
 
     # Momentum stays sharded like AdamW's moments: 4 bytes per element of each slice.
     muon_ids = {id(p) for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]}
@@ -293,18 +338,21 @@ def _parity(rank: int, world: int) -> None:
         assert ours_dev == 0.0 and worst_loss["ours"] == 0.0, (ours_dev, where)
     else:
         ddp_dev, _ = max_diff(_plain(ddp, "module."), reference)
-        if rank == 0:
+        if rank == 0:  # within the spread of DDP and other legitimate orders
+            legit, ddp_now = _legit(world, STEPS), _plain(ddp, "module.")
+            rel, ddp_rel = (relative_distance(p, reference, start) for p in (ours, ddp_now))
+            bound = relative_bound(reference, start, *legit, ddp_now)
+            loss_tol = max(loss_bound(ref_losses, legit), SPREAD_FACTOR * worst_loss["ddp"])
             print(
-                f"world {world}: after {STEPS} steps max |param - ref| layershard "
-                f"{ours_dev:.2e} ({where}), DDP {ddp_dev:.2e}; worst relative loss difference "
-                f"layershard {worst_loss['ours']:.2e}, DDP {worst_loss['ddp']:.2e}",
+                f"world {world}: after {STEPS} steps |params - ref| / |ref - start| layershard "
+                f"{rel:.2e}, DDP {ddp_rel:.2e}, bound {bound:.2e} (max |param - ref| "
+                f"{ours_dev:.2e} at {where}, DDP {ddp_dev:.2e}); worst relative loss difference "
+                f"layershard {worst_loss['ours']:.2e}, DDP {worst_loss['ddp']:.2e}, bound "
+                f"{loss_tol:.2e}",
                 flush=True,
             )
-        assert ours_dev <= MUON_PARAM_TOL, (ours_dev, where)
-        assert ours_dev <= 1.5 * ddp_dev + 1e-7, (ours_dev, ddp_dev)
-        assert ddp_dev <= MUON_PARAM_TOL, f"calibration drifted: DDP now {ddp_dev:.2e}"
-        assert worst_loss["ours"] <= MUON_LOSS_TOL, worst_loss
-        assert worst_loss["ddp"] <= MUON_LOSS_TOL, f"calibration drifted: {worst_loss}"
+            assert rel <= bound, (rel, bound)
+            assert worst_loss["ours"] <= loss_tol, (worst_loss, loss_tol)
 
     _identical_gradients(base, {})
 
@@ -312,12 +360,9 @@ def _parity(rank: int, world: int) -> None:
 # ---- strategies, accumulation, clipping (world size 4) --------------------------------------------
 
 CLIP = 0.5  # below every step's gradient norm here: clipping acts at every step
-# Calibrated like the parity tolerances, on DDP with no_sync and clipping in this very loop
-# (world size 4, seed 0, STRATEGY_STEPS steps): DDP 1.09e-02 (layershard full 1.09e-02, no_shard
-# 4.5e-03, hybrid 4.4e-03). Over seeds 0-3 DDP spanned 3.5e-03-1.27e-02 and every strategy stayed
-# within 1.1 x DDP (at 10 steps: 6.0e-03-1.12e-02, within 1.15 x DDP).
+# The weights after STRATEGY_STEPS steps: within the spread of DDP (no_sync, clipping) and of the
+# reference in other orders of the 8 micro-batches' sums (4 ranks x 2), clipped alike.
 STRATEGY_STEPS = 5
-STRATEGY_PARAM_TOL = 1.5e-2
 
 STRATEGY_KWARGS = [
     ("full", {}),
@@ -365,18 +410,26 @@ def _strategies(rank: int, world: int) -> None:
             a2a = [op for op, _ in spy.ops if op == "alltoall_base_"]
             engine = m.comm_stats().get("reduce_scatter", {}).get("count", 0)
             assert len(a2a) == (0 if name == "no_shard" else 2) + engine, (name, spy.ops)
-    ddp_dev, _ = max_diff(_plain(ddp, "module."), reference)
+    ddp_now = _plain(ddp, "module.")
+    start = _plain(base)
+    if rank == 0:
+        legit = _legit(2 * world, STRATEGY_STEPS, seed=11, clip=CLIP)
+        bound = relative_bound(reference, start, *legit, ddp_now)
+        ddp_rel = relative_distance(ddp_now, reference, start)
     for name, m, _ in runs:
-        dev, where = max_diff(_full(m), reference)
+        ours = _full(m)
         if rank == 0:
-            print(f"{name}, no_sync + clipping: {dev:.2e} ({where}), DDP {ddp_dev:.2e}")
-        assert dev <= STRATEGY_PARAM_TOL and dev <= 1.5 * ddp_dev + 1e-7, (name, dev, ddp_dev)
+            rel, (dev, where) = relative_distance(ours, reference, start), max_diff(ours, reference)
+            print(
+                f"{name}, no_sync + clipping: |params - ref| / |ref - start| {rel:.2e}, DDP "
+                f"{ddp_rel:.2e}, bound {bound:.2e} (max |param - ref| {dev:.2e} at {where})"
+            )
+            assert rel <= bound, (name, rel, ddp_rel, bound)
         # Replicas (no_shard: every rank; hybrid: across the groups) hold the same bits.
         mine = _flat_params(m)
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
         assert all(torch.equal(t, every[0]) for t in every), name
-    assert ddp_dev <= STRATEGY_PARAM_TOL, f"calibration drifted: DDP now {ddp_dev:.2e}"
 
 
 # ---- checkpoints: saved at 4 ranks, resumed at 2 --------------------------------------------------
@@ -456,11 +509,16 @@ def _resume_at_2(rank: int, world: int, root: str) -> None:
     for name, t in optim.items():
         assert torch.equal(t, ref["at_save"]["optim"][name]), name
     losses = _ckpt_train(model, opt, range(SAVE_AT, CKPT_STEPS), rank, world)
-    # another reduction order from here: the DDP-calibrated tolerances
-    expected = ref["losses"][SAVE_AT:]
-    torch.testing.assert_close(torch.tensor(losses), expected, rtol=MUON_LOSS_TOL, atol=0)
-    for name, t in _full(model).items():
-        torch.testing.assert_close(t, ref["final"][name], rtol=0, atol=MUON_PARAM_TOL, msg=name)
+    final = _full(model)
+    if rank == 0:  # another reduction order from here: two legitimate orders apart at most
+        data = [batches(1, seed=100 + step)[0] for step in range(CKPT_STEPS)]
+        start = _plain(tiny_llama())
+        legit = train_in_orders(tiny_llama(), data, 4, optimizers=_torch_optims)
+        rtol, bound = pair_loss_bound(legit), pair_relative_bound(start, *legit)
+        expected = ref["losses"][SAVE_AT:]
+        torch.testing.assert_close(torch.tensor(losses), expected, rtol=rtol, atol=0)
+        rel = relative_distance(final, ref["final"], start)
+        assert rel <= bound, (rel, bound)
 
 
 # ---- the API ----------------------------------------------------------------------------------

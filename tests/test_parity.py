@@ -13,15 +13,19 @@ from _dist import run_ranks
 from _parity import (
     LOSS_RTOL,
     LR,
-    PARAM_TOL,
     STEPS,
     batches,
     clone,
     global_mean,
+    grad_bound,
+    grads_in_orders,
     lm_loss,
     local,
     max_diff,
+    param_bound,
+    shard_grad_error,
     tiny_llama,
+    train_in_orders,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -46,6 +50,13 @@ def _llama_parity(rank: int, world: int) -> None:
         fwd = model.comm_stats()
         loss.backward()
         stats = model.comm_stats()
+        if step == 0:  # one backward from the same weights: AdamW's updates hide a gradient's
+            # scale (a gradient off by 0.1% moves the weights less than the rounding does)
+            ref_grads, orders = grads_in_orders(base, batch, world)
+            g_err, g_bound = shard_grad_error(model, ref_grads), grad_bound(ref_grads, orders)
+            assert g_err <= g_bound, (
+                f"first gradient {g_err:.2e} from the reference's > {g_bound:.2e}"
+            )
         # The gradient slots exist only during backward (they add nothing to the forward's peak).
         assert all(g.data is None for g in model._schedule.reducer.grad_slots)
         opt.step()
@@ -116,15 +127,27 @@ def _llama_parity(rank: int, world: int) -> None:
     ddp_full = {k.removeprefix("module."): v for k, v in ddp.state_dict().items()}
     if rank == 0:
         assert list(full) == list(reference.state_dict())
+        # The bound: the reference trained again with the ranks' gradients summed in other
+        # legitimate orders, and DDP's (tests/_parity.py, SPREAD_FACTOR). Measured 2026-11-26,
+        # torch 2.13; layershard / DDP / bound (max |param - ref|) at world 2 and 4, then the
+        # first gradient / its bound at world 4 (repeated runs give the same figures):
+        #   AVX-512+AMX  2.17e-6 / 2.17e-6 / 8.38e-6   4.13e-6 / 2.63e-6 / 1.28e-5   5.17e-7 / 1.15e-6
+        #   AVX2         2.86e-6 / 2.86e-6 / 7.26e-6   3.57e-6 / 3.21e-6 / 1.79e-5   4.21e-7 / 1.10e-6
+        #   default      7.67e-6 / 7.67e-6 / 2.21e-5   1.10e-5 / 7.50e-6 / 5.72e-5   5.32e-7 / 1.18e-6
+        # Faults injected into the engine (scratch, issue 31): every gradient x 1.001 gives a
+        # first gradient 1.0e-3 off; rank 0's gradient left out 0.90; left out from the second
+        # step on, the loss check fails at step 2; x 1.001 from the second step on, 1.6e-4 from
+        # the reference's weights (12.7 x the bound under AVX-512, 2.9 x under default).
+        bound = param_bound(reference, *train_in_orders(base, batches(STEPS), world), ddp_full)
         ours_dev, where = max_diff(full, reference)
         ddp_dev, _ = max_diff(ddp_full, reference)
         print(
-            f"world {world}: max |param - ref| layershard {ours_dev:.2e} ({where}), DDP {ddp_dev:.2e}",
+            f"world {world}: max |param - ref| layershard {ours_dev:.2e} ({where}), "
+            f"DDP {ddp_dev:.2e}, bound {bound:.2e}; first gradient {g_err:.2e}, "
+            f"bound {g_bound:.2e}",
             flush=True,
         )
-        assert ours_dev <= PARAM_TOL, (ours_dev, where)
-        assert ours_dev <= 1.5 * ddp_dev + 1e-7, (ours_dev, ddp_dev)  # no farther than DDP gets
-        assert ddp_dev <= PARAM_TOL, f"calibration drifted: DDP now {ddp_dev:.2e}"
+        assert ours_dev <= bound, (ours_dev, where, bound)
 
     # Round trip: load into a differently initialized sharded model, read back, same outputs.
     other = ls.shard(tiny_llama(seed=7))
@@ -136,7 +159,7 @@ def _llama_parity(rank: int, world: int) -> None:
     if rank == 0:
         assert all(torch.equal(again[k], full[k]) for k in full)
         torch.testing.assert_close(
-            full["embed.weight"], reference.embed.weight.detach(), rtol=0, atol=PARAM_TOL
+            full["embed.weight"], reference.embed.weight.detach(), rtol=0, atol=bound
         )
 
 

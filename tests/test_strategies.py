@@ -9,7 +9,19 @@ import functools
 import torch
 import torch.distributed as dist
 from _dist import RankChecks, run_ranks
-from _parity import LOSS_RTOL, LR, PARAM_TOL, TINY, batches, clone, lm_loss, local, max_diff
+from _parity import (
+    LOSS_RTOL,
+    LR,
+    SPREAD_FACTOR,
+    TINY,
+    batches,
+    clone,
+    lm_loss,
+    local,
+    max_diff,
+    param_bound,
+    train_in_orders,
+)
 from _parity import tiny_llama as _tiny
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -97,11 +109,18 @@ def _expected_counts(model, sync_first: bool, name: str) -> dict:
     return out
 
 
+@functools.cache
+def _legit() -> list:
+    """The reference trained again in other legitimate orders of the 8 micro-batches' sums (4
+    ranks x 2), with the same clipping: once per spawn for every strategy's check."""
+    return train_in_orders(_variant(_tiny(tie_embeddings=True)), batches(STEPS), 8, clip=(1.0, 2.0))
+
+
 def _strategy_parity(rank: int, world: int, name: str) -> None:
     """10 AdamW steps of two micro-batches (with and without no_sync), clipping, tied and frozen
     parameters and activation checkpointing, against the single-process reference and DDP on the
     same batches: the loss every step, the gradient norm, every collective and the group it ran
-    on, and the final weights (no farther from the reference than DDP lands)."""
+    on, and the final weights (within the spread of DDP and other legitimate orders)."""
     base = _variant(_tiny(tie_embeddings=True))
     reference = clone(base)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
@@ -109,6 +128,7 @@ def _strategy_parity(rank: int, world: int, name: str) -> None:
     ddp_opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=LR)
     model = ls.shard(clone(base), activation_checkpointing=1, **dict(STRATEGIES)[name])
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    norms = []  # (ours, the reference's, DDP's) gradient norm at each step
     for step, batch in enumerate(batches(STEPS)):
         sync_first = step % 2 == 0  # accumulation with and without no_sync
         ref_loss = lm_loss(reference, batch)
@@ -122,9 +142,6 @@ def _strategy_parity(rank: int, world: int, name: str) -> None:
             (lm_loss(ddp, x[:half]) / 2).backward()
         (lm_loss(ddp, x[half:]) / 2).backward()
         ddp_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-        # The norm of the accumulated gradient drifts from the reference's as the weights do:
-        # measured 0 to 5.3e-5 relative for DDP over these 10 steps, the strategies at or below.
-        norm_tol = max(1e-5, 2 * abs(ddp_norm.item() / ref_norm.item() - 1))
         ddp_opt.step()
         ddp_opt.zero_grad()
         model.comm_stats(reset=True)
@@ -136,18 +153,27 @@ def _strategy_parity(rank: int, world: int, name: str) -> None:
         opt.zero_grad()
         ours = _mean(loss)
         assert abs(ours - ref_loss.item()) <= LOSS_RTOL * ref_loss.item(), (name, step)
-        torch.testing.assert_close(norm, ref_norm, rtol=norm_tol, atol=0, msg=name)
+        norms.append((norm.item(), ref_norm.item(), ddp_norm.item()))
     ddp_full = {k.removeprefix("module."): v for k, v in ddp.state_dict().items()}
     ddp_dev, _ = max_diff(ddp_full, reference)
-    # DDP-calibrated (tests/_parity.py): no farther than DDP itself lands in this same run. With
-    # accumulation and clipping DDP lands farther than in the parity test: measured 1.28e-4 (the
-    # strategies 1.06e-4 to 1.16e-4), on 2026-11-22, CPU, torch 2.13.
-    tol = max(PARAM_TOL, 1.5 * ddp_dev)
     full = model.full_state_dict()
-    if rank == 0:
+    if rank == 0:  # within the spread of DDP and other legitimate orders (tests/_parity.py)
+        legit = _legit()
+        # The norm of the summed gradient drifts from the reference's as the weights do (5e-5
+        # relative by step 9): SPREAD_FACTOR x the farthest legitimate run's (DDP and the
+        # reference in other orders); LOSS_RTOL for the norm's own summation order (at step 0
+        # the weights are equal and every run's norm is within a few ulps).
+        for step, (ours_norm, ref_norm, ddp_norm) in enumerate(norms):
+            drift = [abs(n / ref_norm - 1) for n in [ddp_norm] + [r.norms[step] for r in legit]]
+            norm_tol = max(LOSS_RTOL, SPREAD_FACTOR * max(drift))
+            assert abs(ours_norm / ref_norm - 1) <= norm_tol, (name, step, ours_norm, ref_norm)
+        # max |param - ref| of the strategies / DDP / the bound, measured 2026-11-26 (torch
+        # 2.13): AVX-512 1.10e-4-1.14e-4 / 1.13e-4 / 2.26e-4; AVX2 9.77e-5-1.04e-4 / 9.95e-5 /
+        # 1.99e-4; default 6.91e-5-7.34e-5 / 7.48e-5 / 1.66e-4 (DDP the farthest legitimate run)
+        tol = param_bound(reference, *legit, ddp_full)
         dev, where = max_diff(full, reference)
-        print(f"{name}: max |param - ref| {dev:.2e} ({where}), DDP {ddp_dev:.2e}", flush=True)
-        assert dev <= tol, (name, dev, where, ddp_dev)
+        print(f"{name}: max |param - ref| {dev:.2e} ({where}), DDP {ddp_dev:.2e}, bound {tol:.2e}")
+        assert dev <= tol, (name, dev, where, ddp_dev, tol)
         frozen = reference.layers[1].mlp.w1.weight.detach()
         assert torch.equal(full["layers.1.mlp.w1.weight"], frozen), name
     if name == "offload":  # the device is the CPU here: the GPU suite checks the split

@@ -301,3 +301,52 @@ def test_without_tensorboard_metrics_go_to_jsonl_with_a_note(tmp_path, capsys, m
     assert err.count("\n") == 0 and "tensorboard is not installed" in err, err
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5}]
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_a_hybrid_run_resumes_under_full(tmp_path, capfd, monkeypatch):
+    """Issue 35: a `--strategy hybrid --shard-size K` run could not be resumed with `--strategy
+    full`: the recorded shard_size was refused, no flag unset it, and the error named no fix,
+    although checkpoints resume under another strategy. A flag that changes the strategy now
+    drops what only the recorded one takes (said in a note); given again with the new strategy,
+    it is refused with the fix."""
+    monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    argv = [*TINY[:-2], *SMALL, "--steps", "3", "--eval-interval", "0", "--run-dir", str(run)]
+    hybrid = ["--strategy", "hybrid", "--shard-size", "1"]
+    assert train_main([*argv, *hybrid, "--stop-at-step", "2"]) == 0
+    capfd.readouterr()
+    assert train_main([*argv, "--resume", "--strategy", "full"]) == 0
+    out = capfd.readouterr()
+    note = (
+        "--strategy full: the run's shard_size 1 (of hybrid) does not apply to full and is dropped"
+    )
+    assert note in out.err, out.err
+    assert "resumed at step 2" in out.out, out.out
+    refused = train_main([*argv, "--resume", "--strategy", "grad_op", "--shard-size", "1"])
+    err = capfd.readouterr().err
+    assert refused == 2 and "leave out --shard-size, or use --strategy hybrid" in err, err
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert recorded["strategy"] == "full" and recorded["shard_size"] is None
+    assert sorted(r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r) == [
+        1, 2, 3
+    ]  # fmt: skip
+
+
+def test_a_changed_strategy_or_precision_drops_what_it_does_not_take():
+    """(Without processes) what a resume's flags drop from the recorded config, with a note;
+    an option given again with the new strategy is kept, for the schema to refuse with its fix."""
+    from layershard.train.config import resume_layers
+
+    recorded = {"strategy": "full", "reshard_after_forward": 2, "precision": "fp16",
+                "loss_scale": 1024.0}  # fmt: skip
+    notes = resume_layers(recorded, {"strategy": "grad_op"}, {"precision": "bf16"})
+    assert recorded == {"strategy": "full", "precision": "fp16"}
+    assert notes == [
+        "--precision bf16: the run's loss_scale 1024 (of fp16) does not apply and is dropped",
+        "--strategy grad_op: the run's reshard_after_forward 2 (of full) does not apply to "
+        "grad_op and is dropped",
+    ]
+    kept = {"strategy": "hybrid", "shard_size": 2}
+    assert resume_layers(kept, {}, {"strategy": "grad_op", "shard_size": 2}) == []
+    assert kept == {"strategy": "hybrid", "shard_size": 2}
+    assert resume_layers(kept, {}, {"strategy": "hybrid"}) == [] and kept["shard_size"] == 2

@@ -239,7 +239,9 @@ def test_sft_pipeline_labels_only_responses(tmp_path, cache, packing):
     eos = "<|endoftext|>"
     trained = tok.decode(x[y != -100].tolist())
     answers = [a for a in trained.split(eos) if a]
-    assert answers and all(a.startswith("A") and ":" in a for a in answers)
+    # (the last one may be cut where the stream's last whole window ends)
+    assert answers and all(a.startswith("A") for a in answers)
+    assert all(":" in a for a in answers[:-1])
     assert "Q" not in trained and "add" not in trained  # no prompt token is a target
 
 

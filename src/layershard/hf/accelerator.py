@@ -104,6 +104,8 @@ class Accelerator(accelerate.Accelerator):
                 "ls.hf.Accelerator: torch.compile through accelerate compiles the whole model; with "
                 "layershard use ShardingPlugin(compile=True) (each block, outside the hooks)"
             )
+        # before any process group: a plugin that contradicts accelerate is refused first
+        self.layershard = (layershard or ShardingPlugin()).with_amp(self.mixed_precision)
         ls.init_distributed()  # a one-process group when accelerate started none
         if dist.get_world_size() > 1 and self.distributed_type == DistributedType.NO:
             raise ValueError(
@@ -111,7 +113,6 @@ class Accelerator(accelerate.Accelerator):
                 "each as a single process; on CPU pass TrainingArguments(use_cpu=True) or "
                 "Accelerator(cpu=True)"
             )
-        self.layershard = (layershard or ShardingPlugin()).with_amp(self.mixed_precision)
         if self.mixed_precision == "fp16":  # every rank must skip the same steps
             self.scaler = ls.GradScaler(process_group=self.layershard.process_group)
         # id(original parameter) -> (weak reference to it, its slice): remaps optimizers

@@ -28,7 +28,8 @@ class ShardingPlugin:
 
     ``mixed_precision=None`` follows accelerate / ``TrainingArguments``: ``bf16=True`` computes in
     bf16 (``ls.MixedPrecision(torch.bfloat16)``, fp32 reduction), ``fp16=True`` in fp16 with an
-    all-reducing loss scaler; neither is fp32. ``activation_checkpointing=K`` recomputes the first
+    all-reducing loss scaler; neither is fp32. A plugin that computes in fp16 needs
+    ``fp16=True`` too (the loss scaler is accelerate's): without it, it is refused. ``activation_checkpointing=K`` recomputes the first
     K blocks; ``TrainingArguments(gradient_checkpointing=True)`` is the Hugging Face way to ask for
     all of them (the model's own checkpointing), and the two cannot be combined.
     """
@@ -60,6 +61,16 @@ class ShardingPlugin:
                     f"layershard: mixed_precision={mixed_precision!r} is not supported; use "
                     "'bf16', 'fp16' or 'no' (ShardingPlugin(mixed_precision=ls.MixedPrecision(...)) "
                     "for other combinations)"
+                )
+            if self.mixed_precision is not None and self.mixed_precision.param_dtype == (
+                torch.float16
+            ):
+                # fp16 without a loss scaler underflows; the scaler is accelerate's (fp16=True)
+                raise ValueError(
+                    "layershard: ShardingPlugin(mixed_precision=MixedPrecision(param_dtype="
+                    "torch.float16)) computes in fp16, which needs a loss scaler: also pass "
+                    "fp16=True to TrainingArguments (Accelerator(mixed_precision='fp16')), "
+                    "which scales the loss with ls.GradScaler"
                 )
             return self
         if self.mixed_precision is None:

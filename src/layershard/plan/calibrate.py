@@ -140,16 +140,18 @@ def against_plan(summary: dict[str, Any]) -> str:
     """One line comparing a run's measured step time and memory with what the plan that wrote
     its config predicted (``summary.json``'s ``plan``); '' when the run had no plan."""
     plan = summary.get("plan")
-    if not isinstance(plan, dict) or not isinstance(plan.get("step_s"), int | float):
+    # A record that is not one `plan --write-config` writes (edited, or of another version) is
+    # left out: the run is over, and nothing here may fail it (train's schema refuses it first).
+    if not isinstance(plan, dict) or not _positive(plan.get("step_s")):
         return ""
     measured = summary.get("step_time_s_median")
     mem = summary.get("mem_mib_max")
     kind = summary.get("mem_kind", "peak")
     key = "peak_bytes" if kind == "peak" else "model_states_bytes"
     line = f"plan predicted {plan['step_s']:.4g} s/step"
-    if isinstance(measured, int | float):
+    if _positive(measured):
         line += f", measured {measured:.4g} s ({measured / plan['step_s']:.3g}x)"
-    if isinstance(plan.get(key), int | float):
+    if _positive(plan.get(key)):
         line += f"; {kind.replace('_', ' ')} predicted {plan[key] / 2**20:,.1f} MiB"
         if isinstance(mem, int | float):
             line += f", measured {mem:,.1f} MiB"
@@ -157,6 +159,10 @@ def against_plan(summary: dict[str, Any]) -> str:
         line += f" (the plan was for {plan['gpus']} ranks, the run had {summary['world_size']})"
     gpu = plan.get("gpu")
     return line + (f" [plan for {gpu}]" if gpu else "")
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def _solve_vocab(shape: ModelShape, params: int) -> ModelShape | None:

@@ -1,14 +1,16 @@
 """``python -m layershard.train.agent RUN_DIR TORCHRUN_ARGS...``: torchrun itself.
 
 It runs torchrun's own ``torch.distributed.run.run()`` (the elastic agent: rendezvous, worker
-processes, ``--max-restarts``, signal forwarding), with three additions:
+processes, ``--max-restarts``, signal forwarding), with four additions:
 
 - when ranks fail, what torchrun knows about them (exit code, signal, pid) is written to
   ``RUN_DIR/.layershard/failures.json``, so that ``layershard train`` can say which rank died and
   how, instead of leaving the user a peer's "connection reset";
 - it dies with ``layershard train`` (and its ranks with it), even when that is SIGKILLed;
 - with a dynamic rendezvous (c10d, etcd), the ranks learn which round of the rendezvous they
-  start in, a number every node agrees on (``LAYERSHARD_RDZV_ROUND``, see :class:`Rounds`).
+  start in, a number every node agrees on (``LAYERSHARD_RDZV_ROUND``, see :class:`Rounds`);
+- on many nodes, the nodes compare their settings at every rendezvous and refuse to start
+  when they differ, and a rendezvous that fails is one line (``rendezvous.py``, :class:`Agreed`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
+from layershard.train import rendezvous as rdzv
 from layershard.train import status as st
 from layershard.train.faults import ROUND_ENV, die_with_parent
 
@@ -99,24 +102,70 @@ class Rounds(RendezvousHandler):
         return self._inner.shutdown()
 
 
-def count_rounds(args: Any) -> None:
-    """Route torchrun's dynamic rendezvous (``args.rdzv_backend``) through :class:`Rounds`."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+class Agreed(RendezvousHandler):
+    """The rendezvous handler torchrun made (wrapped in ``Rounds`` for a dynamic backend), plus
+    ``rendezvous.agree`` (the nodes compare their settings) at each round, and one line instead
+    of torch's output when the rendezvous fails (``rendezvous.said``)."""
 
-    inner = args.rdzv_backend
-    if inner == "static" or args.standalone:  # one agent, or no membership changes
-        return
-    name = f"layershard-{inner}"
+    def __init__(self, inner: RendezvousHandler, params: RendezvousParameters) -> None:
+        self._inner, self._static = inner, params.backend == "static"
+        self._endpoint, self._limits = params.endpoint, rdzv.timeouts(params)
+        self._rounds = 0
 
-    def create(params: RendezvousParameters) -> RendezvousHandler:
-        params.backend = inner
+    def next_rendezvous(self) -> RendezvousInfo:
         try:
-            return Rounds(registry.create_handler(params), name)
-        finally:
-            params.backend = name
+            with rdzv.said(self._endpoint, self._limits):
+                info = self._inner.next_rendezvous()
+                # A static job's store is the same in every round, and no node joins it later.
+                if not (self._static and self._rounds):
+                    rdzv.agree(info.store, info.rank, info.world_size)
+        except rdzv.Refused as e:
+            e.first_round = not self._rounds  # later: this node's ranks trained before
+            raise
+        self._rounds += 1
+        return info
 
-    registry.register(name, create)
-    args.rdzv_backend = name
+    def get_backend(self) -> str:
+        return self._inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+
+def wrap_rendezvous(args: Any) -> None:
+    """Every rendezvous handler torchrun makes for this agent goes through :class:`Agreed` and,
+    for a dynamic backend (c10d, etcd), :class:`Rounds`. One node (``--standalone``) has nobody
+    to agree with."""
+    import torch.distributed.elastic.rendezvous.registry as registry
+
+    if args.standalone:
+        return
+    make = registry.get_rendezvous_handler
+
+    def get(params: RendezvousParameters) -> RendezvousHandler:
+        with rdzv.said(params.endpoint, rdzv.timeouts(params)):  # c10d connects here
+            handler = make(params)
+        if params.backend != "static":  # one agent, or no membership changes
+            handler = Rounds(handler, handler.get_backend())
+        return Agreed(handler, params)
+
+    registry.get_rendezvous_handler = get
 
 
 def main(argv: list[str]) -> int:
@@ -132,7 +181,7 @@ def main(argv: list[str]) -> int:
     if launcher:
         die_with_parent(signal.SIGTERM, int(launcher))
     os.environ["LAYERSHARD_AGENT_PID"] = str(os.getpid())
-    count_rounds(args)
+    wrap_rendezvous(args)
     try:
         run(args)
     except ChildFailedError as e:
@@ -153,6 +202,9 @@ def main(argv: list[str]) -> int:
         return 1
     except SignalException as e:  # torchrun itself was signalled; it has stopped the ranks
         return 128 + int(e.sigval)
+    except rdzv.Refused as e:  # no rank started: `layershard train` says why, in one line
+        rdzv.report(e)
+        return e.code
     return 0
 
 

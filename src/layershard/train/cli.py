@@ -27,7 +27,10 @@ from layershard.train.launch import (
     launch,
     outcome,
     prepare,
+    undo_writes,
 )
+from layershard.train.nodes import DEFAULT_RDZV_TIMEOUT_S
+from layershard.train.rendezvous import read_report
 
 _HELP = {
     "model": "model preset: tiny, small, llama-1b, llama-7b, llama-13b, llama-70b (architectures)",
@@ -145,6 +148,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dist.add_argument("--rdzv-conf", default=argparse.SUPPRESS, metavar="KEY=VALUE,...",
                       help="torchrun rendezvous options, e.g. last_call_timeout=5 "
                       "(docs/train.md, Many nodes)")  # fmt: skip
+    dist.add_argument("--rdzv-timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
+                      help="how long the nodes wait for each other at the rendezvous: node 0 "
+                      "for the others to join, the others to reach node 0 (default "
+                      f"{DEFAULT_RDZV_TIMEOUT_S:.0f})")  # fmt: skip
     dist.add_argument("--max-restarts", type=int, default=argparse.SUPPRESS,
                       help="torchrun restarts after a failure, each from the latest checkpoint "
                       "(default 0)")  # fmt: skip
@@ -218,12 +225,32 @@ def run(args: argparse.Namespace) -> int:
         code, message = outcome(Path(run_dir), opts, rc, signalled)
     finally:
         st.release_lock(opts.lock)
+        refused = read_report(opts.agent_report)
+        if opts.agent_report is not None:
+            opts.agent_report.unlink(missing_ok=True)
+    if refused is not None and refused.get("first_round") and opts.node_rank == 0:
+        undo_writes(Path(run_dir), opts)  # no rank started: the run folder as it was before
     if code != 0:
         label = "error: " if code not in (st.EXIT_STOPPED,) else ""
         print(f"layershard train: {label}{message}", file=sys.stderr, flush=True)
         return code
-    summary_path = Path(run_dir) / "summary.json"
-    if summary_path.is_file() and opts.node_rank == 0:
+    if opts.node_rank == 0:
+        try:
+            _done(Path(run_dir), t0)
+        except (OSError, ValueError, KeyError, TypeError, ArithmeticError) as e:
+            # The run is over and its files are written: the closing line must not fail it.
+            print(
+                f"layershard train: warning: the run finished, but its summary could not be "
+                f"printed ({type(e).__name__}: {e}); its results are in {run_dir}/",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _done(run_dir: Path, t0: float) -> None:
+    """The closing lines of a run that finished: time, losses, speed, and the plan's prediction."""
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
         s = json.loads(summary_path.read_text())
         wall = time.perf_counter() - t0
         s["wall_time_s"] = wall
@@ -239,4 +266,3 @@ def run(args: argparse.Namespace) -> int:
         versus = against_plan(s)
         if versus:
             print(f"{versus} (summary.json)")
-    return 0

@@ -81,7 +81,7 @@ class TrainConfig:
     # --- execution: ls.shard's options ----------------------------------------------------------
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # fp16: ls.GradScaler's initial loss scale (halved at each overflow, doubled after 2000 steps)
-    loss_scale: Annotated[Number, Field(gt=0, description="a number > 0")] = 65536.0
+    loss_scale: Annotated[Number, Field(gt=0, description="a number > 0")] = 65536.0  # fp16 only
     strategy: Literal["full", "grad_op", "no_shard", "hybrid"] = "full"
     shard_size: Ranks = None  # hybrid: ranks per shard group (default: the ranks of a node)
     reshard_after_forward: Annotated[
@@ -140,7 +140,17 @@ class TrainConfig:
         try:
             check_strategy_options(self.strategy, None, self.shard_size, self.reshard_after_forward)
         except ValueError as e:
-            raise ValueError(f"strategy options: {_flags(str(e))}") from None
+            raise ValueError(f"strategy options: {_flags(str(e))}{_fix(str(e))}") from None
+        if self.precision != "fp16" and self.loss_scale != _DEFAULT_LOSS_SCALE:
+            raise ValueError(
+                f"loss_scale {self.loss_scale:g} is fp16's initial loss scale, but this run "
+                f"computes in {self.precision} (no loss scaling); leave out --loss-scale, or "
+                "pass --precision fp16"
+            )
+        if isinstance(self.compile, dict):
+            _check_compile(self.compile)
+        if self.plan is not None:
+            _check_plan(self.plan)
         if self.precision == "fp16" and self.optimizer == "muon":
             raise ValueError("precision fp16 (loss scaling) is not supported with optimizer muon")
         if self.loss_chunks and self.task == "sft":
@@ -176,6 +186,74 @@ def _non_finite(value: Any, path: str = "") -> tuple[str, float] | None:
         if found is not None:
             return found
     return None
+
+
+_DEFAULT_LOSS_SCALE = 65536.0
+# torch.compile's keyword arguments (its signature, less the model)
+_COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+
+
+def _check_compile(options: dict[str, Any]) -> None:
+    """``compile: {...}``: torch.compile's own keywords, and a backend torch knows, checked here
+    rather than in every rank at its first block."""
+    for key in options:
+        if key not in _COMPILE_KEYS:
+            raise ValueError(unknown_key(str(key), _COMPILE_KEYS, "compile").replace(
+                "config key", "torch.compile option"))  # fmt: skip
+    backend = options.get("backend")
+    if backend is None or callable(backend):
+        return
+    if not isinstance(backend, str):
+        raise ValueError(f"compile: backend must be the name of a backend, got {backend!r}")
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    try:
+        lookup_backend(backend)
+    except Exception:  # InvalidBackend, or a registered entry point that fails to import
+        names = ", ".join(sorted({*list_backends(), "eager", "aot_eager"}))  # + the debug ones
+        raise ValueError(
+            f"compile: backend {backend!r} is not a torch.compile backend; use one of {names}"
+        ) from None
+
+
+# What `layershard plan --write-config` records under `plan:`, and the rule each number follows.
+_PLAN_NUMBERS = {
+    "step_s": (0.0, False),  # (lower bound, bound allowed)
+    "peak_bytes": (0.0, False),
+    "model_states_bytes": (0.0, False),
+    "tokens_per_s_per_gpu": (0.0, False),
+    "mfu": (0.0, True),
+    "gpus": (1.0, True),
+    "gpus_per_node": (1.0, True),
+}
+
+
+def _check_plan(plan: dict[str, Any]) -> None:
+    """The ``plan:`` record (what ``layershard plan --write-config`` predicted), read back: the
+    run compares its measured step time and memory with it at the end."""
+    for key, (low, inclusive) in _PLAN_NUMBERS.items():
+        v = plan.get(key)
+        if v is None:  # not predicted
+            continue
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        ok = ok and (v >= low if inclusive else v > low)
+        if not ok:
+            rule = f"{'at least' if inclusive else 'greater than'} {low:g}"
+            raise ValueError(
+                f"plan: {key} must be a number {rule}, got {v!r} (the plan: block is what "
+                "`layershard plan --write-config` predicted; write it again, or remove the block)"
+            )
+    if "gpu" in plan and not isinstance(plan["gpu"], str):
+        raise ValueError(f"plan: gpu must be a GPU's name, got {plan['gpu']!r}")
+
+
+def _fix(engine_message: str) -> str:
+    """What to do about a strategy option that does not apply to the strategy."""
+    if "shard_size=...) applies" in engine_message:
+        return "; leave out --shard-size, or use --strategy hybrid"
+    if "reshard_after_forward=...) applies" in engine_message:
+        return "; leave out --reshard-after-forward, or use --strategy full"
+    return ""
 
 
 def _flags(engine_message: str) -> str:
@@ -218,6 +296,7 @@ LAUNCH_KEYS = (
     "max_restarts",
     "resume_fallback",
     "timeout",
+    "rdzv_timeout",
 )
 
 # The longest process-group timeout: torch keeps it as a timedelta in milliseconds.
@@ -238,6 +317,14 @@ class LaunchSchema:
     node_rank: NonNegativeInt = 0
     max_restarts: NonNegativeInt = 0
     timeout: Annotated[
+        Number | None,
+        Field(
+            gt=0,
+            le=MAX_TIMEOUT_S,
+            description=f"a number of seconds > 0 (at most {MAX_TIMEOUT_S:.0f})",
+        ),
+    ] = None
+    rdzv_timeout: Annotated[
         Number | None,
         Field(
             gt=0,
@@ -291,11 +378,18 @@ class LaunchOptions:
     resume_fallback: bool = False
     allow_data_change: bool = False  # --resume on a changed corpus (train/identity.py)
     timeout: float | None = None
+    rdzv_timeout: float | None = None  # seconds the nodes wait for each other (train/nodes.py)
     dry_run: bool = False
     notes: list[str] = field(default_factory=list)
     # set by prepare(): this launch's id (in launch.json and every rank's status) and its lock
     launch_id: str = ""
     lock: Path | None = None
+    # set by prepare() on many nodes: the settings the nodes compare (train/rendezvous.py), and
+    # node 0's run-folder files as they were before this launch wrote them (restored when the
+    # nodes refuse to start: see launch.undo_writes)
+    node_settings: dict[str, Any] | None = None
+    replaced: dict[str, bytes | None] = field(default_factory=dict)
+    agent_report: Path | None = None  # set by launch(): the agent's refusal, if any
 
 
 def check_launch(options: dict[str, Any]) -> None:
@@ -397,11 +491,63 @@ def dump_yaml(cfg: TrainConfig, path: str | Path, extra: dict[str, Any] | None =
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
 
 
+def read_recorded(path: str | Path) -> dict[str, Any]:
+    """The settings a run folder recorded in ``config.yaml`` (without the informational
+    ``_resolved`` block), as plain YAML: a file that is not (a python tag, a syntax error, not a
+    mapping) is a ``ConfigError`` in one line, and nothing in it is run."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        first = " ".join(str(e).split())
+        raise ConfigError(
+            f"{p} is not a run config layershard wrote: it is not plain YAML ({first[:200]}); "
+            "restore the run's own config.yaml, or start a new run"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {p}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p} must hold a mapping of key: value, like the config.yaml of a run")
+    raw.pop("_resolved", None)
+    return raw
+
+
+def resume_layers(recorded: dict[str, Any], *layers: dict[str, Any]) -> list[str]:
+    """A resumed run keeps its recorded options unless a flag changes them. A flag that changes
+    ``strategy`` also drops what the recorded one had and the new one does not take (hybrid's
+    ``shard_size``, full's ``reshard_after_forward``), and one that changes ``precision`` from
+    fp16 drops its ``loss_scale``, unless the same flags give it again (then the schema says
+    what is wrong). Changes ``recorded``; returns a note per key dropped."""
+    given: dict[str, Any] = {}
+    for layer in layers:
+        given.update(layer)
+    notes = []
+    precision = given.get("precision")
+    if precision not in (None, "fp16") and recorded.get("precision") == "fp16":
+        scale = recorded.get("loss_scale", _DEFAULT_LOSS_SCALE)
+        if "loss_scale" not in given and scale != _DEFAULT_LOSS_SCALE:
+            recorded.pop("loss_scale")
+            notes.append(f"--precision {precision}: the run's loss_scale {scale:g} (of fp16) "
+                         "does not apply and is dropped")  # fmt: skip
+    new = given.get("strategy")
+    if new is None or new == recorded.get("strategy", "full"):
+        return notes
+    dropped = []
+    old = recorded.get("strategy", "full")
+    if new != "hybrid" and recorded.get("shard_size") is not None and "shard_size" not in given:
+        dropped.append(f"shard_size {recorded.pop('shard_size')} (of {old})")
+    ras = recorded.get("reshard_after_forward", True)
+    if new != "full" and ras is not True and "reshard_after_forward" not in given:
+        recorded.pop("reshard_after_forward")
+        dropped.append(f"reshard_after_forward {ras} (of {old})")
+    return notes + [
+        f"--strategy {new}: the run's {n} does not apply to {new} and is dropped" for n in dropped
+    ]
+
+
 def read_run_config(path: str | Path) -> TrainConfig:
     """The config a run folder recorded (ignoring the informational ``_resolved`` block)."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    raw.pop("_resolved", None)
-    return resolve(raw)
+    return resolve(read_recorded(path))
 
 
 def resolved_strategy(cfg: TrainConfig, world: int | None, local_world: int) -> dict[str, Any]:

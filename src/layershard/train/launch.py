@@ -4,6 +4,7 @@ launcher (``python -m torch.distributed.run``), which also covers multi-node run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -12,17 +13,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import CheckpointError
 from layershard.train import identity
+from layershard.train import rendezvous as rdzv
 from layershard.train import status as st
 from layershard.train.checks import check_prepared
 from layershard.train.config import (
@@ -34,8 +36,10 @@ from layershard.train.config import (
     dump_yaml,
     grad_accum_for,
     load_yaml,
+    read_recorded,
     resolve,
     resolved_strategy,
+    resume_layers,
 )
 from layershard.train.modeling import check_model, check_seq_len, model_spec
 from layershard.train.nodes import (
@@ -45,6 +49,8 @@ from layershard.train.nodes import (
     lost_nodes,
     nproc,
     rdzv_backend,
+    rdzv_timeout_conf,
+    settings,
     world_size,
 )
 from layershard.train.prepare import bpe_texts, corpus_hash, prepare_splits
@@ -203,8 +209,9 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
         recorded = run_dir / "config.yaml"
         if not recorded.is_file():
             raise ConfigError(f"--resume: {run_dir} has no config.yaml; is it a run folder?")
-        base = yaml.safe_load(recorded.read_text()) or {}
-        base.pop("_resolved", None)
+        base = read_recorded(recorded)
+        for note in resume_layers(base, yaml_layer, cli_layer):
+            print(f"layershard train: note: {note}", file=sys.stderr, flush=True)
     cfg = resolve(base, yaml_layer, cli_layer)
     cfg.run_dir = str(run_dir)
     identity.absolute_paths(cfg)
@@ -243,7 +250,10 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
         if busy:
             raise ConfigError(busy)
 
-    files = find_files(cfg)
+    notes: list[str] = []
+    files = find_files(cfg, notes)
+    for note in notes:
+        print(f"layershard train: note: {note}", file=sys.stderr, flush=True)
     chash = corpus_hash(files, cfg)
     tok = (identity.run_tokenizer(run_dir) if opts.resume else None) or _tokenizer(
         cfg, files, chash
@@ -271,6 +281,12 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
             "one sequence: no validation loss (raise --val-fraction or add data)",
             file=sys.stderr,
         )
+    else:
+        _val_share_warning(cfg, manifest)
+    if opts.nnodes != "1" or opts.rdzv_endpoint:  # the nodes compare these at the rendezvous
+        opts.node_settings = settings(
+            cfg, opts, chash, resume_from.name if resume_from is not None else None
+        )
     if opts.dry_run:
         return cfg, run_dir, manifest
 
@@ -281,6 +297,8 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
             raise ConfigError(busy)
         if not opts.resume and run_dir.exists() and opts.overwrite:
             shutil.rmtree(run_dir)
+        if opts.node_settings is not None:
+            opts.replaced = _before_writes(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         opts.lock = st.acquire_lock(run_dir, opts.launch_id)
         st.clear_run_state(run_dir)
@@ -314,6 +332,54 @@ def prepare(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConfig
     }
     (run_dir / "launch.json").write_text(json.dumps(launch, indent=1))
     return cfg, run_dir, manifest
+
+
+def _val_share_warning(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
+    """Say so when the held-out share of the tokens is far from --val-fraction (a corpus of a
+    few large JSONL records or rows, which are never cut)."""
+    val, train = manifest["val"]["n_tokens"], manifest["train"]["n_tokens"]
+    share = val / max(1, val + train)
+    if cfg.val_fraction > 0 and abs(share - cfg.val_fraction) > 0.5 * cfg.val_fraction:
+        print(
+            f"layershard train: warning: validation holds {share:.1%} of the tokens, asked "
+            f"{cfg.val_fraction:.1%} (--val-fraction): the corpus has too few documents for it "
+            "(records and rows are never cut; text files are)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+# What node 0 writes in the run folder before the ranks start (besides the lock).
+_WRITTEN = (".", st.STATE_DIR, "config.yaml", "launch.json", "tokenizer.json")
+
+
+def _before_writes(run_dir: Path) -> dict[str, bytes | None]:
+    """Node 0's run-folder entries as they are before this launch writes them: None for one
+    that does not exist, b"" for a folder that does, a file's bytes."""
+    out: dict[str, bytes | None] = {}
+    for name in _WRITTEN:
+        p = run_dir / name
+        out[name] = None if not p.exists() else (b"" if p.is_dir() else p.read_bytes())
+    return out
+
+
+def undo_writes(run_dir: Path, opts: LaunchOptions) -> None:
+    """When the nodes refused to start (nothing trained): put node 0's run folder back as it was
+    before this launch, so that the same commands, corrected, start as if nothing happened (a
+    fresh run needs no --overwrite, a resumed one keeps its config.yaml)."""
+    before = opts.replaced
+    for name in _WRITTEN[1:]:
+        p, old = run_dir / name, before.get(name)
+        if old is None:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        elif not p.is_dir():
+            p.write_bytes(old)
+    if before.get(".") is None:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()  # only if this launch made it and left nothing else in it
 
 
 def _tokenizer(cfg: TrainConfig, files: list[Path], chash: str):
@@ -354,6 +420,7 @@ def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
         if opts.rdzv_id:
             cmd += ["--rdzv-id", opts.rdzv_id]
         conf = [c for c in (opts.rdzv_conf or "").split(",") if c]
+        conf += rdzv_timeout_conf(opts, backend, conf)
         if backend == "c10d" and loopback(opts.rdzv_endpoint):
             # Nodes simulated on one machine all match the endpoint's host, so by default the
             # first launcher to bind would host c10d's rendezvous store, and the job would end
@@ -382,6 +449,12 @@ def rank_env(opts: LaunchOptions) -> dict[str, str]:
     env["LAYERSHARD_TRAIN_CLI"] = "1"  # the ranks leave the final one-line message to us
     env["LAYERSHARD_LAUNCHER_PID"] = str(os.getpid())  # the agent dies with us (agent.py)
     env[st.NODE_ENV] = str(opts.node_rank)  # in each rank's status: which node lost a rank
+    env.pop(rdzv.SETTINGS_ENV, None)
+    env.pop(rdzv.REPORT_ENV, None)
+    if opts.node_settings is not None:  # compared with the other nodes' at the rendezvous
+        env[rdzv.SETTINGS_ENV] = json.dumps(opts.node_settings)
+    if opts.agent_report is not None:
+        env[rdzv.REPORT_ENV] = str(opts.agent_report)
     return env
 
 
@@ -424,6 +497,10 @@ def launch(run_dir: Path, opts: LaunchOptions) -> tuple[int, str | None]:
 
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.signal(sig, on_signal) for sig in handled}
+    if opts.node_settings is not None:  # what the agent says when no rank starts (rendezvous.py)
+        fd, name = tempfile.mkstemp(prefix="layershard-agent-", suffix=".json")
+        os.close(fd)
+        opts.agent_report = Path(name)
     try:
         proc = subprocess.Popen(
             torchrun_command(run_dir, opts), env=rank_env(opts), start_new_session=True
@@ -450,6 +527,9 @@ class _quiet:
 def outcome(run_dir: Path, opts: LaunchOptions, rc: int, signalled: str | None) -> tuple[int, str]:
     """The exit code of `layershard train` and the one line that explains a run that did not
     finish: a stop on request, non-finite steps, or which rank failed, how, and at which step."""
+    refused = rdzv.read_report(opts.agent_report)
+    if refused is not None:  # the nodes disagree, or never met
+        return refused["code"], refused["message"]
     state = st.state_dir(run_dir)
     stop = st.read_json(state / st.STOP)
     ranks = st.rank_statuses(run_dir, opts.launch_id)

@@ -90,6 +90,52 @@ def rdzv_backend(opts: LaunchOptions) -> str | None:
     return "c10d" if elastic(opts) else None
 
 
+# How long the nodes wait for each other at the rendezvous (--rdzv-timeout): node 0 for the
+# others to join, the others to reach node 0. Long enough for nodes a scheduler starts minutes
+# apart; torchrun's own default (600 s static, 900 s c10d) left a mistyped endpoint silent for
+# ten minutes.
+DEFAULT_RDZV_TIMEOUT_S = 300.0
+
+
+def rdzv_timeout_conf(opts: LaunchOptions, backend: str | None, given: list[str]) -> list[str]:
+    """torchrun's rendezvous options that carry ``--rdzv-timeout`` (unless ``--rdzv-conf`` sets
+    them): static's ``timeout``; c10d's ``join_timeout``, and its ``read_timeout`` (how long a
+    node tries to reach the store at all, torch's 60 s) when shorter."""
+    seconds = math.ceil(opts.rdzv_timeout if opts.rdzv_timeout else DEFAULT_RDZV_TIMEOUT_S)
+    keys = {c.partition("=")[0].strip() for c in given}
+    if backend in (None, "static"):
+        wanted = {"timeout": seconds}
+    else:
+        wanted = {"join_timeout": seconds}
+        if seconds < 60:
+            wanted["read_timeout"] = seconds
+    return [f"{k}={v}" for k, v in wanted.items() if k not in keys]
+
+
+def settings(cfg: TrainConfig, opts: LaunchOptions, corpus: str, resume: str | None) -> dict:
+    """What every node of a job must have been started with (``rendezvous.agree``): the
+    resolved config (model, data, engine options, seed, steps, ...) with mappings spelled out
+    key by key (``model_overrides.n_layers``), the corpus' fingerprint, and the launch options
+    that shape the job. Not the run folder's path, which may be mounted elsewhere."""
+    out: dict[str, Any] = {}
+    for key, value in cfg.to_dict().items():
+        if key in ("run_dir", "name"):
+            continue
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    out.update(
+        corpus=corpus[:16],
+        nproc_per_node=nproc(opts),
+        nnodes=opts.nnodes,
+        max_restarts=opts.max_restarts,
+        resume=resume,
+        stop_at_step=opts.stop_at_step,
+    )
+    return out
+
+
 def loopback(endpoint: str | None) -> bool:
     host = (endpoint or "").rpartition(":")[0] or (endpoint or "")
     return host in ("localhost", "::1", "[::1]") or host.startswith("127.")

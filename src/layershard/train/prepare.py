@@ -16,6 +16,7 @@ Its ``manifest.json`` records the splits, the absolute paths and fingerprints of
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -44,7 +45,6 @@ from layershard.train.cache import (
 from layershard.train.config import ConfigError, TrainConfig
 from layershard.train.data import TokenSplit
 from layershard.train.sources import (
-    SPLIT_BLOCK,
     Piece,
     name_hash,
     pieces,
@@ -57,8 +57,8 @@ from layershard.train.sources import (
 from layershard.train.tokenizer import TextTokenizer
 
 # Bump when what is written, or how the corpus is named, split or cut, changes: old entries
-# are then left alone instead of being reused.
-FORMAT = 2
+# are then left alone instead of being reused. 3: the held-out share chosen by size.
+FORMAT = 3
 # The BPE is trained on the training split, or on a deterministic sample of about this many
 # bytes of it: the trainer's memory grows with the distinct words it sees (~680 MB for 32 MB
 # of the benchmark's prose, ~1 GB for 64 MB).
@@ -115,7 +115,7 @@ def bpe_texts(files: list[Path], cfg: TrainConfig) -> Iterator[str]:
         )
     taken = 0
     with _bar(total, "reading the BPE's sample" if share < 1 else "reading") as bar:
-        for piece in text_pieces(files, names, cfg, route, bar.update, blank=True):
+        for piece in text_pieces(files, names, cfg, route, bar.update, True, plan.block):
             yield piece.data.decode("utf-8")
             taken += len(piece.data)
             if taken >= 2 * BPE_SAMPLE:  # the sample is drawn at random: bound it for sure
@@ -157,12 +157,39 @@ def prepare_splits(
         try:
             _prepare(files, cfg, tok, tmp, final.name)
             publish(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            full = _disk_full(e, final.parent, files, tok)
+            if full:
+                raise ConfigError(full) from None
+            raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     manifest = load_entry(final)
     assert manifest is not None, f"{final} was just written but does not load"
     return manifest
+
+
+def _disk_full(e: OSError, folder: Path, files: list[Path], tok: TextTokenizer) -> str:
+    """One line for a write that found the disk full (ENOSPC, a quota, or numpy's short write
+    "N requested and M written", which carries no errno), naming the folder and the space the
+    tokenized corpus needs; '' for any other error."""
+    short = e.errno is None and "requested and" in str(e) and "written" in str(e)
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT) and not short:
+        return ""
+    # at most one token per byte (a byte-level BPE), 2 or 4 bytes each, plus a mask for SFT
+    size = sum(source_bytes(f) for f in files)
+    need = size * ((2 if tok.vocab_size <= 2**16 else 4) + 1)
+    try:
+        free = f"{shutil.disk_usage(folder).free / 1e6:,.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"the disk holding {folder} is full ({free}): the tokenized corpus needs up to "
+        f"{need / 1e6:,.0f} MB there (a {size / 1e6:,.1f} MB corpus); free space on it, or set "
+        "LAYERSHARD_CACHE to a folder on a larger disk. Nothing was cached"
+    )
 
 
 def entry_folder(cfg: TrainConfig, tok: TextTokenizer, chash: str) -> Path:
@@ -262,7 +289,7 @@ def _prepare(files: list[Path], cfg: TrainConfig, tok: TextTokenizer, tmp: Path,
                 if n_workers
                 else LocalEncoder(tok, dtype)
             )
-            stream = text_pieces(files, names, cfg, plan.split_of, bar.update)
+            stream = text_pieces(files, names, cfg, plan.split_of, bar.update, False, plan.block)
             eos = [] if tok.eos_id is None else [tok.eos_id]
             with encoder:
                 for task, encoded in encoder.map(_tasks(stream)):
@@ -273,6 +300,7 @@ def _prepare(files: list[Path], cfg: TrainConfig, tok: TextTokenizer, tmp: Path,
                             docs[piece.split] += 1
     seconds = time.perf_counter() - t0
     splits = {s: w.close() for s, w in writers.items()}
+    _unchanged(sources, files)
     manifest: dict[str, Any] = splits | {
         "format": FORMAT,
         "key": key,
@@ -280,8 +308,9 @@ def _prepare(files: list[Path], cfg: TrainConfig, tok: TextTokenizer, tmp: Path,
         "bytes": total,
         "split": {
             "val_fraction": cfg.val_fraction,
-            "block_bytes": SPLIT_BLOCK,
-            "moved": list(plan.force) if plan.force else None,
+            "block_bytes": plan.block,
+            "by": "size" if plan.val is not None else "hash",
+            "val_bytes_share": plan.share,
         },
         "sources": sources,
         "prepared_by": whoami(),
@@ -298,6 +327,23 @@ def _prepare(files: list[Path], cfg: TrainConfig, tok: TextTokenizer, tmp: Path,
         "validation tokens",
         flush=True,
     )
+
+
+def _unchanged(before: list[dict[str, Any]], files: list[Path]) -> None:
+    """Refuse a corpus whose files changed while they were tokenized (rewritten in place, grown,
+    truncated): the tokens would match neither version. ``before`` is what preparation recorded
+    (each file's size and full hash) before reading them."""
+    for was, now in zip(before, fingerprint.record(files)):
+        if (was["path"], was["size"], was["sha256"]) != (now["path"], now["size"], now["sha256"]):
+            size = f"size {was['size']} -> {now['size']}" if was["size"] != now["size"] else (
+                "same size, other content")  # fmt: skip
+            raise ConfigError(
+                f"{now['path']} changed while it was being tokenized ({size}); nothing was "
+                "cached. Run again once nothing writes to the corpus (or copy it first)"
+            )
+    if len(before) != len(fingerprint.leaves(files)):
+        raise ConfigError("the corpus changed while it was being tokenized (files came or went); "
+                          "nothing was cached. Run again once nothing writes to it")  # fmt: skip
 
 
 def _prepare_sft(

@@ -58,9 +58,10 @@ def _abs(p: str | Path) -> Path:
     return Path(os.path.abspath(Path(p).expanduser()))
 
 
-def find_files(cfg: TrainConfig) -> list[Path]:
+def find_files(cfg: TrainConfig, notes: list[str] | None = None) -> list[Path]:
     """The source files of the corpus as absolute paths, sorted within each ``--data`` entry;
-    ``max_files`` keeps the first N."""
+    empty files are left out (``notes`` gets a line naming them); ``max_files`` keeps the first
+    N of the rest."""
     if not cfg.data:
         files = stdlib_files()
     else:
@@ -85,6 +86,14 @@ def find_files(cfg: TrainConfig) -> list[Path]:
                 )
             else:
                 files.append(p)
+        empty = [f for f in files if f.is_file() and f.stat().st_size == 0]
+        if empty:
+            skip = set(empty)
+            files = [f for f in files if f not in skip]
+            if notes is not None:
+                shown = ", ".join(str(f) for f in empty[:3])
+                more = f" and {len(empty) - 3} more" if len(empty) > 3 else ""
+                notes.append(f"skipped {len(empty)} empty file(s) of the corpus: {shown}{more}")
     if cfg.max_files is not None:
         files = files[: cfg.max_files]
     if not files:
@@ -140,56 +149,100 @@ def block_name(name: str, k: int) -> str:
     return name if k == 0 else f"{name}#{k}"
 
 
-def n_blocks(size: int) -> int:
-    return max(1, -(-size // SPLIT_BLOCK))
+def n_blocks(size: int, block: int = SPLIT_BLOCK) -> int:
+    return max(1, -(-size // block))
+
+
+# The held-out share is chosen by size for corpora of up to this many documents; larger ones
+# split by each name's hash alone (close to the fraction by their number).
+_MAX_PLANNED = 100_000
+# How far the held-out bytes may be from val_fraction of the corpus (relative), or half of the
+# smallest block, before text files are cut into blocks small enough to come closer.
+_SPLIT_TOL = 0.25
+MIN_BLOCK = 1 << 10
 
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Which split each document goes to: by the hash of its name, except that a corpus of two
-    or more documents always has both splits (the lowest-hashing document is held out when none
-    hashes below ``val_fraction``; the highest-hashing one trains when all do), and a corpus of
-    one document trains on it."""
+    """Which split each document goes to. Text files are cut into blocks of ``block`` bytes
+    (``SPLIT_BLOCK``, or less for a corpus too small for ``val_fraction`` at that size).
+
+    A corpus of up to ``_MAX_PLANNED`` documents holds out about ``val_fraction`` of its bytes:
+    documents in the order of their name's hash, each taken while it brings the held-out bytes
+    closer to the target (``val``), so which documents are held out looks random but the share
+    does not; when even that cannot come close (a few large documents), text files are cut
+    finer. A corpus of two or more documents always has both splits; one of a single document
+    small enough to miss the target by less than half a ``MIN_BLOCK`` trains on it. Larger
+    corpora hold out the documents whose name hashes below ``val_fraction``."""
 
     val_fraction: float
-    force: tuple[str, str] | None = None  # (split, name) for the one document moved
+    block: int = SPLIT_BLOCK
+    val: frozenset[str] | None = None  # the held-out documents, when chosen by size
+    share: float | None = None  # their planned share of the corpus' bytes
 
     def split_of(self, name: str) -> str:
-        if self.force is not None and name == self.force[1]:
-            return self.force[0]
+        if self.val is not None:
+            return "val" if name in self.val else "train"
         return "val" if is_val(name, self.val_fraction) else "train"
 
 
 def plan_split(files: list[Path], names: list[str], cfg: TrainConfig) -> SplitPlan:
-    """The split of this corpus. Reads only until both splits have a document (usually a few
-    names; text files are named from their sizes), all of it only for degenerate corpora."""
+    """The split of this corpus. Text files are measured by their size; JSONL files are read
+    line by line (once more than preparation reads them), until ``_MAX_PLANNED`` documents."""
     vf = cfg.val_fraction
     if vf <= 0:
         return SplitPlan(vf)
-    n, lo, hi = 0, ("", 2.0), ("", -1.0)
-    seen = set()
-    for name in _unit_names(files, names, cfg):
-        n += 1
-        h = name_hash(name)
-        seen.add(h < vf)
-        if len(seen) == 2:
-            return SplitPlan(vf)
-        lo, hi = min(lo, (name, h), key=lambda x: x[1]), max(hi, (name, h), key=lambda x: x[1])
-    if n == 1 or seen == {True}:
-        return SplitPlan(vf, ("train", hi[0]))
-    if n > 1:
-        return SplitPlan(vf, ("val", lo[0]))
-    return SplitPlan(vf)
+    units = _units(files, names, cfg, SPLIT_BLOCK)
+    if units is None:
+        return SplitPlan(vf)
+    total = sum(size for _, size in units)
+    val, got = _held_out(units, vf * total)
+    if abs(got - vf * total) > max(_SPLIT_TOL * vf * total, MIN_BLOCK / 2):
+        block = max(MIN_BLOCK, min(SPLIT_BLOCK, int(vf * total / 4)))
+        finer = _units(files, names, cfg, block) if block < SPLIT_BLOCK else None
+        if finer is not None:
+            val, got = _held_out(finer, vf * total)
+            return SplitPlan(vf, block, frozenset(val), got / max(total, 1))
+    return SplitPlan(vf, SPLIT_BLOCK, frozenset(val), got / max(total, 1))
 
 
-def _unit_names(files: list[Path], names: list[str], cfg: TrainConfig) -> Iterator[str]:
+def _held_out(units: list[tuple[str, int]], target: float) -> tuple[list[str], int]:
+    """Documents in the order of their name's hash, each held out while it brings the held-out
+    bytes closer to ``target``; with two or more documents, at least one of each split."""
+    order = sorted(units, key=lambda u: name_hash(u[0]))
+    val, got = [], 0
+    for name, size in order:
+        if got + size / 2 <= target:
+            val.append(name)
+            got += size
+    filled = [u for u in order if u[1] > 0]
+    if len(units) > 1 and filled and not got:
+        name, size = min(filled, key=lambda u: abs(u[1] - target))  # the closest to the target
+        val, got = [*val, name], got + size
+    if units and len(val) == len(units):  # one document, or val_fraction near 1
+        got -= dict(units)[val.pop()]
+    return val, got
+
+
+def _units(
+    files: list[Path], names: list[str], cfg: TrainConfig, block: int
+) -> list[tuple[str, int]] | None:
+    """(name, bytes) of every document, text files cut into ``block``-byte blocks (sizes
+    estimated from the file's); None beyond ``_MAX_PLANNED`` documents."""
+    out: list[tuple[str, int]] = []
     for f, name in zip(files, names):
         if f.is_dir():
-            yield from (f"{name}:{i}" for i in range(len(_load_datasets(f))))
+            rows = len(_load_datasets(f))
+            out += [(f"{name}:{i}", source_bytes(f) // max(rows, 1)) for i in range(rows)]
         elif f.suffix == ".jsonl":
-            yield from (f"{name}:{i}" for i, line in enumerate(_lines(f)) if line.strip())
+            out += [(f"{name}:{i}", len(line)) for i, line in enumerate(_lines(f)) if line.strip()]
         else:
-            yield from (block_name(name, k) for k in range(n_blocks(f.stat().st_size)))
+            size = f.stat().st_size
+            n = n_blocks(size, block)
+            out += [(block_name(name, k), min(block, size - k * block)) for k in range(n)]
+        if len(out) > _MAX_PLANNED:
+            return None
+    return out
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -237,19 +290,19 @@ class Block:
     data: bytes  # UTF-8, checked
 
 
-def text_blocks(f: Path) -> Iterator[Block]:
+def text_blocks(f: Path, block: int = SPLIT_BLOCK) -> Iterator[Block]:
     """A text file as its split blocks, read sequentially with at most ~3 blocks in memory.
-    Block k > 0 starts at the first line start in [kB, (k+1)B) (B = ``SPLIT_BLOCK``), or at kB
+    Block k > 0 starts at the first line start in [kB, (k+1)B) (B = ``block``), or at kB
     when a line spans that whole range, moved to the next UTF-8 character."""
     size = f.stat().st_size
-    n = n_blocks(size)
+    n = n_blocks(size, block)
     line = 1
     with f.open("rb") as fh:
         buf, off, start = b"", 0, 0  # buf holds the file's bytes [off, off + len(buf))
         for k in range(n):
             last = k == n - 1
-            lo = (k + 1) * SPLIT_BLOCK  # where block k + 1 may start
-            want = size if last else min(size, lo + SPLIT_BLOCK)
+            lo = (k + 1) * block  # where block k + 1 may start
+            want = size if last else min(size, lo + block)
             while off + len(buf) < want:
                 chunk = fh.read(want - off - len(buf))
                 if not chunk:
@@ -423,17 +476,22 @@ def text_pieces(
     route: Callable[[str], str | None],
     progress: Callable[[int], None] = lambda n: None,
     blank: bool = False,
+    block: int | None = None,
 ) -> Iterator[Piece]:
     """The pre-training text of the corpus in order, as pieces of at most ``PIECE`` bytes.
     ``route(name)`` gives each document's split, or None to leave it out. Blank documents
     (whitespace only) are left out unless ``blank`` (they add no tokens, and no end-of-text
     token, but the BPE counted their whitespace). ``progress(n)`` is told of every n bytes
-    read."""
+    read. Text files are read in blocks of ``block`` bytes; by default the block size of the
+    ``SplitPlan`` whose ``split_of`` is ``route``, else ``SPLIT_BLOCK``."""
+    if block is None:
+        plan = getattr(route, "__self__", None)
+        block = plan.block if isinstance(plan, SplitPlan) else SPLIT_BLOCK
     for f, name in zip(files, names):
         if f.is_dir() or f.suffix == ".jsonl":
             yield from _record_pieces(f, name, cfg, route, progress, blank)
         else:
-            yield from _file_pieces(f, name, route, progress, blank)
+            yield from _file_pieces(f, name, route, progress, blank, block)
 
 
 def _record_pieces(
@@ -465,6 +523,7 @@ def _file_pieces(
     route: Callable[[str], str | None],
     progress: Callable[[int], None],
     blank: bool,
+    block_bytes: int,
 ) -> Iterator[Piece]:
     """A text file's runs of consecutive blocks in one split, each one document, in pieces."""
     split: str | None = None  # of the current run
@@ -475,7 +534,7 @@ def _file_pieces(
         if split is not None and (has_text or not _blank(run)):
             yield Piece(split, bytes(run), True)
 
-    for block in text_blocks(f):
+    for block in text_blocks(f, block_bytes):
         progress(len(block.data))
         block_split = route(block_name(name, block.k))
         if block_split != split:
