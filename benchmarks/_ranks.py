@@ -18,9 +18,9 @@ def init_gloo_rank(rank: int, world: int, port: int) -> None:
 
 
 def apply_shape(args) -> None:
-    """``--shape NAME``: the model, overrides, sequence length and per-rank batch of that
+    """``--shape NAME``: the model, overrides, sequence length, per-rank batch and loss of that
     ``layershard bench`` shape (sets ``args.model``, ``args.overrides``, ``args.seq_len``,
-    ``args.batch``)."""
+    ``args.batch``, ``args.loss``)."""
     args.overrides = {}
     if getattr(args, "shape", None) is None:
         return
@@ -30,6 +30,7 @@ def apply_shape(args) -> None:
     args.model, args.seq_len = shape["model"], shape["seq_len"]
     args.batch = shape.get("micro_batch") or shape["global_batch"] // args.nproc
     args.overrides = {k: int(v) for k, v in (o.split("=") for o in shape["overrides"])}
+    args.loss = shape.get("loss", "inside")
 
 
 def leave_rank() -> None:
@@ -47,4 +48,7 @@ def add_model_args(p) -> None:
     p.add_argument("--model", default="small")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--shape", choices=["small", "comm", "vocab"], help="a `layershard bench` shape")
+    p.add_argument(
+        "--shape", choices=["small", "comm", "vocab", "deep"], help="a `layershard bench` shape"
+    )
+    p.add_argument("--loss", choices=["inside", "outside"], default="inside")

@@ -36,6 +36,7 @@ def worker(rank: int, world: int, port: int, impl: str, args) -> None:
     import torch.distributed as dist
 
     import layershard as ls
+    from layershard.bench.worker import compute_loss
     from layershard.engine import collectives
     from layershard.models import LlamaForCausalLM, build_config
 
@@ -73,7 +74,7 @@ def worker(rank: int, world: int, port: int, impl: str, args) -> None:
             waits.clear()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0, c0 = time.perf_counter(), time.thread_time()
-        loss = model(x, labels=x).loss
+        loss = compute_loss(model, x, args.loss)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()

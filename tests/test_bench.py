@@ -75,3 +75,27 @@ def test_vocab_shape_embedding_and_head_are_each_larger_than_a_block():
     block = sizes["layers.0"]
     assert sizes["embed"] > block and sizes["lm_head"] > block, sizes
     assert desc["params"] == sum(sizes.values())
+
+
+def test_deep_shape_computes_the_loss_outside_the_model():
+    """The `deep` shape (issue 31): 16 small blocks, the logits returned and the cross-entropy
+    computed by the loop, which must be the loss the model computes itself (``labels=``) on the
+    same tokens, so that the two kinds of shape measure the same training."""
+    import argparse
+
+    import torch
+
+    from layershard.bench.cli import SHAPES
+    from layershard.bench.worker import build_model, compute_loss
+
+    spec = SHAPES["deep"]
+    assert spec["loss"] == "outside"
+    args = argparse.Namespace(
+        seed=0, hf_config=None, model=spec["model"], vocab_size=8192,
+        model_override=[*spec["overrides"], "n_layers=2"], seq_len=spec["seq_len"],
+    )  # fmt: skip
+    model, desc = build_model(args)
+    assert (desc["vocab_size"], desc["dim"], desc["ffn_dim"]) == (4096, 256, 704)
+    x = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+    inside, outside = compute_loss(model, x, "inside"), compute_loss(model, x, "outside")
+    torch.testing.assert_close(outside, inside, rtol=1e-6, atol=0)

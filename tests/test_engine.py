@@ -453,7 +453,7 @@ def _two_reduce_scatters_in_flight(rank: int, world: int, collective: str) -> No
         torch.manual_seed(rank)
         grads = [[torch.randn(slot.shape) for slot in u.trainable.slots] for u in units]
         for u, g in zip(units, grads):
-            s.reducer.reduce(u, tuple(g), no_sync=False)
+            s.reducer.reduce(u, tuple(g), later=False)
         for gs in reversed(s.reducer.grad_slots):
             gs.wait()
     finally:

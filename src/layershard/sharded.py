@@ -33,7 +33,7 @@ from layershard.engine.model_checks import (
     layout,
 )
 from layershard.engine.precision import FULL_PRECISION, MixedPrecision
-from layershard.engine.schedule import Phase, Schedule
+from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import CPUOffload, Sharding
 from layershard.engine.strategy import resolve as resolve_strategy
 from layershard.engine.units import Unit, find_units
@@ -434,7 +434,7 @@ class ShardedModule(nn.Module):
         s = self._schedule
         if s.full_weights_open:
             raise RuntimeError("model.full_weights(): already open (contexts do not nest)")
-        if s.phase is Phase.BACKWARD:
+        if s.in_backward():
             raise RuntimeError("model.full_weights(): not available during backward")
         full = []
         s.quiesce()  # nothing in flight reads a shard while it may be written back

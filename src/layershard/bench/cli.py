@@ -27,7 +27,9 @@ TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain")
 # The default bench: the `small` preset, a communication-heavier shape beside it (narrower,
 # shorter sequences, fewer tokens per rank: less compute per byte communicated), and a large
 # vocabulary over few wide blocks, where the embedding and the LM head are each 4x a block (as in
-# Llama 3, 128k vocab: its head is 2.4x a block), so they, not the blocks, are the largest units.
+# Llama 3, 128k vocab: its head is 2.4x a block), so they, not the blocks, are the largest units;
+# and many small blocks with the loss computed outside the model (the logits returned, the user's
+# cross-entropy on them), where what each unit costs beyond its collectives is paid 16 times a step.
 SHAPES: dict[str, dict[str, Any]] = {
     "small": {"model": "small", "overrides": [], "seq_len": 512, "global_batch": 8},
     "comm": {
@@ -44,6 +46,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         ],
         "seq_len": 256,
         "global_batch": 8,
+    },
+    "deep": {
+        "model": "small",
+        "overrides": [
+            "vocab_size=4096", "dim=256", "n_layers=16", "n_heads=4", "n_kv_heads=4",
+            "ffn_dim=704",
+        ],
+        "seq_len": 128,
+        "micro_batch": 2,
+        "loss": "outside",
     },
 }  # fmt: skip
 
@@ -87,6 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--micro-batch", type=int, default=None,
         help="sequences per rank instead (the global batch then grows with the world size)",
+    )  # fmt: skip
+    m.add_argument(
+        "--loss", choices=["inside", "outside"], default="inside",
+        help="inside: the model computes it (labels=); outside: the model returns the logits and "
+        "the loop computes the cross-entropy (a named shape sets its own)",
     )  # fmt: skip
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (fixed)")
@@ -174,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             shape_args.seq_len = spec["seq_len"]
             shape_args.global_batch = spec.get("global_batch", args.global_batch)
             shape_args.micro_batch = spec.get("micro_batch")
+            shape_args.loss = spec.get("loss", "inside")
         shape_args.tag = name or _model_tag(shape_args)
         shape_args.shape_name = name
         rc = run_shape(shape_args)
@@ -288,6 +306,7 @@ def _settings(args, device: str) -> dict:
         "shape": getattr(args, "tag", None),
         "model_overrides": list(args.model_override),
         "micro_batch": args.micro_batch,
+        "loss": args.loss,
         "device": device,
         "nproc": args.nproc,
         "seq_len": args.seq_len,
@@ -309,7 +328,7 @@ def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]
         "-m", "layershard.bench.worker", "--impl", impl, "--seq-len", str(args.seq_len),
         "--global-batch", str(_global_batch(args, n)), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--seed", str(args.seed), "--lr", str(args.lr),
-        "--optimizer", args.optimizer, "--out", str(path),
+        "--optimizer", args.optimizer, "--loss", args.loss, "--out", str(path),
     ]  # fmt: skip
     if args.hf_config:
         cmd += ["--hf-config", args.hf_config]

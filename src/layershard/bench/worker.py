@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--loss", choices=["inside", "outside"], default="inside")
     p.add_argument("--no-mem", action="store_true", help="skip the MemTracker step")
     p.add_argument("--out", required=True, help="JSON file (written by rank 0)")
     return p.parse_args(argv)
@@ -97,6 +98,15 @@ def build_model(args) -> tuple[nn.Module, dict]:
     desc["params"] = sum(p.numel() for p in model.parameters())
     desc["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
     return model, desc
+
+
+def compute_loss(model: nn.Module, x: torch.Tensor, where: str) -> torch.Tensor:
+    """The causal LM loss of ``x``: computed by the model (``labels=``), or from the logits it
+    returns, by the caller (``outside``: what a user's own training loop does)."""
+    if where == "inside":
+        return model(x, labels=x).loss
+    logits = model(x).logits
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
 
 
 def block_list(model: nn.Module) -> nn.ModuleList:
@@ -459,7 +469,7 @@ def main(argv=None) -> int:
 
     def step(x, after_opt_step=None, time_opt=False):
         with autocast():
-            loss = model(x, labels=x).loss
+            loss = compute_loss(model, x, args.loss)
         loss.backward()
         if time_opt:  # every rank enters together (no backward skew) and waits for the last
             sync()

@@ -7,8 +7,9 @@
   the unit's backward when the first gradient arrives.
 - ``WeightView``: what a unit's forward saved of its weights, through the saved-tensor hooks that
   also begin its backward (``Schedule`` installs them around the forward).
-- ``Use`` and ``Reached``: one forward run of a unit, and the autograd nodes whose execution means
-  that its backward runs in the pass in progress (the ranks agree on these, see ``Schedule``).
+- ``Use``, ``UseLog`` and ``Reached``: one forward run of a unit, the runs a backward may still
+  reach, and the autograd nodes whose execution means that a run's backward is in the pass in
+  progress (the ranks agree on these, see ``backward_pass.py``).
 """
 
 from __future__ import annotations
@@ -91,16 +92,23 @@ def output_tensors(out: Any, limit: int = 4096) -> list[torch.Tensor]:
     return found
 
 
-@dataclass(frozen=True)
 class WeightView:
     """What a unit's forward saved of its gathered weights: where in the unit's buffer, not the
-    tensor, so that its backward reads them wherever they are gathered then."""
+    tensor, so that its backward reads them wherever they are gathered then. ``index``: which of
+    the unit's parameter views it is (most ops save the weight itself), -1 for another view of
+    the buffer (a transpose), rebuilt from its strides. One is made per weight an op saves, in
+    every forward: a plain class, not a dataclass (half the cost)."""
 
-    offset: int
-    shape: torch.Size
-    stride: tuple[int, ...]
+    __slots__ = ("offset", "shape", "stride", "index")
 
-    def of(self, buffer: torch.Tensor) -> torch.Tensor:
+    def __init__(self, offset: int, shape: torch.Size, stride: tuple[int, ...], index: int):
+        self.offset, self.shape, self.stride, self.index = offset, shape, stride, index
+
+    def of(self, views: list[torch.Tensor] | None, buffer: torch.Tensor) -> torch.Tensor:
+        """The saved weight in this backward's ``buffer``, whose parameter views are ``views``
+        (None: make it)."""
+        if self.index >= 0 and views is not None:
+            return views[self.index]
         return buffer.as_strided(self.shape, self.stride, self.offset)
 
 
@@ -118,6 +126,10 @@ class Use:
         if node is not None:
             self.nodes.append(weakref.ref(node))
 
+    def alive(self) -> bool:
+        """Does a node of its graph still exist (a backward may still reach it)?"""
+        return any(r() is not None for r in self.nodes)
+
     def reached(self) -> bool:
         """Will the backward pass in progress run this use's backward? (Called inside it.)"""
         if not self.nodes:
@@ -128,6 +140,34 @@ class Use:
             return True
         alive = [n for n in (r() for r in self.nodes) if n is not None]
         return any(torch._C._will_engine_execute_node(n) for n in alive)
+
+
+class UseLog:
+    """The uses a backward may reach: one ``Use`` per unit run in a forward that records a graph,
+    by use number. Kept while its graph may still run: at each such forward the log forgets the
+    uses whose nodes are all gone, and those with no node from earlier forwards (nothing tells
+    whether their graph lives; every rank counts them alike, so forgetting them changes no
+    agreement). So an evaluation loop that keeps gradients on holds one forward's records, not
+    one per forward."""
+
+    def __init__(self) -> None:
+        self._uses: dict[int, Use] = {}
+
+    def new_forward(self) -> None:
+        self._uses = {k: u for k, u in self._uses.items() if u.alive()}
+
+    def add(self, use: int, unit: Unit) -> Use:
+        record = self._uses[use] = Use(unit)
+        return record
+
+    def get(self, use: int | None) -> Use | None:
+        return None if use is None else self._uses.get(use)
+
+    def __iter__(self):
+        return iter(list(self._uses.values()))
+
+    def __len__(self) -> int:
+        return len(self._uses)
 
 
 def mark_inputs(record: Use, args: tuple, kwargs: dict):
@@ -152,28 +192,42 @@ def mark_inputs(record: Use, args: tuple, kwargs: dict):
 
 
 def weight_saving_hooks(
-    weights: torch.Tensor, begin: Callable[[], None], backward_weights: Callable[[], torch.Tensor]
+    weights: torch.Tensor,
+    keys: dict[tuple, int],
+    begin: Callable[[], None],
+    backward_weights: Callable[[], tuple[list[torch.Tensor] | None, torch.Tensor]],
 ) -> saved_tensors_hooks | None:
     """Saved-tensor hooks for a unit's forward (trigger 2 in ``Schedule``'s note on what begins
     a unit's backward): a view of the unit's gathered ``weights`` is saved as a ``WeightView``
-    and read back from ``backward_weights()``, the buffer of this backward; every unpack first
-    calls ``begin()``. Composes with the hooks already active (``save_on_cpu``, say). None when
-    the caller disabled saved-tensor hooks (functorch transforms): the other triggers remain."""
+    (``keys``: its parameter views, ``flat.view_keys``) and read back from ``backward_weights()``,
+    the parameter views and buffer of this backward; every unpack first calls ``begin()``.
+    Composes with the hooks already active (``save_on_cpu``, say). None when the caller disabled
+    saved-tensor hooks (functorch transforms): the other triggers remain."""
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
         return None
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
-    storage = weights.untyped_storage().data_ptr()
+    # A view of the weights is a tensor whose data lies in their buffer (no other live tensor's
+    # does), of their dtype: an address comparison, cheaper than asking for each tensor's
+    # storage (every tensor the unit's forward saves comes here).
+    lo, size, dtype = weights.data_ptr(), weights.element_size(), weights.dtype
+    hi = lo + weights.numel() * size
 
     def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() == storage:  # a view of the unit's weights
-            return WeightView(int(t.storage_offset()), t.shape, t.stride())
-        return t if outer_pack is None else outer_pack(t)
+        p = t.data_ptr()
+        if lo <= p < hi and t.dtype == dtype:
+            key = ((p - lo) // size, t.shape, t.stride())
+            return WeightView(*key, keys.get(key, -1))
+        # Never ``t`` itself: when ``t`` is an output of the op that saves it, its grad_fn is
+        # that op's node, which would then hold itself through this object, and a graph no
+        # backward runs (or one kept with retain_graph) would never be freed. Autograd puts
+        # the grad_fn back on what unpack returns.
+        return t.detach() if outer_pack is None else outer_pack(t)
 
     def unpack(x):
         begin()
-        if isinstance(x, WeightView):
-            return x.of(backward_weights())
+        if type(x) is WeightView:
+            return x.of(*backward_weights())
         return x if outer_unpack is None else outer_unpack(x)
 
     return saved_tensors_hooks(pack, unpack)

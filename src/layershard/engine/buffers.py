@@ -217,6 +217,11 @@ class GatherSlot:
         self._regrow()
         self.owner, self.next, self.state = u, None, SlotState.GATHERING
 
+    def gathering(self, p: Pending) -> None:
+        """``p`` is a gather into the slot, issued after ``take``."""
+        assert self.state is SlotState.GATHERING, self.state
+        self.pending.append(p)
+
     def wait(self) -> None:
         """Block (the compute stream, on CUDA) until the gathers into the slot are done."""
         for p in self.pending:
@@ -325,6 +330,10 @@ class GradSlot:
         self.pending: list[Pending] = []
         self.spare = spare  # transient: where its buffers come from and go back to
         self.lent: torch.Tensor | None = None  # autograd's gradient, reduced without a copy
+
+    def reducing(self, p: Pending) -> None:
+        """``p`` is a reduce-scatter reading the slot's buffer (or the gradient it lent)."""
+        self.pending.append(p)
 
     def wait(self) -> None:
         for p in self.pending:

@@ -163,6 +163,12 @@ class FlatParam:
         lo = slot.offset + a - self.shard_start
         self.shard[lo : lo + b - a].copy_(full.detach().reshape(-1)[a:b])
 
+    def drop_accumulated(self) -> None:
+        """Forget what ``acc`` holds (a backward that raised: its step is void)."""
+        if self.acc is not None:
+            self.acc.zero_()
+        self.acc_dirty = False
+
     def release_grad(self) -> None:
         """Free the gradient slice's memory while no parameter slice points at it (after
         ``zero_grad(set_to_none=True)``): like torch, set-to-none gives the memory back until the
@@ -180,3 +186,17 @@ class FlatParam:
         assert self.grad is not None, "a frozen flat parameter has no gradient"
         lo, hi = self.local_range(self.slots[i])
         return self.grad[lo - self.shard_start : hi - self.shard_start]
+
+
+def view_keys(shapes: list[tuple[int, torch.Size]]) -> dict[tuple, int]:
+    """``(offset, shape, stride) -> index`` of a unit's parameter views in its gathered buffer,
+    from their ``(offset, shape)`` (contiguous views): how the saved-tensor hooks recognize a
+    saved weight as one of them."""
+    keys = {}
+    for i, (offset, shape) in enumerate(shapes):
+        stride, step = [], 1
+        for n in reversed(shape):
+            stride.append(step)
+            step *= n
+        keys[(offset, torch.Size(shape), tuple(reversed(stride)))] = i
+    return keys

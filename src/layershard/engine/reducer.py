@@ -64,16 +64,11 @@ class Reducer:
         self.data_parallel = comm.world_size * comm.sharding.replicas
         self._n_reduced = 0  # reductions issued this backward: picks the next gradient slot
         self._reduced: dict[int, Pending] = {}  # id(flat) -> its last reduction this backward
-        self._deferred: list[Unit] = []  # reduced at the end of this backward, in this order
-        self._deferred_ids: set[int] = set()
 
-    def defer(self, units: list[Unit]) -> None:
-        """This backward reduces ``units`` at its end (the same list on every rank)."""
-        self._deferred, self._deferred_ids = list(units), {id(u) for u in units}
-
-    def reduce(self, u: Unit, grads: tuple, no_sync: bool) -> None:
+    def reduce(self, u: Unit, grads: tuple, later: bool) -> None:
         """``u``'s backward ended with ``grads`` (one per parameter, None where it got none):
-        reduce them now, or add them to the fp32 accumulator."""
+        reduce them now, or (``later``: ``no_sync``, or a unit this backward reduces at its end)
+        add them to the fp32 accumulator."""
         f = u.trainable
         if f is None:
             return
@@ -82,7 +77,6 @@ class Reducer:
             for s, g in zip(f.slots, grads[: len(f.slots)])
             if g is not None
         ]
-        later = no_sync or id(u) in self._deferred_ids
         if later or f.acc_dirty:
             acc = self._accumulator(f)
             if pairs:
@@ -93,12 +87,10 @@ class Reducer:
             pairs = []  # the accumulator holds them (and what no_sync backwards left)
         self._reduce_now(u, pairs)
 
-    def reduce_deferred(self) -> None:
-        """End of backward: every rank reduces the deferred units, in their order (zeros from a
-        rank whose backward did not reach one)."""
-        deferred, self._deferred, self._deferred_ids = self._deferred, [], set()
-        for u in deferred:
-            self._reduce_now(u, [])
+    def reduce_accumulated(self, u: Unit) -> None:
+        """End of backward: reduce what ``u``'s accumulator holds (zeros on a rank whose
+        backward did not reach it; every rank calls it, in the same unit order)."""
+        self._reduce_now(u, [])
 
     def _reduce_now(self, u: Unit, pairs: list[tuple[int, int, torch.Tensor]]) -> None:
         """Reduce ``pairs``, or the accumulator when it holds something."""
@@ -137,7 +129,7 @@ class Reducer:
         need = self.comm.scratch_numel(f.padded_numel, f.shard_numel)
         scratch = gs.get_scratch(need) if gs.scratch_numel else None
         pending = self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
-        gs.pending.append(pending)
+        gs.reducing(pending)
         self._reduced[id(f)] = pending
 
     def _whole_gradient(

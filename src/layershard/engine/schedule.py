@@ -29,39 +29,30 @@ another unit may have refilled. ``ShardedModule.full_weights()`` gives full weig
 
 from __future__ import annotations
 
-import enum
 import logging
-from collections import Counter
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import saved_tensors_hooks
-from torch.profiler import record_function
 
 from layershard.engine.backward import (
     BindUnit,
-    Use,
+    UseLog,
     mark_inputs,
     output_tensors,
     weight_saving_hooks,
 )
+from layershard.engine.backward_pass import BackwardPass, plan_backward
 from layershard.engine.buffers import Spare
-from layershard.engine.collectives import Comm, Pending
+from layershard.engine.collectives import Comm, profiled
+from layershard.engine.order import Order, Phase
 from layershard.engine.precision import MixedPrecision
 from layershard.engine.reducer import Reducer
 from layershard.engine.units import Unit
-from layershard.engine.waits import waiting
 
 log = logging.getLogger("layershard")
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
 
 
 class Schedule:
@@ -77,58 +68,20 @@ class Schedule:
         self.root, self.units, self.comm, self.precision = root, units, comm, precision
         self.reducer, self.spare = reducer, spare or Spare()  # buffers.py, "spare storage"
         self.world_size = comm.world_size
-        self.order: list[Unit] = list(units)  # forward execution order, learned on first forward
+        self.order = Order(list(units))  # forward execution order, learned on first forward
         self._recorded: list[Unit] | None = []
-        self._link()
         self.phase = Phase.IDLE
         self.no_sync = False
         self.full_weights_open = False  # inside ShardedModule.full_weights(): no forward
-        self._callback_queued = False
         self._grad_forward = False  # the model's forward in progress records autograd graphs
         # A unit may run more than once before one backward (shared weights, or two forwards
         # before one backward): each run is a "use", numbered in forward order. Its weights are
         # gathered again for each use's backward, and its gradients reduced once per use.
         self._uses = 0
         self._use_of: dict[int, int] = {}  # id(unit) -> its current use (pre- to post-forward)
-        self._forward_uses: dict[int, Use] = {}  # uses since the last backward (grad forwards)
-        self._bw_uses: set[int] = set()  # uses whose backward began (this backward)
-        self._bw_units: set[int] = set()  # ids of units with a use whose backward began
+        self.uses = UseLog()  # the uses a backward may still reach
+        self.bw: BackwardPass | None = None  # the backward in progress (backward_pass.py)
         self._hooks: list[tuple[Unit, saved_tensors_hooks]] = []  # pushed at pre-forward
-        # This backward's plan (see plan_backward): the units some ranks reach and others do
-        # not, gathered at its start into a buffer of their own (id -> buffer, its gathers),
-        # and the units no rank reaches.
-        self._private: dict[int, tuple[torch.Tensor, list[Pending]]] = {}
-        self._unreached: set[int] = set()
-
-    def _link(self) -> None:
-        self._next = {id(a): b for a, b in zip(self.order, self.order[1:])}
-        self._prev = {id(b): a for a, b in zip(self.order, self.order[1:])}
-        # The next unit, in each phase's order, to take the same gather slot (see refill).
-        self._slot_next: dict[Phase, dict[int, Unit | None]] = {}
-        for phase, seq in ((Phase.FORWARD, self.order[::-1]), (Phase.BACKWARD, self.order)):
-            later: dict[int, Unit] = {}  # id(slot) -> its next user after the unit at hand
-            nxt: dict[int, Unit | None] = {}
-            for u in seq:
-                nxt[id(u)] = later.get(id(u.slot))
-                if phase is Phase.FORWARD or u.gather_in_backward:
-                    later[id(u.slot)] = u
-            self._slot_next[phase] = nxt
-        # A unit larger than a block (storage of its own, buffers.py) is gathered when the unit
-        # two turns before it (small units left out) releases its slot, as a block would be.
-        users = Counter(id(u.slot) for u in self.order)
-        self._early: dict[Phase, dict[int, list[Unit]]] = {}
-        for phase, seq in ((Phase.FORWARD, self.order), (Phase.BACKWARD, self.order[::-1])):
-            turns = [
-                u
-                for u in seq
-                if (u.slot.transient or users[id(u.slot)] > 1)
-                and (phase is Phase.FORWARD or u.gather_in_backward)
-            ]
-            early: dict[int, list[Unit]] = {}
-            for k, u in enumerate(turns):
-                if u.slot.transient and k >= 2:
-                    early.setdefault(id(turns[k - 2]), []).append(u)
-            self._early[phase] = early
 
     def all_units(self) -> list[Unit]:
         return ([self.root] if self.root else []) + self.units
@@ -192,9 +145,11 @@ class Schedule:
             )
         self._learn_order()
         if torch.is_grad_enabled():
-            self._check_requires_grad()
+            for u in self.all_units():
+                u.check_requires_grad()
         # A new forward: weights may have changed since the last one, and a forward or backward
         # that raised may have left state behind.
+        self._drop_failed_pass()
         self._pop_saved_tensor_hooks()
         self.reducer.finish()
         for u in self.all_units():
@@ -202,35 +157,21 @@ class Schedule:
             u.slot.reset()
             if u.trainable is not None and torch.is_grad_enabled():
                 u.trainable.release_grad()
-        self.phase, self._callback_queued = Phase.FORWARD, False
+        self.phase = Phase.FORWARD
         self._grad_forward = torch.is_grad_enabled()
-        self._bw_uses.clear()
-        self._bw_units.clear()
+        if self._grad_forward:
+            self.uses.new_forward()
         if self.root is not None:
             self._issue_gather(self.root, Phase.FORWARD)
             self.root.slot.wait()
             self._bind(self.root, None)
         first: list[Unit] = []  # every slot is free: start the gathers of the first two units
-        for u in self.order:  # that take different slots
+        for u in self.order.units:  # that take different slots
             if len(first) == 2:
                 break
             if all(v.slot is not u.slot for v in first):
                 first.append(u)
                 self.gather(u, Phase.FORWARD)
-
-    def _check_requires_grad(self) -> None:
-        """``shard()`` split each unit into trainable and frozen shards; a flag changed since
-        then would be ignored (a frozen slice still trained, or an unfrozen one never)."""
-        for u in self.all_units():
-            for f in u.flats:
-                for slot, p in zip(f.slots, f.shard_params):
-                    if p.requires_grad != f.requires_grad:
-                        raise RuntimeError(
-                            f"layershard: {slot.name}.requires_grad changed to "
-                            f"{p.requires_grad} after shard(): freeze or unfreeze parameters "
-                            "before ls.shard(), which splits each unit into trainable and "
-                            "frozen shards (to change it later, shard the model again)"
-                        )
 
     def root_post_forward(self) -> None:
         # Without grad no backward follows; with grad the root stays bound (its graph tensors
@@ -248,16 +189,35 @@ class Schedule:
     def quiesce(self) -> None:
         """Wait for every collective in flight that reads or writes a shard or a buffer. Every
         writer of shards (loads, ``full_weights(writeback=True)``) calls it first: on CUDA a
-        gather's cast of the shard is queued on the comm stream and may not have run yet."""
+        gather's cast of the shard is queued on the comm stream and may not have run yet. Outside
+        a backward, a backward that raised is over: its state goes (backward_pass.py)."""
+        if not self.in_backward():
+            self._drop_failed_pass()
         for u in self.all_units():
             u.slot.wait()
         self.reducer.quiesce()
 
+    def _drop_failed_pass(self) -> None:
+        """The backward in progress raised (its end never ran): wait for what it has in flight,
+        and drop it with the gradients it was accumulating (the step it belonged to is void)."""
+        bw, self.bw = self.bw, None
+        if bw is None:
+            return
+        log.warning(
+            "layershard: the last backward raised before its end; its gradients and what no_sync "
+            "accumulated before it are dropped (zero the gradients and redo the step)"
+        )
+        bw.abandon()
+        self._settle()
+        for u in self.all_units():
+            if u.trainable is not None:
+                u.trainable.drop_accumulated()
+
     def pre_forward(self, u: Unit, args: tuple = (), kwargs: dict | None = None):
         if self.in_backward():  # a recompute of a checkpoint that calls the module itself
-            self._enter_backward()
-            self._bw_units.add(id(u))
-            self._ensure_for_backward(u)
+            bw = self.backward_pass()
+            bw.begin(u, None)
+            self._ensure_for_backward(u, bw)
             self._bind(u, None)
             return None
         if self._recorded is not None:
@@ -266,15 +226,16 @@ class Schedule:
         use = self._use_of[id(u)] = self._uses
         grad = torch.is_grad_enabled()
         if self._grad_forward:  # a backward may follow (a no-grad unit inside: a checkpoint's)
-            self._forward_uses[use] = Use(u)
+            self.uses.add(use, u)
         u.open_span("forward")
         self.ensure(u, Phase.FORWARD)
         self._bind(u, use)
-        self.gather_next(u, self._next, Phase.FORWARD)
+        self.gather_next(u, Phase.FORWARD)
         if grad and u.gather_in_backward:
             self._push_saved_tensor_hooks(u, use)
-        if grad and u.trainable is None and use in self._forward_uses:
-            return mark_inputs(self._forward_uses[use], args, kwargs or {})
+        record = self.uses.get(use) if grad and u.trainable is None else None
+        if record is not None:
+            return mark_inputs(record, args, kwargs or {})
         return None
 
     def post_forward(self, u: Unit, out):
@@ -288,11 +249,11 @@ class Schedule:
             if u.secondary is not None:  # also under no_grad: a reentrant checkpoint's forward
                 self._keep_secondary(u)
             self.release(u)
-            self.refill(u, self._next, Phase.FORWARD)
-            if u is self.order[-1]:
+            self.refill(u, Phase.FORWARD)
+            if u is self.order.last:
                 self._between_passes(u)
         if torch.is_grad_enabled():
-            record = self._forward_uses.get(use) if use is not None else None
+            record = self.uses.get(use)
             for t in output_tensors(out):
                 if t.requires_grad:
                     t.register_hook(lambda g, u=u, use=use: self.begin_backward_use(u, use))
@@ -330,10 +291,13 @@ class Schedule:
         assert u.slot.alias is not None  # gathered: pre_forward ensured it
 
         def begin() -> None:
-            if self.in_backward() and use not in self._bw_uses:
+            bw = self.bw
+            if (bw is None or use not in bw.began_uses) and self.in_backward():
                 self.begin_backward_use(u, use)
 
-        hooks = weight_saving_hooks(u.slot.alias, begin, lambda: self.backward_weights(u))
+        hooks = weight_saving_hooks(
+            u.slot.alias, u.view_keys, begin, lambda: self.backward_weights(u)
+        )
         if hooks is not None:
             hooks.__enter__()
             self._hooks.append((u, hooks))
@@ -363,46 +327,42 @@ class Schedule:
     def begin_backward_use(self, u: Unit, use: int | None) -> None:
         """The backward of ``u``'s ``use`` begins: gather its weights into its slot (they were
         resharded after its forward) and prefetch the next unit's."""
-        self._enter_backward()
-        if use in self._bw_uses or (use is None and id(u) in self._bw_units):
+        bw = self.backward_pass()
+        if not bw.begin(u, use):
             return
-        if use is not None:
-            self._bw_uses.add(use)
-        self._bw_units.add(id(u))
         u.open_span("backward")
         if u.gather_in_backward:
-            self._ensure_for_backward(u)
+            self._ensure_for_backward(u, bw)
             # Bound for the unit's backward: a checkpointed forward recomputed now reads its
             # weights from the attributes (HF checkpoints ``forward``, outside the hooks). Under
             # grad, so that a reentrant recompute's graph ends in a BindUnit (post-backward).
             with torch.enable_grad():
                 self._bind(u, use)
-        if id(u) not in self._private:  # a divergent unit's events issue no collective
-            self.gather_next(u, self._prev, Phase.BACKWARD)
+        if id(u) not in bw.private:  # a divergent unit's events issue no collective
+            self.gather_next(u, Phase.BACKWARD)
 
-    def _ensure_for_backward(self, u: Unit) -> None:
-        if id(u) in self._private:  # gathered at the start of backward, on every rank
-            for p in self._private[id(u)][1]:
-                p.wait()
+    def _ensure_for_backward(self, u: Unit, bw: BackwardPass) -> None:
+        private = bw.private.get(id(u))
+        if private is not None:  # gathered at the start of backward, on every rank
+            private.wait()
         else:
             self.ensure(u, Phase.BACKWARD)
 
-    def backward_weights(self, u: Unit) -> torch.Tensor:
-        """The buffer holding ``u``'s gathered weights in this backward (laid out as in its
-        slot): its slot, or its own buffer when only some ranks reach it."""
-        private = self._private.get(id(u))
+    def backward_weights(self, u: Unit) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+        """The parameter views (None: not kept) and the buffer holding ``u``'s gathered weights
+        in this backward (laid out as in its slot): its slot, or its own buffer when only some
+        ranks reach it."""
+        private = self.bw.private.get(id(u)) if self.bw is not None else None
         if private is not None:
-            return private[0]
+            return private.views, private.buffer
         assert u.slot.alias is not None  # gathered: its backward began
-        return u.slot.alias
+        return (None if u.slot.transient else u.full_views), u.slot.alias
 
     def post_backward(self, u: Unit, use: int | None, grads: tuple) -> None:
-        self._enter_backward()
+        bw = self.backward_pass()
         # The root unit stays gathered from the model's forward to the end of its backward.
-        began = u is self.root or (
-            use in self._bw_uses if use is not None else id(u) in self._bw_units
-        )
-        private = id(u) in self._private
+        began = u is self.root or bw.began(u, use)
+        private = id(u) in bw.private
         if u.gather_in_backward and not (began and (private or u.slot.owner is u)):
             raise RuntimeError(
                 f"layershard: {u.name}: its backward ran without its weights gathered again for "
@@ -415,115 +375,48 @@ class Schedule:
             # The unit's weights are no longer needed: the gather that will use its slot next
             # goes first, the reduce-scatter (needed only at the end of backward) after it.
             self.release(u)
-            self.refill(u, self._prev, Phase.BACKWARD)
-        with record_function(f"layershard::reduce[{u.name}]"):
-            self.reducer.reduce(u, grads, self.no_sync)
+            self.refill(u, Phase.BACKWARD)
+        with profiled(f"layershard::reduce[{u.name}]"):
+            self.reducer.reduce(u, grads, later=self.no_sync or bw.defers(u))
 
-    def _enter_backward(self) -> None:
+    def backward_pass(self) -> BackwardPass:
+        """The backward in progress, planned when its first hook fires: the ranks agree on the
+        units it reaches (backward_pass.py); ``end_backward`` runs when autograd is done."""
         self.phase = Phase.BACKWARD
-        if not self._callback_queued:
-            self._callback_queued = True
-            self.plan_backward()
+        if self.bw is None:
+            units, no_sync = self.all_units(), self.no_sync
+            self.bw = plan_backward(units, self.uses, self.comm, no_sync, self.root)
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
-
-    # Note: every rank issues the same collectives in the same order. A unit's backward gather
-    # and reduction are collectives, issued from its backward's hooks, which run on the ranks
-    # whose loss depends on the unit: not always every rank (an auxiliary head in one rank's
-    # loss). So at the start of each backward that communicates the ranks agree, with one
-    # small all-reduce, on how many uses of each unit every rank's backward will reach
-    # (autograd knows which nodes the pass in progress will execute). Units reached as often
-    # everywhere are gathered and reduced by their hooks, as always. For the others
-    # ("divergent"), every rank gathers the weights right away, in unit order, into a buffer of
-    # their own (the unpack hook points the weights their forward saved at it), their hooks
-    # issue no collective and touch no slot, and their gradients accumulate and are reduced at
-    # the end of backward, in unit order, with zeros from the ranks that did not reach them.
-    # Gradients a no_sync backward left in the accumulator of a unit this backward does not
-    # reach go the same way. So every collective is issued either by an event every rank sees,
-    # or at the start or end of backward.
-
-    def plan_backward(self) -> None:
-        self._private, self._unreached = {}, set()
-        gathers = self.comm.sharding.gathers_in_backward
-        if self.no_sync and not gathers:  # no collective in this backward
-            return
-        units = [
-            u
-            for u in self.all_units()
-            if u.trainable is not None or (u.gather_in_backward and gathers and u is not self.root)
-        ]
-        reached = dict.fromkeys((id(u) for u in units), 0)
-        for record in self._forward_uses.values():
-            if id(record.unit) in reached and record.reached():
-                reached[id(record.unit)] += 1
-        flags = torch.tensor(
-            [[reached[id(u)], -reached[id(u)], int(u.acc_dirty)] for u in units], dtype=torch.int64
-        ).reshape(-1, 3)
-        if self.comm.control_size > 1 and units:
-            self.comm.stats.record("all_reduce", "backward", flags.numel() * 8, "all")
-            with waiting("agreement on the units this backward reaches"):
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.comm.control)
-        deferred = []
-        for u, (most, least, dirty) in zip(units, flags.tolist()):
-            divergent = most != -least
-            if (
-                u.trainable is not None
-                and not self.no_sync
-                and (divergent or (most == 0 and dirty))
-            ):
-                deferred.append(u)
-            if divergent and u.gather_in_backward and gathers and u is not self.root:
-                self.gather_private(u)
-            if most == 0:  # no rank's backward reaches it: nothing to prefetch for it
-                self._unreached.add(id(u))
-        self.reducer.defer(deferred)
-
-    def gather_private(self, u: Unit) -> None:
-        """All-gather ``u``'s weights for its backward into a buffer of its own (every rank)."""
-        buf = torch.empty(u.gather_numel, dtype=u.slot.dtype, device=u.slot.device)
-        pending = []
-        over = self.comm.sharding.backward_gather_group
-        for i, (f, off) in enumerate(zip(u.flats, u.flat_offsets)):
-            src = u.secondary[i] if u.secondary is not None else f.shard
-            out = buf[off : off + f.padded_numel]
-            pending.append(self.comm.all_gather(out, src, "backward", u.name, over=over))
-        self._private[id(u)] = (buf, pending)
-        u.private_views = [
-            v
-            for f, o in zip(u.flats, u.flat_offsets)
-            for v in f.views(buf.data[o : o + f.padded_numel])
-        ]
+        return self.bw
 
     def end_backward(self) -> None:
         """Nothing is in flight once backward returns: the optimizer, ``clip_grad_norm_`` and a
         checkpoint see the final gradient slices and no gather still reads a shard."""
-        self.reducer.reduce_deferred()  # every rank, in unit order (see plan_backward)
-        for _, pending in self._private.values():
-            for p in pending:
-                p.wait()
-        self._private, self._unreached = {}, set()
+        bw, self.bw = self.bw, None
+        if bw is not None:
+            bw.finish(self.reducer.reduce_accumulated)  # every rank, in unit order
+        self._settle()
+
+    def _settle(self) -> None:
+        """Nothing computes any more. A frozen unit (no post-backward) or a backward that needed
+        no weight gradients (autograd.grad of an input) left its slot busy, which a second
+        backward through the same graph (retain_graph) would trip over."""
         for u in self.all_units():
-            u.private_views = None
-            # Nothing computes any more. A frozen unit (no post-backward) or a backward that
-            # needed no weight gradients (autograd.grad of an input) left its slot busy, which
-            # a second backward through the same graph (retain_graph) would trip over.
             u.slot.settle()
             u.close_span()
             u.unbind()
         self.reducer.finish()
         self.spare.clear()
         self.phase = Phase.IDLE
-        self._callback_queued = False
-        self._bw_uses.clear()
-        self._bw_units.clear()
-        self._forward_uses.clear()
 
     # ---- gather ----------------------------------------------------------------------------------
 
     def _bind(self, u: Unit, use: int | None) -> None:
-        full_views = u.private_views if u.private_views is not None else u.full_views
+        private = self.bw.private.get(id(u)) if self.bw is not None else None
+        full_views = private.views if private is not None else u.full_views
         if torch.is_grad_enabled() and u.trainable is not None:
             views = BindUnit.apply(self, u, use, u.anchor, *full_views)
-            record = self._forward_uses.get(use) if use is not None else None
+            record = self.uses.get(use) if self.phase is Phase.FORWARD else None
             if record is not None and views:
                 record.note(views[0].grad_fn)
             u.bind(views)
@@ -534,7 +427,7 @@ class Schedule:
         """Block the compute stream until ``u``'s weights are in its slot; occupy it."""
         s = u.slot
         if s.owner is not u:
-            if phase is Phase.BACKWARD and id(s.owner) in self._bw_units:
+            if phase is Phase.BACKWARD and self.bw and id(s.owner) in self.bw.began_units:
                 # The owner's backward began and ``u``'s comes later, so it is over: autograd
                 # runs a unit's post-backward before any op of an earlier unit, and a unit
                 # without trainable weights (frozen) has no post-backward to release its slot.
@@ -552,28 +445,28 @@ class Schedule:
         else:
             self._issue_gather(u, phase)
 
-    def _step(self, u: Unit | None, step: dict[int, Unit], phase: Phase) -> Unit | None:
-        """The unit after ``u`` in execution order (``step``: ``_next`` in forward, ``_prev`` in
-        backward), past units whose backward takes no slot."""
+    def _step(self, u: Unit | None, phase: Phase) -> Unit | None:
+        """The unit after ``u`` in the phase's execution order, past units whose backward takes
+        no slot."""
+        step = self.order.after[phase]
         nxt = step.get(id(u)) if u is not None else None
         while nxt is not None and phase is Phase.BACKWARD and not self._slot_user(nxt):
             nxt = step.get(id(nxt))
         return nxt
 
     def _slot_user(self, u: Unit) -> bool:
-        """Does ``u``'s backward take its gather slot? (Not an embedding, nor a divergent or
-        unreached unit.)"""
-        return u.gather_in_backward and id(u) not in self._private and id(u) not in self._unreached
+        """Does ``u``'s backward take its gather slot? (backward_pass.py)"""
+        return self.bw.takes_slot(u) if self.bw is not None else u.gather_in_backward
 
-    def gather_next(self, u: Unit, step: dict[int, Unit], phase: Phase) -> None:
+    def gather_next(self, u: Unit, phase: Phase) -> None:
         """Make sure the next unit's gather is on its way (normally issued a unit earlier)."""
-        nxt = self._step(u, step, phase)
+        nxt = self._step(u, phase)
         if nxt is not None:
             self.gather(nxt, phase)
             # In backward the unit after it too, when its slot was given back between the
             # passes (a small unit between: the final norm): the last block's gather then
             # overlaps the head's backward instead of the norm's.
-            after = self._step(nxt, step, phase)
+            after = self._step(nxt, phase)
             if (
                 phase is Phase.BACKWARD
                 and after is not None
@@ -583,11 +476,11 @@ class Schedule:
             ):
                 self.gather(after, phase)
 
-    def refill(self, u: Unit, step: dict[int, Unit], phase: Phase) -> None:
+    def refill(self, u: Unit, phase: Phase) -> None:
         """``u`` released its slot: start the gathers of the next unit that takes that slot and
         of the unit after next if its slot is free (its own slot: grad_op, no_shard, a small
         unit), never evicting weights a sooner unit waits for."""
-        after = self._step(self._step(u, step, phase), step, phase)
+        after = self._step(self._step(u, phase), phase)
         if after is not None and after.slot is not u.slot:
             s = after.slot
             if s.owner is after or (not s.busy and s.owner is None):
@@ -595,14 +488,15 @@ class Schedule:
         # The slot's next user: usually the unit after next; further when a small unit with a
         # slot of its own comes between (last block, norm, head: the head's gather overlaps the
         # last block) or when the first two units share a slot.
-        nxt = self._slot_next[phase].get(id(u))
+        slot_next = self.order.slot_next[phase]
+        nxt = slot_next.get(id(u))
         while nxt is not None and phase is Phase.BACKWARD and not self._slot_user(nxt):
-            nxt = self._slot_next[phase].get(id(nxt))
+            nxt = slot_next.get(id(nxt))
         if nxt is not None:
             s = nxt.slot
             if s.owner is nxt or (not s.busy and s.owner in (None, u)):
                 self.gather(nxt, phase)
-        for big in self._early[phase].get(id(u), []):
+        for big in self.order.early[phase].get(id(u), []):
             if phase is Phase.FORWARD or self._slot_user(big):
                 self.gather(big, phase)
 
@@ -624,7 +518,7 @@ class Schedule:
                 p = self.comm.all_gather(out, secondary[i], phase.value, u.name, over="hpz")
             else:
                 p = self.comm.all_gather(out, f.shard, phase.value, u.name)
-            s.pending.append(p)
+            s.gathering(p)
 
     def _keep_secondary(self, u: Unit) -> None:
         """After the forward: keep this rank's 1/K of the unit's gathered weights."""
@@ -639,8 +533,7 @@ class Schedule:
             return
         rec, self._recorded = self._recorded, None
         if len(rec) == len(self.units) and {id(u) for u in rec} == {id(u) for u in self.units}:
-            self.order = rec
-            self._link()
+            self.order = Order(rec)
         else:
             log.warning(
                 "layershard: units did not run once each in the first forward; prefetching in "

@@ -21,7 +21,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from layershard.engine.buffers import GatherSlot
-from layershard.engine.flat import FlatParam, ParamSlot, ParamUse
+from layershard.engine.flat import FlatParam, ParamSlot, ParamUse, view_keys
 
 
 @dataclass
@@ -170,13 +170,20 @@ class Unit:
             self.flat_offsets.append(off)
             off += f.padded_numel
         self.gather_numel = off
+        # each parameter view's place in the gathered buffer (the saved-tensor hooks' keys)
+        self.view_keys = view_keys(
+            [
+                (o + s.offset, torch.Size(s.shape))
+                for f, o in zip(flats, self.flat_offsets)
+                for s in f.slots
+            ]
+        )
         self._views: tuple[int, list[torch.Tensor]] | None = None  # see full_views
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         # reshard_after_forward=K: per flat, this rank's 1/K of the gathered weights, kept from
         # the forward to the backward, which gathers within the K ranks (see strategy.py)
         self.secondary: list[torch.Tensor] | None = None
         self.bound = False
-        self.private_views: list[torch.Tensor] | None = None  # see Schedule.gather_private
         self.span: record_function | None = None  # profiler label of the compute in progress
 
     @property
@@ -204,6 +211,19 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.name})"
+
+    def check_requires_grad(self) -> None:
+        """``shard()`` split the unit into trainable and frozen shards; a flag changed since
+        then would be ignored (a frozen slice still trained, or an unfrozen one never)."""
+        for f in self.flats:
+            for slot, p in zip(f.slots, f.shard_params):
+                if p.requires_grad != f.requires_grad:
+                    raise RuntimeError(
+                        f"layershard: {slot.name}.requires_grad changed to {p.requires_grad} "
+                        "after shard(): freeze or unfreeze parameters before ls.shard(), which "
+                        "splits each unit into trainable and frozen shards (to change it "
+                        "later, shard the model again)"
+                    )
 
     def bind(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
         """Make the modules' weight attributes resolve to ``tensors`` (plain tensors, which
