@@ -606,3 +606,24 @@ def _no_sync_unit_left_out(rank: int, world: int) -> None:
 
 
 checks.collect(globals())
+
+
+def test_gradient_slices_in_memory_torch_cannot_resize():
+    """CPU offload on CUDA keeps the gradient slices in pinned host memory, which torch cannot
+    resize: after ``zero_grad(set_to_none=True)`` the next forward raised "Trying to resize
+    storage that is not resizable" (the GPU suite's first run, H100, 2026-11-26). Such memory is
+    kept instead (pinning it again each step would be slow). numpy's memory stands in for pinned
+    memory here: torch cannot resize it either."""
+    import numpy as np
+
+    from layershard.engine.flat import FlatParam, ParamSlot
+
+    f = FlatParam([ParamSlot([], torch.Size([6]), 0, True)], True, 1, 0, torch.device("cpu"))
+    f.grad = torch.from_numpy(np.zeros(f.shard_numel, dtype=np.float32))
+    assert not f.grad.untyped_storage().resizable()
+    for p in f.shard_params:
+        p.grad = None  # zero_grad(set_to_none=True)
+    f.release_grad()  # no parameter slice points at it: it would be released
+    assert f.grad.untyped_storage().nbytes() == 4 * f.shard_numel  # kept
+    f.ensure_grad()
+    assert f.grad_view(0).shape == (6,)

@@ -172,9 +172,12 @@ class FlatParam:
     def release_grad(self) -> None:
         """Free the gradient slice's memory while no parameter slice points at it (after
         ``zero_grad(set_to_none=True)``): like torch, set-to-none gives the memory back until the
-        next backward. The tensor and its views stay; only the storage is resized."""
+        next backward. The tensor and its views stay; only the storage is resized. Memory torch
+        cannot resize (pinned host memory: CPU offload on CUDA) is kept."""
         if self.grad is not None and all(p.grad is None for p in self.shard_params):
-            self.grad.untyped_storage().resize_(0)
+            storage = self.grad.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
 
     def ensure_grad(self) -> None:
         assert self.grad is not None, "a frozen flat parameter has no gradient"
