@@ -911,6 +911,16 @@ def test_calibrate_cli(capsys, tmp_path):
     assert main(["plan", "--calibrate", str(tmp_path / "nothing")]) == 2
 
 
+def test_calibrate_refuses_a_config_that_is_not_plain_yaml(capsys, tmp_path):
+    # A run folder's config.yaml with a python tag: one line, no traceback, nothing run.
+    _train_run(tmp_path / "run", [1.0] * 20)
+    cfg = tmp_path / "run" / "config.yaml"
+    cfg.write_text(cfg.read_text() + "evil: !!python/object/apply:os.system ['true']\n")
+    assert main(["plan", "--calibrate", str(tmp_path / "run"), "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "config.yaml" in err and "plain YAML" in err and "Traceback" not in err
+
+
 # --- where the default efficiencies come from ----------------------------------------------------
 
 

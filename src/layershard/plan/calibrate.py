@@ -83,7 +83,16 @@ def read_train_run(
 ) -> list[Measurement]:
     import yaml
 
-    raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    try:
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except yaml.YAMLError as e:
+        first = " ".join(str(e).split())[:200]
+        raise CalibrationError(
+            f"{run_dir}/config.yaml is not a run config layershard wrote: it is not plain YAML "
+            f"({first}); calibrate from the run's own config.yaml"
+        ) from None
+    if not isinstance(raw, dict):
+        raise CalibrationError(f"{run_dir}/config.yaml must hold a mapping of key: value")
     res = raw.pop("_resolved", {}) or {}
     world, ga, vocab = res.get("world_size"), res.get("grad_accum"), res.get("vocab_size")
     if not world or not ga:
