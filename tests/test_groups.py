@@ -12,9 +12,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
+import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _dist import RankChecks, shared_tmp
 from _parity import LR, batches, lm_loss, local, max_diff, param_bound, train_in_orders
 from _parity import tiny_llama as _tiny
@@ -104,6 +108,43 @@ def groups_go_with_their_model(rank: int, world: int) -> None:
         assert _live() > start + 1, name  # its own groups, the save's
         del model, opt
         assert _live() == start, f"{name}: {_live() - start} groups outlived their model"
+
+
+@checks.check
+def model_dropped_while_its_save_runs(rank: int, world: int) -> None:
+    """A model deleted while its asynchronous save is in flight, found garbage inside DCP's
+    writing thread (a collection runs in whichever thread allocates): the save completes and
+    loads, then the save's group goes. The model's finalizer used to wait, in that thread, for the
+    save that thread was writing: every rank hung (found by a planner benchmark, 184 s)."""
+    start = _live()
+    model = ls.shard(_tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _step(model, opt, batches(1)[0], rank, world)
+    saved = model.full_state_dict()
+    holder, returned = [model, opt], threading.Event()
+    del model, opt
+    write_data = dcp.FileSystemWriter.write_data
+
+    def drop_then_write(self, plan, planner):
+        assert returned.wait(60)
+        holder.clear()  # the model's last references die in DCP's thread
+        gc.collect()
+        return write_data(self, plan, planner)
+
+    with mock.patch.object(dcp.FileSystemWriter, "write_data", drop_then_write):
+        handle = ls.save_checkpoint(shared_tmp() / "dropped", *holder, async_save=True)
+        returned.set()
+        folder = handle.wait(timeout=60)
+    again = ls.shard(_tiny())
+    ls.load_checkpoint(folder, again)
+    loaded = again.full_state_dict()
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved), "the checkpoint differs"
+    del again
+    deadline = time.monotonic() + 30  # the save's group goes in its thread, after the save
+    while _live() != start and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live() == start, f"{_live() - start} groups outlived their model"
 
 
 @checks.check

@@ -42,6 +42,7 @@ When a group goes:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import weakref
@@ -78,7 +79,7 @@ class Groups:
         self.ranks: list[int] = dist.get_process_group_ranks(parent)
         self.whole_world = len(self.ranks) == dist.get_world_size()
         self._made: dict[str, dist.ProcessGroup | None] = {}  # by purpose
-        self._owned: list[tuple[dist.ProcessGroup, Callable | None]] = []  # destroyed by close
+        self._owned: list[tuple[dist.ProcessGroup, Callable | None]] = []  # ended by close
 
     def owned_by(self, owner: object) -> None:
         """Destroy this model's own groups when ``owner`` is garbage."""
@@ -104,11 +105,13 @@ class Groups:
         purpose: str,
         partition: Partition,
         backend: str | None = None,
-        before_destroy: Callable[[dist.ProcessGroup], None] | None = None,
+        closer: Callable[[dist.ProcessGroup, Callable[[], None]], None] | None = None,
     ) -> dist.ProcessGroup | None:
         """This rank's group of ``partition`` (None if it is in none), made once per model and
-        ``purpose``; ``before_destroy(group)`` runs first if the group is destroyed. Collective
-        over the model's ranks (the rules above)."""
+        ``purpose``. When the model goes, ``closer(group, destroy)`` (if given) runs instead of
+        destroying the group at once: it ends the group's use and calls ``destroy()`` once nothing
+        uses it, later and from another thread if need be. Collective over the model's ranks
+        (the rules above)."""
         if purpose in self._made:
             return self._made[purpose]
         backend = backend or dist.get_backend(self.parent)
@@ -121,7 +124,7 @@ class Groups:
             if kept:
                 _KEPT[key] = group
             elif group is not None:
-                self._owned.append((group, before_destroy))
+                self._owned.append((group, closer))
         self._made[purpose] = group
         return group
 
@@ -158,11 +161,22 @@ class Groups:
             )
 
     def close(self) -> None:
-        """Destroy the groups made for this model alone, the last made first."""
+        """End the groups made for this model alone, the last made first.
+
+        Note: this runs wherever the garbage collector finds the model dead, which is any thread
+        that allocates: the training thread, or DCP's thread writing this model's own
+        asynchronous save. It must never wait (a closer that waited for that save hung every
+        rank), so a group still in use is destroyed by its user when done (``closer``)."""
         while self._owned:
-            group, before = self._owned.pop()
-            with contextlib.suppress(Exception):  # e.g. every group was destroyed already
-                if before is not None:
-                    before(group)
-                if dist.is_initialized():
-                    dist.destroy_process_group(group)
+            group, closer = self._owned.pop()
+            if closer is None:
+                _destroy(group)
+            else:
+                with contextlib.suppress(Exception):
+                    closer(group, functools.partial(_destroy, group))
+
+
+def _destroy(group: dist.ProcessGroup) -> None:
+    with contextlib.suppress(Exception):  # e.g. every group was destroyed already
+        if dist.is_initialized():
+            dist.destroy_process_group(group)

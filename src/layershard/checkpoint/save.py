@@ -26,10 +26,10 @@ import errno
 import logging
 import os
 import shutil
-import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -220,17 +220,21 @@ _BACKGROUND: dict[dist.ProcessGroup, _Background] = {}
 _STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its host buffers
 
 
-def _stop(group: dist.ProcessGroup) -> None:
-    """Before the group goes with its model: finish the last save (unless this is its thread)."""
+def _stop(group: dist.ProcessGroup, destroy: Callable[[], None]) -> None:
+    """The group's model is gone: its thread finishes the save in flight, then destroys the
+    group. Never waits here (``Groups.close``: this may be DCP's thread writing that save)."""
     bg = _BACKGROUND.pop(group, None)
-    if bg is not None:
-        bg.executor.shutdown(wait=not threading.current_thread().name.startswith("layershard-ckpt"))
+    if bg is None:
+        destroy()
+        return
+    bg.executor.submit(destroy)
+    bg.executor.shutdown(wait=False)
 
 
 def _background(model) -> _Background:
     """``model``'s background saves; the first call makes their group (collective)."""
     groups = model.sharding.groups
-    group = groups.make("async-save", [groups.ranks], "gloo", before_destroy=_stop)
+    group = groups.make("async-save", [groups.ranks], "gloo", closer=_stop)
     assert group is not None  # this rank is one of the model's
     if group not in _BACKGROUND:
         _BACKGROUND[group] = _Background(group)
