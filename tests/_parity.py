@@ -107,8 +107,12 @@ def plans(parts: int) -> list[Plan]:
     return out + [(fine,), (fine[::-1],)]
 
 
-def _usable(parts: int, rows: int) -> list[Plan]:
-    return [p for p in plans(parts) if sum(map(len, p)) <= rows]  # one row per part at least
+def _usable(parts: int, rows: int, exact_parts: bool = False) -> list[Plan]:
+    """``exact_parts``: only the plans in exactly ``parts`` micro-batches, for a loss that is not
+    a mean over tokens (a mixture of experts' load-balancing loss: each rank computes it on its
+    own micro-batch, so the reference must too)."""
+    ok = [p for p in plans(parts) if sum(map(len, p)) <= rows]  # one row per part at least
+    return [p for p in ok if sum(map(len, p)) == parts] if exact_parts else ok
 
 
 def accumulate(
@@ -152,13 +156,14 @@ def train_in_orders(
     loss=lm_loss,
     optimizers=None,
     clip: tuple[float, float] | None = None,
+    exact_parts: bool = False,
 ) -> list[Run]:
     """Train a copy of ``base`` on one process on each global batch, once per plan of
     ``plans(parts)``: the reference's math, another legitimate order of its sums. ``optimizers``
     (model -> optimizers) defaults to AdamW at LR over the trainable parameters; ``clip`` =
     (max_norm, norm_type) clips the summed gradient as torch does."""
     runs = []
-    for plan in _usable(parts, global_batches[0].shape[0]):
+    for plan in _usable(parts, global_batches[0].shape[0], exact_parts):
         with torch.random.fork_rng(devices=[]):  # the caller's next draws stay the same
             runs.append(_train(clone(base), global_batches, plan, loss, optimizers, clip))
     return runs
@@ -255,19 +260,23 @@ def pair_loss_bound(runs: list[Run]) -> float:
 
 
 def grads_in_orders(
-    base: torch.nn.Module, batch: torch.Tensor, parts: int, loss=lm_loss
+    base: torch.nn.Module, batch: torch.Tensor, parts: int, loss=lm_loss, exact_parts=False
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """One backward from ``base``'s weights: the reference's gradient on the whole ``batch``,
-    and the gradient summed as each plan of ``plans(parts)`` says."""
+    """One backward from ``base``'s weights: the reference's gradient on the whole ``batch``
+    (``exact_parts``: on ``parts`` micro-batches in order, see ``_usable``), and the gradient
+    summed as each plan of ``plans(parts)`` says."""
 
     def grads(model):
         return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
     with torch.random.fork_rng(devices=[]):  # the caller's next draws stay the same
         reference = clone(base)
-        loss(reference, batch).backward()
+        if exact_parts:
+            accumulate(reference, list(batch.chunk(parts)), (tuple(range(parts)),), loss)
+        else:
+            loss(reference, batch).backward()
         runs = []
-        for plan in _usable(parts, batch.shape[0]):
+        for plan in _usable(parts, batch.shape[0], exact_parts):
             model = clone(base)
             accumulate(model, list(batch.chunk(sum(map(len, plan)))), plan, loss)
             runs.append(grads(model))

@@ -85,7 +85,7 @@ def _hf_config_dict(kind: str, config: dict | None, dtype: torch.dtype) -> dict 
 
         assert config is not None, "a layershard Llama always records its (dataclass) config"
         cfg = hf_llama_config(LlamaConfig(**config))
-        cfg.architectures = ["LlamaForCausalLM"]
+        cfg.architectures = [type(cfg).__name__.removesuffix("Config") + "ForCausalLM"]
         d = json.loads(cfg.to_json_string(use_diff=False))
     elif config is not None:
         d = dict(config)

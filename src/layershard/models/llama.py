@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layershard.loss import ChunkedLossModel, chunked_causal_lm_loss
+from layershard.models.moe import MoE, Routing, balance_loss
 
 if TYPE_CHECKING:  # transformers is optional; imported lazily in hf_llama_config()
     import transformers
@@ -43,8 +44,21 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Mixture of experts (models/moe.py): n_experts > 0 replaces every block's MLP by top_k of
+    # n_experts SwiGLU experts of moe_ffn_dim; the load-balancing loss, times aux_loss_coef, is
+    # added to the loss (as HF Mixtral's router_aux_loss_coef).
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int = 0
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
+        if self.n_experts and not (0 < self.top_k <= self.n_experts and self.moe_ffn_dim > 0):
+            raise ValueError(
+                f"a mixture of experts needs 0 < top_k <= n_experts and moe_ffn_dim > 0 "
+                f"(got n_experts={self.n_experts}, top_k={self.top_k}, "
+                f"moe_ffn_dim={self.moe_ffn_dim})"
+            )
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -89,6 +103,12 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama-70b": LlamaConfig(
         vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
         max_seq_len=4096,
+    ),
+    # A Qwen3-MoE-like shape small enough for 2 CPU cores: 8 experts, top-2, ~37M parameters
+    # (~16M active per token) with an 8192 vocab.
+    "moe": LlamaConfig(
+        vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=0,
+        max_seq_len=1024, n_experts=8, top_k=2, moe_ffn_dim=512,
     ),
 }  # fmt: skip
 
@@ -351,22 +371,36 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """Attention and a feed-forward, each after a norm and added to the residual stream. With
+    experts (``cfg.n_experts``) the feed-forward is a ``MoE`` and the block returns its output
+    and its ``Routing``."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module
+        if cfg.n_experts:
+            self.mlp = MoE(cfg.dim, cfg.moe_ffn_dim, cfg.n_experts, cfg.top_k, cfg.n_layers)
+        else:
+            self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, Routing]:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        out = self.mlp(self.mlp_norm(x))
+        if isinstance(out, tuple):
+            return x + out[0], out[1]
+        return x + out
 
 
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor | None  # None under the chunked loss when labels are given
-    loss: torch.Tensor | None = None
+    loss: torch.Tensor | None = None  # with experts: the LM loss + aux_loss_coef * aux_loss
+    aux_loss: torch.Tensor | None = None  # with experts: the load-balancing loss
 
 
 class LlamaForCausalLM(nn.Module, ChunkedLossModel):
@@ -394,17 +428,26 @@ class LlamaForCausalLM(nn.Module, ChunkedLossModel):
         x = self.embed(input_ids)
         # Compute follows the weights' dtype: bf16 weights give bf16 activations and RoPE tables.
         cos, sin = self.rotary(t, x.dtype)
+        routing: Routing | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            out = layer(x, cos, sin)
+            if isinstance(out, tuple):
+                x, r = out
+                routing = r if routing is None else routing + r
+            else:
+                x = out
         x = self.norm(x)
+        aux = None if routing is None else balance_loss(routing)
+        logits, loss = None, None
         if labels is not None and self.loss_chunks:
             loss = self.lm_head(x, labels=labels, loss_chunks=self.loss_chunks)
-            return CausalLMOutput(logits=None, loss=loss)
-        logits = self.lm_head(x)
-        loss = None
-        if labels is not None:
-            loss = causal_lm_loss(logits, labels)
-        return CausalLMOutput(logits=logits, loss=loss)
+        else:
+            logits = self.lm_head(x)
+            if labels is not None:
+                loss = causal_lm_loss(logits, labels)
+        if loss is not None and aux is not None:
+            loss = loss + self.config.aux_loss_coef * aux
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Unique parameters (a tied weight counts once); optionally without the embedding."""
@@ -468,6 +511,10 @@ HF_NAMES: dict[str, str] = {
     "layers.{i}.mlp.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "layers.{i}.mlp.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
     "layers.{i}.mlp.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    # with experts: HF MixtralForCausalLM's
+    "layers.{i}.mlp.gate.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.mlp.experts.gate_up_proj": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "layers.{i}.mlp.experts.down_proj": "model.layers.{i}.mlp.experts.down_proj",
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
@@ -491,10 +538,33 @@ def from_hf_name(name: str) -> str:
     return _rename(name, {hf: ours for ours, hf in HF_NAMES.items()})
 
 
-def hf_llama_config(cfg: LlamaConfig) -> transformers.LlamaConfig:
-    """The equivalent ``transformers.LlamaConfig`` (same shapes, RoPE, eps and tying)."""
+def hf_llama_config(cfg: LlamaConfig) -> transformers.PretrainedConfig:
+    """The equivalent ``transformers.LlamaConfig`` (same shapes, RoPE, eps and tying); with
+    experts, the equivalent ``transformers.MixtralConfig`` (no sliding window, no router jitter,
+    the router's logits returned so that its loss includes the load-balancing term)."""
     import transformers
 
+    if cfg.n_experts:
+        return transformers.MixtralConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.dim,
+            intermediate_size=cfg.moe_ffn_dim,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_seq_len,
+            rope_theta=cfg.rope_theta,  # type: ignore[call-arg, unused-ignore]
+            rms_norm_eps=cfg.norm_eps,
+            tie_word_embeddings=cfg.tie_embeddings,
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.top_k,
+            router_aux_loss_coef=cfg.aux_loss_coef,
+            output_router_logits=True,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+            hidden_act="silu",
+        )
     return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.dim,

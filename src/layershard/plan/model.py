@@ -117,6 +117,8 @@ class ModelShape:
         """From a ``layershard.models.LlamaConfig`` (or anything with its attribute names)."""
         if isinstance(cfg, ModelShape):
             return cfg
+        if getattr(cfg, "n_experts", 0):
+            raise ValueError(_NO_EXPERTS)
         return cls(
             vocab_size=int(cfg.vocab_size),
             dim=int(cfg.dim),
@@ -151,6 +153,8 @@ class ModelShape:
         ]
         if missing:
             raise ValueError(f"{p}: not a Llama-style config, missing {', '.join(missing)}")
+        if any(raw.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+            raise ValueError(f"{p}: {_NO_EXPERTS}")
         heads = int(raw["num_attention_heads"])
         return cls(
             vocab_size=int(raw["vocab_size"]),
@@ -164,6 +168,12 @@ class ModelShape:
             head_dim=raw.get("head_dim"),
             name=raw.get("_name_or_path") or p.parent.name or "hf-config",
         )
+
+
+_NO_EXPERTS = (
+    "layershard plan does not model mixtures of experts yet (their expert weights, routing and "
+    "expert parallelism); plan a dense model of the same attention and active parameters instead"
+)
 
 
 @dataclass(frozen=True)

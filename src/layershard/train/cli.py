@@ -33,7 +33,7 @@ from layershard.train.nodes import DEFAULT_RDZV_TIMEOUT_S
 from layershard.train.rendezvous import read_report
 
 _HELP = {
-    "model": "model preset: tiny, small, llama-1b, llama-7b, llama-13b, llama-70b (architectures)",
+    "model": "model preset: tiny, small, llama-1b, llama-7b, llama-13b, llama-70b, moe (architectures)",
     "hf_config": "train any transformers causal LM from its config.json (file or folder), random init",
     "init_from": "fine-tune: a folder with HF config.json, *.safetensors and tokenizer.json",
     "tokenizer": "tokenizer.json (or a folder with one); default: a BPE trained on the corpus",
