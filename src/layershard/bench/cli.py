@@ -57,6 +57,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "micro_batch": 2,
         "loss": "outside",
     },
+    # the `moe` preset (8 experts, top-2): 1-D sharding gathers every expert of a layer
+    "moe": {"model": "moe", "overrides": [], "seq_len": 256, "micro_batch": 2},
 }  # fmt: skip
 
 
@@ -83,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="named bench shapes (default, without --model/--hf-config: small comm vocab): "
         "small is the preset at seq 512, global batch 8; comm is d 384, seq 256, 4 sequences "
         "per rank; vocab is vocab 32768 over 3 blocks of d 768 (embedding and head 4x a "
-        "block), seq 256, global batch 8",
+        "block), seq 256, global batch 8; deep is 16 blocks of d 256, the loss outside the "
+        "model; moe is the moe preset (8 experts, top-2), seq 256, 2 sequences per rank",
     )  # fmt: skip
     src.add_argument("--model", default=None, help="a layershard preset (tiny, small, ...)")
     src.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json or its folder")
