@@ -350,11 +350,16 @@ def test_peak_by_hand():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kv", [1, 2, 4])
+@pytest.mark.parametrize("kv", [1, 2, 4, "moe-top2", "moe-top1"])
 def test_activation_formula_matches_autograd(dtype, kv):
     """The per-layer formula equals the bytes autograd saves for the reference Block (unique
-    storages, without the weights and the shared RoPE tables)."""
-    cfg = build_config("tiny", n_kv_heads=kv)
+    storages, without the weights and the shared RoPE tables); also a mixture-of-experts block
+    (whatever the routing, k rows per token reach the experts)."""
+    if isinstance(kv, str):
+        k = int(kv[-1])
+        cfg = build_config("tiny", n_experts=4, top_k=k, moe_ffn_dim=48, ffn_dim=0)
+    else:
+        cfg = build_config("tiny", n_kv_heads=kv)
     torch.manual_seed(0)
     block = Block(cfg).to(dtype)
     cos, sin = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)(64, dtype)

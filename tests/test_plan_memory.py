@@ -1,7 +1,8 @@
 """The planner's peak memory against torch's MemTracker on CPU (issue 36): layershard's built-in
-Llama and three transformers architectures built from configs (Llama, Qwen2: the `hf-llama`
-family; GPT-2 with the fused tanh GELU: the `gpt` family), bf16 compute, with and without
-activation checkpointing, at world sizes 1, 2 and 4 (gloo ranks, one spawn per world size).
+Llama (dense, and with experts at world size 1) and three transformers architectures built from
+configs (Llama, Qwen2: the `hf-llama` family; GPT-2 with the fused tanh GELU: the `gpt` family),
+bf16 compute, with and without activation checkpointing, at world sizes 1, 2 and 4 (gloo ranks,
+one spawn per world size).
 
 MemTracker follows every tensor a training step creates (parameters, optimizer state,
 activations, temporaries); its peak over a steady-state step (forward, backward, AdamW) is
@@ -33,7 +34,7 @@ from layershard.plan.memory import (
 )
 
 V, D, L, H, KV, F, S, B = 512, 64, 3, 4, 2, 160, 64, 8
-ARCHS = ("layershard-llama", "hf-llama", "hf-qwen2", "hf-gpt2")
+ARCHS = ("layershard-llama", "layershard-moe", "hf-llama", "hf-qwen2", "hf-gpt2")
 # at world sizes 2 and 4 one architecture of each family (a spawn costs ~1 s a rank and each
 # configuration a few more)
 ARCHS_MULTI = ("layershard-llama", "hf-llama", "hf-gpt2")
@@ -47,11 +48,12 @@ _KEEP: list = []
 
 def _build(arch: str) -> tuple[torch.nn.Module, ModelShape]:
     torch.manual_seed(0)
-    if arch == "layershard-llama":
+    if arch in ("layershard-llama", "layershard-moe"):
         from layershard.models import LlamaForCausalLM, build_config
 
+        moe = dict(n_experts=4, top_k=2, moe_ffn_dim=F // 2) if arch == "layershard-moe" else {}
         cfg = build_config("tiny", vocab_size=V, dim=D, n_layers=L, n_heads=H, n_kv_heads=KV,
-                           ffn_dim=F, max_seq_len=S)  # fmt: skip
+                           ffn_dim=F, max_seq_len=S, **moe)  # fmt: skip
         return LlamaForCausalLM(cfg), ModelShape.from_config(cfg)
     import transformers
 

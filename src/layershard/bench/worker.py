@@ -382,8 +382,8 @@ def ring_bytes_sent(op: str, nbytes: int, world: int) -> float:
 
 def _model_flops(desc: dict, seq_len: int, global_batch: int) -> float | None:
     """Training FLOPs of one step (the planner's 6 N T + attention), for a preset's model."""
-    if desc.get("source") != "preset" or desc.get("n_experts"):
-        return None  # a mixture of experts: the planner does not model it yet
+    if desc.get("source") != "preset":
+        return None
     from layershard.models import LlamaConfig
     from layershard.plan import ModelShape
     from layershard.plan.timing import model_flops

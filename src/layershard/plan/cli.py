@@ -187,9 +187,13 @@ def _gb(x: float) -> str:
 def render(plan: Plan) -> str:
     sh, g, cl, s, mem, t = plan.shape, plan.gpu, plan.cluster, plan.settings, plan.memory, plan.time
     a = t.assumptions
+    ffn = (
+        f"{sh.n_experts} experts of ffn {sh.moe_ffn_dim}, top-{sh.top_k}" if sh.moe
+        else f"ffn={sh.ffn_dim}"
+    )  # fmt: skip
     lines = [
         f"layershard plan: {sh.name} ({sh.total_params / 1e9:.2f}B params, {sh.n_layers} layers, "
-        f"d={sh.dim}, ffn={sh.ffn_dim}, heads={sh.n_heads}/{sh.n_kv_heads} kv, "
+        f"d={sh.dim}, {ffn}, heads={sh.n_heads}/{sh.n_kv_heads} kv, "
         f"vocab={sh.vocab_size}, tied={'yes' if sh.tie_embeddings else 'no'})",
         f"  on {cl.gpus} x {g.name} ({cl.nodes} node(s) x {cl.local}; {g.memory_bytes / GIB:.1f} "
         f"GiB, {g.bf16_tflops:g} TFLOP/s bf16, NVLink {g.intra_bw_gbs:g} GB/s, "

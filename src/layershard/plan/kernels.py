@@ -99,16 +99,30 @@ def elementwise_elems(shape: ModelShape) -> float:
     qk = (shape.n_heads + shape.n_kv_heads) * shape.hd
     if shape.family == "gpt":
         return 4 * d + 6 * d + 2 * f
+    if shape.moe:  # per routed token: its rows gathered and added back (2 d each), SwiGLU
+        return 4 * d + 6 * d + 4 * qk + shape.top_k * (5 * shape.moe_ffn_dim + 4 * d)
     return 4 * d + 6 * d + 5 * f + 4 * qk
 
 
 def linears(shape: ModelShape) -> list[tuple[str, int, int]]:
-    """(name, out, in) of one block's linears, as the family's modules lay them out."""
+    """(name, out, in) of one block's linears that every token goes through, as the family's
+    modules lay them out (a mixture of experts: attention and the router; see ``expert_linears``)."""
     d, h, kv, hd, f = shape.dim, shape.n_heads, shape.n_kv_heads, shape.hd, shape.ffn_dim
     if shape.family == "gpt":
         return [("qkv", (h + 2 * kv) * hd, d), ("o", d, h * hd), ("up", f, d), ("down", d, f)]
-    return [("q", h * hd, d), ("k", kv * hd, d), ("v", kv * hd, d), ("o", d, h * hd),
-            ("gate", f, d), ("up", f, d), ("down", d, f)]  # fmt: skip
+    attn = [("q", h * hd, d), ("k", kv * hd, d), ("v", kv * hd, d), ("o", d, h * hd)]
+    if shape.moe:
+        return [*attn, ("router", shape.n_experts, d)]
+    return [*attn, ("gate", f, d), ("up", f, d), ("down", d, f)]
+
+
+def expert_linears(shape: ModelShape) -> list[tuple[str, int, int]]:
+    """(name, out, in) of one expert's linears (none without experts): each of the n_experts
+    runs them on its share of the routed tokens, tokens x top_k / n_experts when balanced."""
+    if not shape.moe:
+        return []
+    d, fe = shape.dim, shape.moe_ffn_dim
+    return [("gate_up", 2 * fe, d), ("down", d, fe)]
 
 
 @dataclass
@@ -137,6 +151,13 @@ def block_compute(shape: ModelShape, tokens: int, seq: int, peak: float, hbm: fl
         gemm_time(tokens, k, n, peak, hbm, km, c) + gemm_time(n, k, tokens, peak, hbm, km, c)
         for _, n, k in linears(shape)
     )
+    if shape.moe:  # each expert on its balanced share of the routed tokens
+        rows = max(1, tokens * shape.top_k // shape.n_experts)
+        for _, n, k in expert_linears(shape):
+            g_f += shape.n_experts * gemm_time(rows, n, k, peak, hbm, km, c)
+            g_b += shape.n_experts * (
+                gemm_time(rows, k, n, peak, hbm, km, c) + gemm_time(n, k, rows, peak, hbm, km, c)
+            )
     a_f, a_b = attention_time(tokens, seq, shape.n_heads, shape.hd, peak, km)
     ew = elementwise_elems(shape) * c * tokens / (hbm * km.hbm_eff)
     e_f, e_b = max(ew, floors[0]), max(2 * ew, floors[1])

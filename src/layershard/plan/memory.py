@@ -311,6 +311,14 @@ def layer_activation_bytes_per_token(
         # log-sum-exp; the MLP's input, GELU's input and output (up's output, down's input)
         return c * (4 * d + (h + 2 * kv) * hd + h * hd + 2 * f) + 16 + 4 * h
     own = c * (4 * d + 2 * (h + kv) * hd + 4 * f) + 8 + 4 * h
+    if shape.moe:
+        # The MLP's c (d + 4 f) becomes the MoE's (models/moe.py): the norm output c d; per
+        # token the router's fp32 softmax 4 E, top-k indices 8 k, top-k values 4 k and their sum
+        # 4; per routed token (k per token) the expert's input rows c d, gate_up's output 2 c f,
+        # silu's c f, the product c f, down's output c d, the weighted output c d (index_add
+        # keeps its source), its fp32 weight 4 and the (token, slot) indices 16.
+        e, k, fe = shape.n_experts, shape.top_k, shape.moe_ffn_dim
+        own += c * d + 4 * e + 12 * k + 4 + k * (c * (3 * d + 4 * fe) + 20) - c * (d + 4 * f)
     # transformers' RMSNorm keeps its input cast to fp32 and the normalized fp32 input
     return own + (HF_NORM_EXTRA * d if shape.family == "hf-llama" else 0)
 

@@ -41,6 +41,15 @@ class ModelShape:
     # parameters, more activations); "gpt": MPT-style GPT blocks (LayerNorm and linears with
     # biases, fused QKV, a GELU MLP of ffn_dim, learned positions of max_seq_len rows)
     family: str = "llama"
+    # a mixture of experts (layershard's built-in `moe`, models/moe.py): every block's MLP is
+    # n_experts SwiGLU experts of moe_ffn_dim, top_k of them per token, and a router
+    n_experts: int = 0
+    top_k: int = 0
+    moe_ffn_dim: int = 0
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def gpt(self) -> bool:
@@ -58,9 +67,13 @@ class ModelShape:
     @property
     def block_param_numels(self) -> tuple[int, ...]:
         """A block's parameters in registration order (attn_norm, wq, wk, wv, wo, mlp_norm, w1,
-        w2, w3): the order of its flat layout."""
+        w2, w3; with experts the router, the experts' gate_up and down): the order of its flat
+        layout."""
         d, f, hd = self.dim, self.ffn_dim, self.hd
         q, kv = d * self.n_heads * hd, d * self.n_kv_heads * hd
+        if self.moe:
+            e, fe = self.n_experts, self.moe_ffn_dim
+            return (d, q, kv, kv, q, d, e * d, e * 2 * fe * d, e * d * fe)
         if self.gpt:  # norm_1 (w, b), Wqkv (w, b), out_proj (w, b), norm_2, up, down
             qkv = (self.n_heads + 2 * self.n_kv_heads) * hd
             return (d, d, q + 2 * kv, qkv, q, d, d, d, d * f, f, f * d, d)
@@ -68,9 +81,12 @@ class ModelShape:
 
     @property
     def block_matmul_params(self) -> int:
-        """Block parameters that are matmul weights (not norms, not biases)."""
+        """Block parameters that are matmul weights (not norms, not biases) a token goes
+        through: with experts, the router and its top_k experts only."""
         d, hd = self.dim, self.hd
         attn = d * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * d
+        if self.moe:
+            return attn + self.n_experts * d + self.top_k * 3 * d * self.moe_ffn_dim
         return attn + (2 if self.gpt else 3) * d * self.ffn_dim
 
     @property
@@ -117,8 +133,6 @@ class ModelShape:
         """From a ``layershard.models.LlamaConfig`` (or anything with its attribute names)."""
         if isinstance(cfg, ModelShape):
             return cfg
-        if getattr(cfg, "n_experts", 0):
-            raise ValueError(_NO_EXPERTS)
         return cls(
             vocab_size=int(cfg.vocab_size),
             dim=int(cfg.dim),
@@ -130,6 +144,9 @@ class ModelShape:
             tie_embeddings=bool(cfg.tie_embeddings),
             head_dim=getattr(cfg, "head_dim", None),
             name=name,
+            n_experts=int(getattr(cfg, "n_experts", 0)),
+            top_k=int(getattr(cfg, "top_k", 0)) if getattr(cfg, "n_experts", 0) else 0,
+            moe_ffn_dim=int(getattr(cfg, "moe_ffn_dim", 0)),
         )
 
     @classmethod
@@ -171,8 +188,9 @@ class ModelShape:
 
 
 _NO_EXPERTS = (
-    "layershard plan does not model mixtures of experts yet (their expert weights, routing and "
-    "expert parallelism); plan a dense model of the same attention and active parameters instead"
+    "layershard plan models the built-in mixture of experts (--model moe) but not yet a "
+    "transformers MoE config (its experts save other activations, and expert parallelism is "
+    "not modelled); plan --model moe, or a dense config of the same active parameters"
 )
 
 
