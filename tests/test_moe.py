@@ -1,5 +1,6 @@
 """The built-in mixture of experts (models/moe.py): the same logits and loss as HF Mixtral with
-the same weights, and sharded training equal to one process at 4 ranks.
+the same weights, and sharded training (it and transformers' Qwen3-MoE, 1-D: a decoder layer with
+all its experts is one unit) equal to one process at 4 ranks.
 
 Each rank computes the load-balancing loss on its own micro-batch (as DDP, FSDP and HF do), so
 the reference is one process that does the same: the mean over the ranks' micro-batches of their
@@ -77,20 +78,17 @@ def test_preset_shape():
 checks = RankChecks(world_size=4)
 
 
-@checks.check
-def sharded_moe_matches_one_process(rank: int, world: int) -> None:
-    """4 ranks, the built-in MoE sharded 1-D (a decoder layer with its experts is one unit): the
-    first step's gradients (the router's included), every step's loss and the weights after
-    STEPS AdamW steps against one process on the same micro-batches, within the spread of the
-    legitimate orders of the ranks' sum (_parity.py)."""
-    base = tiny_moe()
-    data = batches(STEPS)
+def _matches_one_process(base, steps: int, rank: int, world: int) -> dict:
+    """Shard ``base`` 1-D and train ``steps`` AdamW steps on the ranks' micro-batches: the first
+    step's gradients (the router's included), every step's loss and the final weights against
+    one process on the same micro-batches, within the spread of the legitimate orders of the
+    ranks' sum (_parity.py). Returns the full state dict (rank 0)."""
+    data = batches(steps)
     ref_grads, orders = grads_in_orders(base, data[0], world, exact_parts=True)
     runs = train_in_orders(base, data, world, exact_parts=True)  # runs[0]: rank order
     assert len(runs) >= 3  # rank order, reversed, rotated, pairs of pairs
     reference = clone(base)
     reference.load_state_dict(runs[0].params, strict=False)
-
     model = ls.shard(clone(base))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -110,8 +108,35 @@ def sharded_moe_matches_one_process(rank: int, world: int) -> None:
         dev, where = max_diff(full, reference)
         bound = param_bound(reference, *runs[1:])
         assert dev <= bound, f"{where}: {dev:.2e} > {bound:.2e}"
+    return full
+
+
+@checks.check
+def sharded_moe_matches_one_process(rank: int, world: int) -> None:
+    """4 ranks, the built-in MoE sharded 1-D (a decoder layer with its experts is one unit)."""
+    full = _matches_one_process(tiny_moe(), STEPS, rank, world)
+    if rank == 0:
         experts = [k for k in full if "experts" in k]
         assert experts and all(full[k].dim() == 3 for k in experts)
+
+
+@checks.check
+def hf_qwen3_moe_matches_one_process(rank: int, world: int) -> None:
+    """transformers' Qwen3-MoE (fused 3-D experts, its own router and load-balancing loss),
+    sharded 1-D."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.1,
+        output_router_logits=True, max_position_embeddings=32,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    full = _matches_one_process(Qwen3MoeForCausalLM(cfg), 3, rank, world)
+    if rank == 0:
+        assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
 
 
 checks.collect(globals())
