@@ -295,7 +295,7 @@ def _gloo_reduce_scatter_is_all_to_all(rank: int, world: int) -> None:
     """On gloo a reduce-scatter is one all-to-all (it was an all_reduce, which sends twice the
     bytes), and each gradient slot receives into its own scratch."""
     base, x = _base_and_x(rank, world)
-    from layershard.bench.worker import CountCollectives
+    from layershard.bench.measure import CountCollectives
 
     model = ls.shard(clone(base))
     lm_loss(model, x).backward()  # the first backward learns the order

@@ -21,16 +21,21 @@ import os
 import sys
 import time
 import traceback
-from collections import Counter
 from functools import partial
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL
+from layershard.bench.measure import (
+    CountCollectives,
+    StorageCounter,
+    live_tensors,
+    mem_tracker,
+    ring_bytes_sent,
+)
 
 STRATEGY_IMPLS = {impl: strategy for strategy, impl in STRATEGY_IMPL.items() if strategy != "full"}
 MUON_LR = 0.02  # Muon's lr in --optimizer muon runs (AdamW keeps --lr for the other parameters)
@@ -232,30 +237,6 @@ def warnings_quiet():
 # ---- measurement helpers ---------------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class StorageCounter:
-    """Bytes of unique storages, by category (first category to claim a storage wins)."""
-
-    def __init__(self):
-        self.seen: set[int] = set()
-        self.by_cat: Counter = Counter()
-
-    def add(self, cat: str, t) -> None:
-        if t is None or not isinstance(t, torch.Tensor):
-            return
-        st = _local(t).untyped_storage()
-        n, ptr = st.nbytes(), st.data_ptr()
-        if n == 0 or ptr in self.seen:
-            return
-        self.seen.add(ptr)
-        self.by_cat[cat] += n
-
-
 def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, impl: str) -> dict:
     """params + grads + optimizer state + module buffers, counted by unique storage; then every
     other tensor storage Python can see (the implementation's persistent working buffers)."""
@@ -283,26 +264,6 @@ def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, impl: str) -
     return out
 
 
-def live_tensors() -> list[torch.Tensor]:
-    """Every tensor the garbage collector knows about (local shards of DTensors)."""
-    import warnings
-
-    from torch.distributed.tensor import DTensor
-
-    out = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for o in gc.get_objects():
-            try:
-                if isinstance(o, DTensor):
-                    out.append(o.to_local())
-                elif type(o) in (torch.Tensor, nn.Parameter) and not o.is_meta:
-                    out.append(o)
-            except Exception:  # noqa: BLE001 - exotic objects during a gc walk
-                continue
-    return out
-
-
 def _engine_sha1() -> str:
     """Hash of the engine's sources (src/layershard/*.py): runs made with different engine code
     can be told apart."""
@@ -315,69 +276,6 @@ def _engine_sha1() -> str:
     for f in sorted(Path(layershard.__file__).parent.glob("*.py")):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:12]
-
-
-def _mem_tracker():
-    """torch's MemTracker without its per-parameter gradient hooks: those only label gradients
-    (the totals do not depend on them) and cannot be installed on FSDP1's parameter views."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class _Tracker(MemTracker):
-        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-    return _Tracker()
-
-
-def _nbytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    return 0
-
-
-class CountCollectives(TorchDispatchMode):
-    """Counts c10d collectives by op and the bytes of their largest (full) buffer argument."""
-
-    NAMES = {
-        "_allgather_base_": "all_gather",
-        "allgather_": "all_gather",
-        "allgather_into_tensor_coalesced_": "all_gather",
-        "_reduce_scatter_base_": "reduce_scatter",
-        "reduce_scatter_": "reduce_scatter",
-        "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-        "allreduce_": "all_reduce",
-        "allreduce_coalesced_": "all_reduce",
-        "broadcast_": "broadcast",
-        "alltoall_base_": "all_to_all",
-        "barrier": "barrier",
-    }
-
-    def __init__(self):
-        super().__init__()
-        self.count: Counter = Counter()
-        self.bytes: Counter = Counter()
-        self.raw: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        ns = func.namespace
-        if ns in ("c10d", "_c10d_functional", "c10d_functional"):
-            name = self.NAMES.get(func._opname, func._opname)
-            self.raw[str(func)] += 1
-            if name != "barrier":
-                self.count[name] += 1
-                self.bytes[name] += max((_nbytes(a) for a in args), default=0)
-        return func(*args, **kwargs)
-
-
-def ring_bytes_sent(op: str, nbytes: int, world: int) -> float:
-    """Bytes one rank sends for a collective on a ``nbytes`` buffer with a ring algorithm."""
-    if world <= 1:
-        return 0.0
-    f = (world - 1) / world
-    return {"all_reduce": 2 * f * nbytes, "broadcast": f * nbytes}.get(op, f * nbytes)
 
 
 def _model_flops(desc: dict, seq_len: int, global_batch: int) -> float | None:
@@ -547,7 +445,7 @@ def main(argv=None) -> int:
         mem_error = "skipped (--no-mem)"
     else:
         try:
-            mt = _mem_tracker()
+            mt = mem_tracker()
             ids = {id(b) for b in batches}
             mt.track_external(model, opt, *[t for t in live_tensors() if id(t) not in ids])
             with mt:
