@@ -130,8 +130,8 @@ def _api_runs(rank: int, world: int, cases: list, out_path: str) -> None:
     from layershard.train.config import read_run_config
     from layershard.train.data import BatchLoader, TokenSplit
     from layershard.train.modeling import build_model, model_spec
+    from layershard.train.optimizer import lr_at, param_groups
     from layershard.train.tokenizer import load_tokenizer
-    from layershard.train.trainer import lr_at, param_groups
 
     results = {}
     for name, run_dir, options, precision in cases:

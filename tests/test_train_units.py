@@ -15,8 +15,8 @@ from layershard.train import cli as train_cli
 from layershard.train import sft
 from layershard.train.config import ConfigError, TrainConfig, grad_accum_for, load_yaml, resolve
 from layershard.train.data import BatchLoader, TokenSplit, find_files, is_val, read_windows
+from layershard.train.optimizer import lr_at, param_groups
 from layershard.train.tokenizer import bpe_cache_path, train_or_load_bpe
-from layershard.train.trainer import lr_at, param_groups
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -161,3 +161,8 @@ def eval_windows(split: TokenSplit, seq_len: int, n_sequences: int, per_round: i
     n = max(per_round, (n_sequences // per_round) * per_round)
     # Evenly spaced over the split; wraps around when the split is small.
     return (np.arange(n, dtype=np.int64) * max(1, n_windows // n)) % n_windows
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Tokens a (CPU) label batch trains on; read before the batch goes to the device."""
+    return int(np.count_nonzero(labels[:, 1:].numpy() != -100))

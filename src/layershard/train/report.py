@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 # metrics.jsonl key -> TensorBoard tag (mem_mib, a list per rank, is written per rank and as max)
 TB_TAGS = {
     "loss": "train/loss",
@@ -126,3 +128,17 @@ def plot_losses(metrics_path: Path, png_path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(png_path)
     plt.close(fig)
+
+
+def first_val_loss(run_dir: Path) -> float | None:
+    """The first validation loss the run's metrics recorded (a resumed run's start)."""
+    vals = [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+    return vals[0] if vals else None
+
+
+def memory_mib(model, optimizer, device: torch.device) -> float:
+    """This rank's MiB: peak CUDA allocation since the end of init on GPU (a host-side counter);
+    on CPU the engine's memory report (parameter shards, gradients, buffers, optimizer state)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return model.memory_report(optimizer)["total"] / 2**20

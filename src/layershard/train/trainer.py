@@ -8,7 +8,6 @@ rank reads. Rank 0 writes the metrics, plot, sample and HF export; checkpoints a
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import math
 import shutil
@@ -20,54 +19,40 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import layershard as ls
 from layershard.checkpoint import CheckpointCorruptError, CheckpointError
 from layershard.checkpoint import publish as pub
 from layershard.engine.agreement import rank0_decides
 from layershard.engine.waits import waiting
-from layershard.models import LlamaForCausalLM
 from layershard.train import status as st
-from layershard.train.config import ConfigError, TrainConfig, grad_accum_for, read_run_config
-from layershard.train.data import BatchLoader, TokenSplit, eval_windows, read_windows
+from layershard.train.config import ConfigError, grad_accum_for, read_run_config
+from layershard.train.data import (
+    BatchLoader,
+    TokenSplit,
+    count_targets,
+    eval_windows,
+    read_windows,
+)
 from layershard.train.faults import StopRequest, attempt
 from layershard.train.modeling import (
     build_model,
     check_seq_len,
+    count_params,
     flops_per_token,
     model_spec,
     peak_flops,
     shard_options,
 )
-from layershard.train.report import MetricsLog, measured, plot_losses
+from layershard.train.optimizer import lr_at, param_groups
+from layershard.train.report import (
+    MetricsLog,
+    first_val_loss,
+    measured,
+    memory_mib,
+    plot_losses,
+)
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
-
-
-def param_groups(named_params, cfg: TrainConfig) -> list[dict[str, Any]]:
-    """Weight decay by parameter NAME (sharded parameters are 1-D, so ndim says nothing):
-    names matching ``cfg.no_decay`` (norms, biases, embeddings by default) get none."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for name, p in named_params:
-        if not p.requires_grad:
-            continue
-        skip = any(fnmatch.fnmatchcase(name, pat) for pat in cfg.no_decay)
-        (no_decay if skip else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return [g for g in groups if g["params"]]
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to ``lr`` then cosine decay to ``lr * min_lr_ratio`` (step is 0-based)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
 def _all_reduce(values: list[float], device: torch.device) -> list[float]:
@@ -76,19 +61,6 @@ def _all_reduce(values: list[float], device: torch.device) -> list[float]:
         with waiting("all-reduce of the step's loss"):
             dist.all_reduce(t)
     return t.tolist()
-
-
-def _memory_mib(model: ls.ShardedModule, optimizer, device: torch.device) -> float:
-    """This rank's MiB: peak CUDA allocation since the end of init on GPU (a host-side counter);
-    on CPU the engine's memory report (parameter shards, gradients, buffers, optimizer state)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return model.memory_report(optimizer)["total"] / 2**20
-
-
-def count_targets(labels: torch.Tensor) -> int:
-    """Tokens a (CPU) label batch trains on; read before the batch goes to the device."""
-    return int(np.count_nonzero(labels[:, 1:].numpy() != -100))
 
 
 class StopRun(Exception):
@@ -124,7 +96,7 @@ class Trainer:
         self.precision = precision
         # Presets of 1B+ parameters start on the meta device: shard() materializes only each
         # rank's slice (the init contract of layershard.models makes that equal to eager init).
-        meta = self.kind == "preset" and _preset_params(self.spec) >= 1e9
+        meta = self.kind == "preset" and count_params("preset", self.spec) >= 1e9
         model = build_model(self.kind, self.spec, cfg, meta=meta)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.model = ls.shard(model, **shard_options(cfg, precision, device))
@@ -288,7 +260,7 @@ class Trainer:
         tail = torch.stack([total[0], grad_norm.detach().double().reshape(())])
         if with_memory:
             mine = torch.stack(
-                [loss_sum, torch.tensor(_memory_mib(self.model, self.opt, self.device),
+                [loss_sum, torch.tensor(memory_mib(self.model, self.opt, self.device),
                                         dtype=torch.float64, device=self.device)]
             )  # fmt: skip
             parts = [torch.empty_like(mine) for _ in range(self.world)] if distributed else [mine]
@@ -613,7 +585,9 @@ class Trainer:
                 # rank 0's CPU seconds per step: close to the step time on an idle machine, and
                 # unaffected by other processes competing for the cores
                 "cpu_s_per_step": cpu_time / steps_run if steps_run else None,
-                "val_loss_start": val_start if val_start is not None else _first_val(self.run_dir),
+                "val_loss_start": val_start
+                if val_start is not None
+                else first_val_loss(self.run_dir),
                 "val_loss_end": val_end,
                 "skipped_steps": self.skipped_steps,
                 **measured(self.step_times, self.peak_mem_mib, self.device.type, self.cfg.plan),
@@ -621,15 +595,3 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             print(f"--- sample (prompt {cfg.sample_prompt!r}) ---\n{text}\n---", flush=True)
         return 0
-
-
-def _preset_params(spec: Any) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in LlamaForCausalLM(spec).parameters())
-
-
-def _first_val(run_dir: Path) -> float | None:
-    from layershard.train.report import read_metrics
-
-    vals = [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
-    return vals[0] if vals else None
