@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layershard.parallel.expert import ExpertGroup, expert_parallel_forward
+
 
 @dataclass
 class Routing:
@@ -75,7 +77,17 @@ class Experts(nn.Module):
         self.n_layers = n_layers
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.ep: ExpertGroup | None = None  # expert parallelism: see split_experts
         self.reset_parameters()
+
+    @torch.no_grad()
+    def split_experts(self, eg: ExpertGroup) -> None:
+        """Keep only this rank's experts of ``eg`` (parallel/expert.py); tokens then reach them
+        by all-to-all."""
+        keep = slice(eg.first, eg.first + eg.local)
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj[keep].clone())
+        self.down_proj = nn.Parameter(self.down_proj[keep].clone())
+        self.ep = eg
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=0.02)
@@ -84,6 +96,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [tokens, dim]; each token through its top-k experts, weighted and summed. Experts
         no token chose are skipped (their weights get a zero gradient)."""
+        if self.ep is not None:
+            return expert_parallel_forward(
+                self.gate_up_proj, self.down_proj, x, index, weights, self.ep
+            )
         out = torch.zeros_like(x)
         for e in index.unique().tolist():
             token, slot = torch.where(index == e)

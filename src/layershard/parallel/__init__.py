@@ -1,0 +1,1 @@
+"""Parallelism beyond sharded data parallelism: experts split over ranks (expert.py)."""

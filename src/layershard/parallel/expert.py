@@ -1,0 +1,86 @@
+"""Expert parallelism for the built-in mixture of experts: each rank of an expert-parallel (EP)
+group holds ``n_experts / ep`` of a layer's experts, and tokens travel to their experts' ranks and
+back by two all-to-alls (as torchtitan, Megatron-Core and transformers' ``AllToAllEP`` do).
+
+One MoE layer's forward on an EP rank, with ``L = n_experts / ep`` local experts (rank ``j`` owns
+experts ``j L .. (j + 1) L - 1``):
+
+1. its tokens' top-k choices, one row per (token, choice), sorted by expert, so that the rows for
+   each rank are contiguous: ``send[p]`` rows go to rank ``p``;
+2. the counts are exchanged (an all-to-all of ``ep`` integers), then the rows and their expert ids
+   (all-to-all with uneven splits; the rows' with autograd, whose backward is the reverse
+   all-to-all of their gradients);
+3. each local expert runs on the rows it received;
+4. the outputs travel back by the reverse all-to-all and are weighted and summed per token, as
+   without expert parallelism.
+
+What this gives a sharded model: a rank's expert gradients sum the contributions of its EP
+group's tokens (the all-to-all's backward brought them back). Data parallelism over the ranks that
+hold the same experts then sums the rest; the divisor is still the whole data-parallel world (each
+rank's loss is the mean over its own tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+class ExpertGroup:
+    """Where a layer's experts live: ``group`` (the EP group), this rank's place in it, and the
+    experts it owns (``first`` .. ``first + local - 1`` of ``n_experts``)."""
+
+    def __init__(self, group: dist.ProcessGroup, n_experts: int) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if n_experts % self.size:
+            raise ValueError(
+                f"expert parallelism over {self.size} ranks needs a number of experts divisible "
+                f"by it (got {n_experts}); choose ep among the divisors of {n_experts}"
+            )
+        self.n_experts = n_experts
+        self.local = n_experts // self.size
+        self.first = self.rank * self.local
+
+
+def _exchange_counts(send: torch.Tensor, eg: ExpertGroup) -> list[int]:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=eg.group)
+    return recv.tolist()
+
+
+def expert_parallel_forward(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    eg: ExpertGroup,
+) -> torch.Tensor:
+    """The MoE output for this rank's tokens ``x`` [tokens, dim], routed by ``index`` and
+    ``weights`` [tokens, top_k], its local experts' ``gate_up`` [local, 2 f, dim] and ``down``
+    [local, dim, f] (the module docstring's four steps)."""
+    tokens, top_k = index.shape
+    expert = index.flatten()
+    order = torch.argsort(expert, stable=True)
+    token = order // top_k  # each sorted row's token
+    owner = expert[order] // eg.local
+    send = torch.bincount(owner, minlength=eg.size)
+    recv = _exchange_counts(send, eg)
+    send_sizes = send.tolist()
+    rows = all_to_all_single_autograd(x[token], recv, send_sizes, eg.group)
+    ids = torch.empty(sum(recv), dtype=expert.dtype, device=expert.device)
+    dist.all_to_all_single(ids, expert[order].contiguous(), recv, send_sizes, group=eg.group)
+    local = ids - eg.first
+    y = torch.zeros(rows.shape[0], down.shape[1], dtype=rows.dtype, device=rows.device)
+    for e in local.unique().tolist():
+        (at,) = torch.where(local == e)
+        g, u = F.linear(rows[at], gate_up[e]).chunk(2, dim=-1)
+        y = y.index_add(0, at, F.linear(F.silu(g) * u, down[e]))
+    back = all_to_all_single_autograd(y, send_sizes, recv, eg.group)
+    w = weights.flatten()[order, None]
+    out = torch.zeros_like(x)
+    return out.index_add(0, token, (back * w).to(x.dtype))
