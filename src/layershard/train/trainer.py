@@ -27,13 +27,7 @@ from layershard.engine.agreement import rank0_decides
 from layershard.engine.waits import waiting
 from layershard.train import status as st
 from layershard.train.config import ConfigError, grad_accum_for, read_run_config
-from layershard.train.data import (
-    BatchLoader,
-    TokenSplit,
-    count_targets,
-    eval_windows,
-    read_windows,
-)
+from layershard.train.data import BatchLoader, TokenSplit, count_targets, eval_windows, read_windows
 from layershard.train.faults import StopRequest, attempt
 from layershard.train.modeling import (
     build_model,
@@ -45,13 +39,7 @@ from layershard.train.modeling import (
     shard_options,
 )
 from layershard.train.optimizer import lr_at, param_groups
-from layershard.train.report import (
-    MetricsLog,
-    first_val_loss,
-    measured,
-    memory_mib,
-    plot_losses,
-)
+from layershard.train.report import MetricsLog, first_val_loss, measured, memory_mib, plot_losses
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
 
 
