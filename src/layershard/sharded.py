@@ -33,6 +33,7 @@ from layershard.engine.model_checks import (
     layout,
 )
 from layershard.engine.precision import FULL_PRECISION, MixedPrecision
+from layershard.engine.quantized import check_quantized, disable_cpu_repacking, is_packed
 from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import CPUOffload, Sharding
 from layershard.engine.strategy import resolve as resolve_strategy
@@ -119,6 +120,8 @@ def shard(
     with agreed(group):  # a check that fails on one rank alone fails on every rank
         check_shared_modules(model, specs)
         check_dtypes(specs)
+        check_quantized(specs)
+    disable_cpu_repacking(model)
     shard_options = dict(
         strategy=strategy, shard_size=shard_size, reshard_after_forward=reshard_after_forward,
         mesh=mesh is not None, offload=offload is not None, compile=bool(compile),
@@ -179,6 +182,13 @@ def shard(
     comm.stats.reset()
     _install_optimizer_guard()
     return ShardedModule(model, schedule, state_keys, slot_of)
+
+
+def _is_quant_state_key(key: str, state_keys: list) -> bool:
+    """A key a bitsandbytes 4-bit layer adds to its ``state_dict()`` beside its weight
+    (``<weight>.absmax``, ``<weight>.quant_map``, ``<weight>.quant_state.bitsandbytes__nf4``...):
+    its quantization state, kept whole on every rank (``engine/quantized.py``)."""
+    return any(key.startswith(k + ".") and is_packed(v) for k, v in state_keys if key != k)
 
 
 def _check_devices(model: nn.Module) -> None:
@@ -246,6 +256,8 @@ class ShardedModule(nn.Module):
         for key, value in state_keys:
             if id(value) in slot_of:
                 entries.append((key, "param", slot_of[id(value)]))
+            elif _is_quant_state_key(key, state_keys):  # read-only, whole on every rank
+                entries.append((key, "quant_state", value.detach()))
             else:
                 path, _, buf = key.rpartition(".")
                 entries.append((key, "buffer", (module.get_submodule(path), buf)))
@@ -391,6 +403,8 @@ class ShardedModule(nn.Module):
         """``f`` whole (``padded_numel`` elements, in ``dtype``) on every rank. Collective: every
         rank calls it for the same flat parameter. ``f.views(...)`` splits it by parameter."""
         # on the device collectives run on (NCCL: not the host, where CPU offload keeps shards)
+        if f.packed:  # 4-bit bytes travel as they are, in their carrier dtype (quantized.py)
+            dtype = f.dtype
         out = torch.empty(f.padded_numel, dtype=dtype, device=self._schedule.comm.device)
         self._schedule.comm.all_gather(out, f.shard, "state_dict", "gather_flat").wait()
         return out
@@ -414,6 +428,8 @@ class ShardedModule(nn.Module):
         for key, kind, ref in self._entries:
             if kind == "param":
                 out[key] = full[id(ref[1])]
+            elif kind == "quant_state":
+                out[key] = ref.to("cpu", copy=True) if cpu else ref.clone()
             else:
                 b = getattr(ref[0], ref[1])
                 # a copy, also on CPU: the live buffer changes as training goes on
@@ -504,9 +520,10 @@ class ShardedModule(nn.Module):
                 assert state_dict is not None
                 for slot in loaded:
                     value = state_dict[by_slot[id(slot)]]
-                    f.copy_from_full(slot, value.to(f.shard.device, torch.float32))
+                    dtype = torch.float32 if slot.packed is None else value.dtype  # bytes
+                    f.copy_from_full(slot, value.to(f.shard.device, dtype))
                 continue
-            buf = torch.zeros(f.padded_numel, dtype=torch.float32, device=device)
+            buf = torch.zeros(f.padded_numel, dtype=f.dtype, device=device)
             if state_dict is not None:  # rank 0
                 for slot, view in zip(f.slots, f.views(buf)):
                     if id(slot) in by_slot:
@@ -536,7 +553,19 @@ class ShardedModule(nn.Module):
         for key, kind, ref in self._entries:
             if key not in sd:
                 continue
-            shape = ref[1].shape if kind == "param" else getattr(ref[0], ref[1]).shape
+            if kind == "quant_state":
+                if not torch.equal(sd[key].to(ref.device), ref):
+                    return (
+                        f"load_full_state_dict(): {key} is part of a 4-bit weight's quantization "
+                        "state, which is fixed when the model is quantized and differs here; "
+                        "load the 4-bit base with from_pretrained before ls.shard()"
+                    )
+                continue
+            if kind == "param":
+                packed = ref[1].packed
+                shape = ref[1].shape if packed is None else packed.shape
+            else:
+                shape = getattr(ref[0], ref[1]).shape
             if tuple(sd[key].shape) != tuple(shape):
                 return (
                     f"load_full_state_dict(): {key} has shape {tuple(sd[key].shape)}, "
