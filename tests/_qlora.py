@@ -26,7 +26,7 @@ def save_base(path: str, seed: int = 0, layers: int = 2) -> None:
     model.save_pretrained(path)
 
 
-def bnb_config(quant_type: str = "nf4", double_quant: bool = True):
+def bnb_config(quant_type: str = "nf4", double_quant: bool = True, storage=torch.uint8):
     import transformers as T
 
     return T.BitsAndBytesConfig(
@@ -34,16 +34,24 @@ def bnb_config(quant_type: str = "nf4", double_quant: bool = True):
         bnb_4bit_quant_type=quant_type,
         bnb_4bit_use_double_quant=double_quant,
         bnb_4bit_compute_dtype=torch.float32,  # this CPU has no fast bf16 matmul
+        bnb_4bit_quant_storage=storage,
     )
 
 
-def load_4bit(path: str, quant_type: str = "nf4", double_quant: bool = True):
+def load_4bit(path: str, quant_type: str = "nf4", double_quant: bool = True, storage=torch.uint8):
     import transformers as T
 
-    return T.AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=bnb_config(quant_type, double_quant), device_map="cpu",
-        dtype=torch.float32,
+    model = T.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=bnb_config(quant_type, double_quant, storage),
+        device_map="cpu", dtype=torch.float32,
     )  # fmt: skip
+    # bitsandbytes swaps in a bf16 CPU kernel (and repacks the weight in place) for an eval-mode
+    # forward without grad on AVX512-BF16 CPUs: another computation than the training one. The
+    # reference must compute what ls.shard computes (which always turns it off: quantized.py).
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return model
 
 
 def lora_config():
@@ -52,14 +60,16 @@ def lora_config():
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
 
 
-def qlora_model(quant_type: str = "nf4", double_quant: bool = True, seed: int = 0):
+def qlora_model(
+    quant_type: str = "nf4", double_quant: bool = True, seed: int = 0, storage=torch.uint8
+):
     """The PEFT model on a 4-bit base; lora_B drawn (not zero) so that every adapter matters
     from the first step."""
     import peft
 
     with tempfile.TemporaryDirectory() as d:
         save_base(d, seed)
-        base = load_4bit(d, quant_type, double_quant)
+        base = load_4bit(d, quant_type, double_quant, storage)
     torch.manual_seed(seed + 1)
     model = peft.get_peft_model(base, lora_config())
     for name, p in model.named_parameters():

@@ -60,7 +60,8 @@ class Packed:
 
     @staticmethod
     def of(p: torch.Tensor) -> Packed:
-        return Packed(p.shape, p.dtype, p.numel() * p.element_size(), p.quant_state)
+        state = getattr(p, "quant_state")  # noqa: B009 - a Params4bit attribute torch's stubs lack
+        return Packed(p.shape, p.dtype, p.numel() * p.element_size(), state)
 
     def carrier_numel(self, carrier: torch.dtype) -> int:
         """Elements of the carrier dtype that hold the bytes (the last one padded with zeros)."""
@@ -120,4 +121,4 @@ def disable_cpu_repacking(model: nn.Module) -> None:
     gather would bring back bytes in the original layout under a state that says otherwise."""
     for m in model.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):
-            m.support_avx512bf16_for_cpu = False
+            setattr(m, "support_avx512bf16_for_cpu", False)  # noqa: B010 - not a torch attribute
