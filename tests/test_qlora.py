@@ -14,7 +14,7 @@ import torch.distributed as dist
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
-from _dist import RankChecks  # noqa: E402
+from _dist import RankChecks, shared_tmp  # noqa: E402
 from _parity import (  # noqa: E402
     EPS,
     SPREAD_FACTOR,
@@ -25,7 +25,14 @@ from _parity import (  # noqa: E402
     shard_grad_error,
     train_in_orders,
 )
-from _qlora import V, packed_weights, qlora_model  # noqa: E402
+from _qlora import (  # noqa: E402
+    V,
+    load_4bit,
+    lora_config,
+    packed_weights,
+    qlora_model,
+    save_base,
+)
 
 import layershard as ls  # noqa: E402
 from layershard.engine.flat import ALIGN  # noqa: E402
@@ -218,6 +225,56 @@ def _refusals(rank: int, world: int) -> None:
     assert "\n" not in str(e.value)
 
 
+def _saving(rank: int, world: int) -> None:
+    """After training: the adapter alone (ls.hf.save_adapter) loads with PeftModel.from_pretrained
+    onto the 4-bit base and gives the sharded model's logits; the merged export loads with
+    from_pretrained (no missing or unexpected keys), each weight PEFT's own merge of the same
+    adapter (dequantized base + get_delta_weight) in bf16."""
+    import peft
+    import transformers as T
+    from bitsandbytes.functional import dequantize_4bit
+
+    folder = shared_tmp("base")
+    if rank == 0:
+        save_base(str(folder))
+    dist.barrier()
+    torch.manual_seed(1)
+    base = peft.get_peft_model(load_4bit(str(folder)), lora_config())
+    model = ls.shard(base)
+    _train(model, _data(3), rank, world, torch.optim.AdamW(model.parameters(), lr=LR))
+    ls.hf.save_adapter(model, shared_tmp("adapter"))
+    ls.hf.export_merged(model, shared_tmp("merged"))
+    x = _data(1)[0][:2]
+    with torch.no_grad():
+        live = model(input_ids=x).logits
+    if rank != 0:
+        return
+    files = sorted(p.name for p in shared_tmp("adapter").iterdir())
+    assert "adapter_model.safetensors" in files and not any(f.startswith("model") for f in files)
+    loaded = peft.PeftModel.from_pretrained(load_4bit(str(folder)), str(shared_tmp("adapter")))
+    with torch.no_grad():
+        again = loaded(input_ids=x).logits
+    assert (again - live).abs().max() <= 1e-5 * live.abs().max()  # fp32 rounding of the logits
+    merged, info = T.AutoModelForCausalLM.from_pretrained(
+        str(shared_tmp("merged")), output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert getattr(merged.config, "quantization_config", None) is None
+    plain = dict(merged.named_parameters())
+    seen = 0
+    for name, m in loaded.named_modules():
+        if isinstance(m, peft.tuners.lora.LoraLayer):
+            w = m.get_base_layer().weight
+            expected = dequantize_4bit(w.data, w.quant_state).float() + m.get_delta_weight(
+                "default"
+            )
+            key = name.removeprefix("base_model.model.") + ".weight"
+            assert plain[key].dtype == torch.bfloat16
+            assert torch.equal(plain[key], expected.to(torch.bfloat16)), key
+            seen += 1
+    assert seen == 14
+
+
 checks = RankChecks(world_size=2)
 checks.check(partial(_parity, quant_type="nf4", double_quant=True), "parity_nf4_double_quant")
 checks.check(partial(_parity, quant_type="fp4", double_quant=False), "parity_fp4")
@@ -225,6 +282,7 @@ checks.check(_bytes_never_trained)
 checks.check(_memory_per_rank)
 checks.check(_bf16_carrier_keeps_bytes)
 checks.check(_refusals)
+checks.check(_saving)
 checks.collect(globals())
 
 checks4 = RankChecks(world_size=4, suffix="_ws4")

@@ -411,13 +411,19 @@ class ShardedModule(nn.Module):
 
     @torch.no_grad()
     @waiting("full_state_dict")
-    def full_state_dict(self, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, rank0_only: bool = True, cpu: bool = True, packed: bool = True
+    ) -> dict[str, torch.Tensor]:
         """The unsharded fp32 weights and persistent buffers under the original names, in the
         order of the wrapped model's ``state_dict()``. Collective; gathers one unit at a time.
-        With ``rank0_only`` other ranks get ``{}``."""
+        With ``rank0_only`` other ranks get ``{}``. 4-bit weights come as their packed bytes
+        with their quantization state, as bitsandbytes' own ``state_dict()``; ``packed=False``
+        leaves them out (an adapter save: the base is never gathered)."""
         keep = not rank0_only or dist.get_rank(self.process_group) == 0
         full: dict[int, torch.Tensor] = {}
         for f in self.flat_params:
+            if f.packed and not packed:
+                continue
             views = f.views(self.gather_flat(f))
             if keep:
                 for slot, t in zip(f.slots, views):
@@ -427,8 +433,11 @@ class ShardedModule(nn.Module):
         out = {}
         for key, kind, ref in self._entries:
             if kind == "param":
-                out[key] = full[id(ref[1])]
+                if id(ref[1]) in full:
+                    out[key] = full[id(ref[1])]
             elif kind == "quant_state":
+                if not packed:
+                    continue
                 out[key] = ref.to("cpu", copy=True) if cpu else ref.clone()
             else:
                 b = getattr(ref[0], ref[1])
