@@ -36,6 +36,8 @@ from _qlora import (  # noqa: E402
 
 import layershard as ls  # noqa: E402
 from layershard.engine.flat import ALIGN  # noqa: E402
+from layershard.plan.model import ModelShape  # noqa: E402
+from layershard.plan.qlora import QLoRASettings, qlora_memory  # noqa: E402
 
 # SEQ 12: no activation of a rank's tokens (BATCH / N x SEQ rows) has the shape of a 4-bit
 # weight (out x in: 32, 64 or 128 rows), which _memory_per_rank looks for
@@ -152,13 +154,23 @@ def _memory_per_rank(rank: int, world: int) -> None:
     mine = sum(f.shard.numel() * f.shard.element_size() for f in model.flat_params if f.packed)
     assert packed_bytes / world <= mine <= limit, (mine, packed_bytes / world, limit)
     others = report["params"] - mine
-    assert others <= fp32_bytes / world + units * 2 * pad * world  # the fp32 parameters / N
+    limit_fp32 = fp32_bytes / world + units * 2 * pad * world
+    assert others <= limit_fp32  # the fp32 parameters / N
     # a block's gather slot: its fp32 weights and its packed bytes, never its 4-bit weights in
     # floats (8 bytes per packed byte)
     block_packed = max(
         sum(p.numel() for k, p in weights.items() if f".layers.{i}." in k) for i in range(2)
     )
     assert report["gather_buffers"] < 2 * (block_packed + fp32_bytes) + 4096
+    # `layershard plan --qlora` (plan/qlora.py) predicts the same model states from the shape
+    shape = ModelShape(
+        vocab_size=V, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, family="hf-llama"
+    )
+    plan = qlora_memory(shape, QLoRASettings(world=world, lora_rank=4, compute_dtype="fp32"))
+    assert plan["packed_base"] <= mine <= limit
+    assert plan["frozen_fp32"] + plan["adapters"] <= others <= limit_fp32
+    grads = report["grads"]
+    assert plan["adapter_grads"] <= grads <= plan["adapter_grads"] + units * 2 * pad * world
     seen = []
 
     def no_float_copy(*_):
