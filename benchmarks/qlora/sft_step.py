@@ -41,7 +41,10 @@ def tokenizer():
 def data(n: int) -> Dataset:
     r = random.Random(0)
     rows = [
-        {"prompt": " ".join(r.choices(WORDS, k=64)), "completion": " ".join(r.choices(WORDS, k=190))}
+        {
+            "prompt": " ".join(r.choices(WORDS, k=64)),
+            "completion": " ".join(r.choices(WORDS, k=190)),
+        }
         for _ in range(n)
     ]
     return Dataset.from_list(rows)

@@ -14,13 +14,17 @@ def main(path: str) -> None:
     peak: dict[str, list[float]] = {}
     for r in runs:
         med = statistics.median(r["step_s"])
-        print(f"{r['impl']:5s} median step {med:.3f} s  peak RSS per rank "
-              f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} MiB  load {r['load'][0]:.2f}")
+        print(
+            f"{r['impl']:5s} median step {med:.3f} s  peak RSS per rank "
+            f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} MiB  load {r['load'][0]:.2f}"
+        )
         pooled.setdefault(r["impl"], []).extend(r["step_s"])
         peak.setdefault(r["impl"], []).append(max(r["peak_rss_mib"]))
     for impl, steps in pooled.items():
-        print(f"{impl:5s} pooled median {statistics.median(steps):.3f} s over {len(steps)} steps, "
-              f"peak RSS (max over runs and ranks) {max(peak[impl]):.0f} MiB")
+        print(
+            f"{impl:5s} pooled median {statistics.median(steps):.3f} s over {len(steps)} steps, "
+            f"peak RSS (max over runs and ranks) {max(peak[impl]):.0f} MiB"
+        )
     if {"ls", "fsdp"} <= set(pooled):
         t = statistics.median(pooled["ls"]) / statistics.median(pooled["fsdp"])
         m = max(peak["ls"]) / max(peak["fsdp"])
