@@ -287,6 +287,25 @@ def _saving(rank: int, world: int) -> None:
     assert seen == 14
 
 
+def _checkpoint_resumes(rank: int, world: int) -> None:
+    """ls.save_checkpoint / load_checkpoint on a QLoRA model: the adapters and their optimizer
+    state are saved (not the 4-bit base, read again from the model folder), and a fresh model
+    resumed from it trains on exactly as the saved one does; export_hf refuses in one line."""
+    data = _data(4)
+    model = ls.shard(qlora_model())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    _train(model, data[:2], rank, world, opt)
+    ls.save_checkpoint(shared_tmp("ckpt"), model, opt)
+    after = _train(model, data[2:], rank, world, opt)
+    again = ls.shard(qlora_model())
+    opt2 = torch.optim.AdamW([p for p in again.parameters() if p.requires_grad], lr=LR)
+    ls.load_checkpoint(shared_tmp("ckpt"), again, opt2)
+    assert _train(again, data[2:], rank, world, opt2) == after
+    with pytest.raises(ValueError, match="export_merged") as e:
+        ls.export_hf(again, shared_tmp("hf"))
+    assert "\n" not in str(e.value)
+
+
 checks = RankChecks(world_size=2)
 checks.check(partial(_parity, quant_type="nf4", double_quant=True), "parity_nf4_double_quant")
 checks.check(partial(_parity, quant_type="fp4", double_quant=False), "parity_fp4")
@@ -295,6 +314,7 @@ checks.check(_memory_per_rank)
 checks.check(_bf16_carrier_keeps_bytes)
 checks.check(_refusals)
 checks.check(_saving)
+checks.check(_checkpoint_resumes)
 checks.collect(globals())
 
 checks4 = RankChecks(world_size=4, suffix="_ws4")

@@ -3,13 +3,15 @@ every linear, either through ``ls.hf.sharded(SFTTrainer)`` (``ls``) or with acce
 recipe for QLoRA (``fsdp``: ``bnb_4bit_quant_storage`` = the compute dtype so that FSDP can
 flatten the packed weights, ``use_orig_params``, the decoder layers wrapped). Same script, same
 data, same seed otherwise. Rank 0 appends one JSON line to OUT: the step times after WARMUP steps
-(wall, from a callback) and every rank's peak RSS.
+(barrier to barrier, slowest rank), every rank's main-thread CPU per step, its peak RSS and its
+peak tensor memory over the last step (MemTracker).
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/qlora/sft_step.py ls BASE OUT
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -25,7 +27,7 @@ from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
 from trl import SFTConfig, SFTTrainer
 
-STEPS, WARMUP, SEQ, BATCH = 8, 2, 256, 2
+STEPS, WARMUP, SEQ, BATCH = 9, 2, 256, 2  # the last step is MemTracker's, not timed
 WORDS = [f"w{i}" for i in range(500)]
 
 
@@ -60,16 +62,59 @@ def save_base(folder: str) -> None:
     T.LlamaForCausalLM(cfg).save_pretrained(folder)
 
 
-class StepTimes(T.TrainerCallback):
+def live_tensors() -> list[torch.Tensor]:
+    """Every tensor alive (FSDP's flat parameters, Params4bit and DTensors' local parts too)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, DTensor):
+                out.append(o.to_local())
+            elif isinstance(o, torch.Tensor) and not o.is_meta:
+                out.append(o)
+        except Exception:  # noqa: BLE001 - exotic objects met during a gc walk
+            continue
+    return out
+
+
+class Meter(T.TrainerCallback):
+    """Barrier-to-barrier step times and the main thread's CPU seconds per step (less sensitive
+    to other jobs on a shared machine); torch's MemTracker over the last step, every tensor
+    alive before it registered (as benchmarks/hf_trainer.py)."""
+
     def __init__(self) -> None:
         self.times: list[float] = []
-        self.t0 = 0.0
+        self.cpu: list[float] = []
+        self.peak = 0
+        self.trainer = None
+        self._mt = None
 
     def on_step_begin(self, args, state, control, **kw):
-        self.t0 = time.perf_counter()
+        if state.global_step == STEPS - 1:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            class Tracker(MemTracker):  # no per-parameter gradient hooks
+                def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+                    return super()._track_module_params_and_buffers(module, False)
+
+            gc.collect()
+            self._mt = Tracker()
+            self._mt.track_external(*live_tensors())
+            self._mt.__enter__()
+        dist.barrier()
+        self.t0, self.c0 = time.perf_counter(), time.thread_time()
 
     def on_step_end(self, args, state, control, **kw):
-        self.times.append(time.perf_counter() - self.t0)
+        dist.barrier()
+        wall, cpu = time.perf_counter() - self.t0, time.thread_time() - self.c0
+        if self._mt is not None:
+            self._mt.__exit__(None, None, None)
+            self.peak = int(next(iter(self._mt.get_tracker_snapshot("peak").values()))["Total"])
+            self._mt = None
+        else:
+            self.times.append(wall)
+            self.cpu.append(cpu)
 
 
 def main() -> None:
@@ -104,21 +149,30 @@ def main() -> None:
         cls = ls.hf.sharded(SFTTrainer)
     else:
         cls = SFTTrainer
-    timer = StepTimes()
+    timer = Meter()
     trainer = cls(
         model=model, args=args, train_dataset=data(256), processing_class=tokenizer(),
         peft_config=lora, callbacks=[timer],
     )  # fmt: skip
     trainer.train()
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
-    every = [torch.zeros(1) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, rss)
+    mine = torch.tensor(
+        [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, timer.peak / 2**20]
+        + timer.times[WARMUP:] + timer.cpu[WARMUP:], dtype=torch.float64
+    )  # fmt: skip
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
     if dist.get_rank() == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        k = len(timer.times) - WARMUP
         line = {
-            "impl": impl, "step_s": timer.times[WARMUP:], "peak_rss_mib": [t.item() for t in every],
-            "losses": losses, "load": os.getloadavg(),
-        }  # fmt: skip
+            "impl": impl,
+            "step_s": torch.stack([e[2 : 2 + k] for e in every]).max(0).values.tolist(),
+            "thread_cpu_s": [e[2 + k :].tolist() for e in every],
+            "peak_rss_mib": [e[0].item() for e in every],
+            "peak_tensors_mib": [e[1].item() for e in every],
+            "losses": losses,
+            "load": os.getloadavg(),
+        }
         with open(out, "a") as f:
             f.write(json.dumps(line) + "\n")
     dist.barrier()

@@ -1,5 +1,7 @@
-"""Summarize benchmarks/qlora runs: per implementation, the median step time of each run, the
-pooled median over every run's steps, and the largest peak RSS of any rank; then ls / fsdp."""
+"""Summarize benchmarks/qlora runs (runs.jsonl): per run, the median step time (slowest rank,
+barrier to barrier), the median main-thread CPU per step, the peak tensor memory (MemTracker,
+last step) and peak RSS per rank; per implementation the pooled medians and the largest peaks;
+then ls / fsdp."""
 
 from __future__ import annotations
 
@@ -10,25 +12,37 @@ import sys
 
 def main(path: str) -> None:
     runs = [json.loads(line) for line in open(path)]
-    pooled: dict[str, list[float]] = {}
-    peak: dict[str, list[float]] = {}
+    steps: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
+    tensors: dict[str, list[float]] = {}
+    rss: dict[str, list[float]] = {}
     for r in runs:
-        med = statistics.median(r["step_s"])
+        impl, cpu = r["impl"], [c for rank in r["thread_cpu_s"] for c in rank]
         print(
-            f"{r['impl']:5s} median step {med:.3f} s  peak RSS per rank "
-            f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} MiB  load {r['load'][0]:.2f}"
+            f"{impl:5s} step {statistics.median(r['step_s']):.3f} s, main-thread CPU "
+            f"{statistics.median(cpu):.3f} s, peak tensors "
+            f"{' / '.join(f'{m:.1f}' for m in r['peak_tensors_mib'])} MiB, peak RSS "
+            f"{' / '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} MiB, load {r['load'][0]:.2f}"
         )
-        pooled.setdefault(r["impl"], []).extend(r["step_s"])
-        peak.setdefault(r["impl"], []).append(max(r["peak_rss_mib"]))
-    for impl, steps in pooled.items():
+        steps.setdefault(impl, []).extend(r["step_s"])
+        cpus.setdefault(impl, []).extend(cpu)
+        tensors.setdefault(impl, []).extend(r["peak_tensors_mib"])
+        rss.setdefault(impl, []).extend(r["peak_rss_mib"])
+    for impl in steps:
         print(
-            f"{impl:5s} pooled median {statistics.median(steps):.3f} s over {len(steps)} steps, "
-            f"peak RSS (max over runs and ranks) {max(peak[impl]):.0f} MiB"
+            f"{impl:5s} pooled: step {statistics.median(steps[impl]):.3f} s over "
+            f"{len(steps[impl])} steps, main-thread CPU {statistics.median(cpus[impl]):.3f} s, "
+            f"peak tensors {max(tensors[impl]):.1f} MiB, peak RSS {max(rss[impl]):.0f} MiB"
         )
-    if {"ls", "fsdp"} <= set(pooled):
-        t = statistics.median(pooled["ls"]) / statistics.median(pooled["fsdp"])
-        m = max(peak["ls"]) / max(peak["fsdp"])
-        print(f"ls / fsdp: time {t:.3f}x, peak memory {m:.3f}x")
+    if {"ls", "fsdp"} <= set(steps):
+
+        def ratio(d: dict[str, list[float]], f=statistics.median) -> float:
+            return f(d["ls"]) / f(d["fsdp"])
+
+        print(
+            f"ls / fsdp: step time {ratio(steps):.3f}x, main-thread CPU {ratio(cpus):.3f}x, "
+            f"peak tensors {ratio(tensors, max):.3f}x, peak RSS {ratio(rss, max):.3f}x"
+        )
 
 
 if __name__ == "__main__":
