@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -323,3 +324,28 @@ checks4.check(
     partial(_parity, quant_type="nf4", double_quant=True, steps=8), "parity_nf4_double_quant"
 )
 checks4.collect(globals())
+
+
+def test_plan_qlora_llama3_70b_by_hand(capsys):
+    """`layershard plan --qlora`: Llama-3-70B's packed base and quantization state by hand; on
+    2 x 24 GB it does not fit without offload and fits with it (README's table)."""
+    from layershard.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "benchmarks/qlora/configs/llama3-70b")
+    d, f, kv = 8192, 28672, 8 * 128
+    per_block = d * d + 2 * d * kv + d * d + 3 * d * f  # q, k, v, o, gate, up, down
+    linear = 80 * per_block
+    shape = ModelShape.from_hf_config(config)
+    m = qlora_memory(shape, QLoRASettings(world=2, lora_rank=16, seq_len=2048))
+    assert m["packed_base"] == linear // 2 // 2  # half a byte per weight, over 2 ranks
+    # double quant: one byte per 64 weights + 4 bytes per 256 of those, 1.1 KiB per tensor
+    assert m["quant_state"] == int(linear / 64 * (1 + 4 / 256)) + 80 * 7 * (16 * 4 + 256 * 4 + 68)
+    # r (in + out) per linear: q 2d, k and v d + kv, o 2d, gate and up d + f, down f + d
+    assert m["adapters"] == 4 * 80 * 16 * (9 * d + 2 * kv + 3 * f) // 2  # fp32, over 2 ranks
+    args = ["plan", "--qlora", "--hf-config", config, "--gpus", "2", "--gpu-memory", "24"]
+    args += ["--seq-len", "2048", "--gpu", "a100-40g"]
+    assert main(args) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main([*args, "--offload"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "DOES NOT FIT" not in out
