@@ -308,19 +308,9 @@ class Trainer:
 
     def _weights_finite(self) -> bool:
         """Are this model's weights finite on every rank? (One flag, all-reduced.)"""
-        ok = torch.tensor(
-            # 4-bit weights' packed bytes are not numbers (and never change)
-            [
-                float(
-                    all(
-                        bool(torch.isfinite(f.shard).all())
-                        for f in self.model.flat_params
-                        if not f.packed
-                    )
-                )
-            ],
-            device=self.device,
-        )
+        floats = [f.shard for f in self.model.flat_params if not f.packed]  # 4-bit: bytes
+        ok = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in floats))])
+        ok = ok.to(self.device)
         if dist.is_initialized() and self.world > 1:
             with waiting("all-reduce of the weights' finiteness"):
                 dist.all_reduce(ok, op=dist.ReduceOp.MIN)
