@@ -90,7 +90,12 @@ class Meter(T.TrainerCallback):
         self.trainer = None
         self._mt = None
 
+    def on_train_begin(self, args, state, control, **kw):
+        self.rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
     def on_step_begin(self, args, state, control, **kw):
+        if state.global_step == WARMUP:  # the process's peak RSS so far: loading and warm-up
+            self.rss_warm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         if state.global_step == STEPS - 1:
             from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -157,7 +162,8 @@ def main() -> None:
     trainer.train()
     mine = torch.tensor(
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, timer.peak / 2**20]
-        + timer.times[WARMUP:] + timer.cpu[WARMUP:], dtype=torch.float64
+        + timer.times[WARMUP:] + timer.cpu[WARMUP:] + [timer.rss_before, timer.rss_warm],
+        dtype=torch.float64,
     )  # fmt: skip
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
@@ -167,7 +173,10 @@ def main() -> None:
         line = {
             "impl": impl,
             "step_s": torch.stack([e[2 : 2 + k] for e in every]).max(0).values.tolist(),
-            "thread_cpu_s": [e[2 + k :].tolist() for e in every],
+            "thread_cpu_s": [e[2 + k : -2].tolist() for e in every],
+            # peak RSS when training began (model loaded, prepared) and after the warm-up steps
+            "peak_rss_at_begin_mib": [e[-2].item() for e in every],
+            "peak_rss_after_warmup_mib": [e[-1].item() for e in every],
             "peak_rss_mib": [e[0].item() for e in every],
             "peak_tensors_mib": [e[1].item() for e in every],
             "losses": losses,
