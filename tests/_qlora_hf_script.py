@@ -49,19 +49,35 @@ def trainer(out: Path) -> dict:
     import layershard as ls
 
     d = out / f"{IMPL}-trainer"
-    a = args(d, max_steps=STEPS)  # starts the process group under torchrun
+    # a checkpoint halfway (starts the process group under torchrun)
+    a = args(d, max_steps=STEPS, save_strategy="steps", save_steps=STEPS // 2)
     folder = out / "base"
     if RANK == 0 and not (folder / "config.json").exists():
         save_base(str(folder))
     if dist.is_initialized():
         dist.barrier()
-    torch.manual_seed(0)
-    model = peft.get_peft_model(_base(folder), lora_config())
+
+    def model():
+        torch.manual_seed(0)
+        return peft.get_peft_model(_base(folder), lora_config())
+
     cls = ls.hf.Trainer if IMPL == "ls" else T.Trainer
-    t = cls(model=model, args=a, train_dataset=sequences(64))
+    t = cls(model=model(), args=a, train_dataset=sequences(64))
     t.train()
+    resumed, ran = None, []
+
+    class Steps(T.TrainerCallback):  # which steps this trainer ran (a resume runs the 2nd half)
+        def on_step_end(self, args, state, control, **kw):
+            ran.append(state.global_step)
+
+    if IMPL == "ls":  # a fresh model resumed from the checkpoint (adapters, optimizer, RNG)
+        again = cls(model=model(), args=args(out / "ls-resumed", max_steps=STEPS),
+                    train_dataset=sequences(64), callbacks=[Steps()])  # fmt: skip
+        again.train(resume_from_checkpoint=str(d / f"checkpoint-{STEPS // 2}"))
+        resumed = logged(again)
     t.save_model(str(d / "final"))
     res = {"logged": logged(t), "files": sorted(os.listdir(d / "final"))}
+    res.update(resumed=resumed, resumed_steps=ran)
     x = torch.tensor([r["input_ids"].tolist() for r in sequences(2, seed=9)])
     t.model.eval()
     with torch.no_grad():

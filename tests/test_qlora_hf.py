@@ -73,6 +73,11 @@ def test_trainer_qlora_matches_one_process() -> None:
     assert not any(f.startswith("model") for f in ls["files"])
     # the same computation on the same weights: equal up to fp32 rounding of the logits
     assert ls["logits_diff"] <= 1e-5 * ls["logits_scale"]
+    # resumed from the halfway checkpoint (adapters and optimizer from layershard/, the 4-bit
+    # base read again from the model folder): the same steps, bitwise (same ranks, same order)
+    half = len(ls["logged"]) // 2
+    assert ls["resumed_steps"] == list(range(half + 1, 2 * half + 1))  # it ran the second half
+    assert ls["resumed"][half:] == ls["logged"][half:]
 
 
 def test_sft_trainer_qlora_matches_one_process() -> None:
