@@ -184,11 +184,11 @@ def shard(
     return ShardedModule(model, schedule, state_keys, slot_of)
 
 
-def _is_quant_state_key(key: str, state_keys: list) -> bool:
+def _is_quant_state_key(key: str, packed_keys: set[str]) -> bool:
     """A key a bitsandbytes 4-bit layer adds to its ``state_dict()`` beside its weight
     (``<weight>.absmax``, ``<weight>.quant_map``, ``<weight>.quant_state.bitsandbytes__nf4``...):
     its quantization state, kept whole on every rank (``engine/quantized.py``)."""
-    return any(key.startswith(k + ".") and is_packed(v) for k, v in state_keys if key != k)
+    return any(key[:i] in packed_keys for i, c in enumerate(key) if c == ".")
 
 
 def _check_devices(model: nn.Module) -> None:
@@ -253,10 +253,11 @@ class ShardedModule(nn.Module):
         object.__setattr__(self, "_slot_of", slot_of)  # id(original param) -> (flat, slot)
         # state_dict() order of the unsharded model: key -> ("param", flat, slot) | ("buffer", ...)
         entries = []
+        packed_keys = {k for k, v in state_keys if is_packed(v)}  # 4-bit weights' keys
         for key, value in state_keys:
             if id(value) in slot_of:
                 entries.append((key, "param", slot_of[id(value)]))
-            elif _is_quant_state_key(key, state_keys):  # read-only, whole on every rank
+            elif _is_quant_state_key(key, packed_keys):  # read-only, whole on every rank
                 entries.append((key, "quant_state", value.detach()))
             else:
                 path, _, buf = key.rpartition(".")
