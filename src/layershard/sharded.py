@@ -33,6 +33,7 @@ from layershard.engine.model_checks import (
     layout,
 )
 from layershard.engine.precision import FULL_PRECISION, MixedPrecision
+from layershard.engine.quantized import check_quantized, disable_cpu_repacking, is_packed
 from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import CPUOffload, Sharding
 from layershard.engine.strategy import resolve as resolve_strategy
@@ -119,6 +120,8 @@ def shard(
     with agreed(group):  # a check that fails on one rank alone fails on every rank
         check_shared_modules(model, specs)
         check_dtypes(specs)
+        check_quantized(specs)
+    disable_cpu_repacking(model)
     shard_options = dict(
         strategy=strategy, shard_size=shard_size, reshard_after_forward=reshard_after_forward,
         mesh=mesh is not None, offload=offload is not None, compile=bool(compile),
@@ -179,6 +182,13 @@ def shard(
     comm.stats.reset()
     _install_optimizer_guard()
     return ShardedModule(model, schedule, state_keys, slot_of)
+
+
+def _is_quant_state_key(key: str, packed_keys: set[str]) -> bool:
+    """A key a bitsandbytes 4-bit layer adds to its ``state_dict()`` beside its weight
+    (``<weight>.absmax``, ``<weight>.quant_map``, ``<weight>.quant_state.bitsandbytes__nf4``...):
+    its quantization state, kept whole on every rank (``engine/quantized.py``)."""
+    return any(key[:i] in packed_keys for i, c in enumerate(key) if c == ".")
 
 
 def _check_devices(model: nn.Module) -> None:
@@ -243,9 +253,12 @@ class ShardedModule(nn.Module):
         object.__setattr__(self, "_slot_of", slot_of)  # id(original param) -> (flat, slot)
         # state_dict() order of the unsharded model: key -> ("param", flat, slot) | ("buffer", ...)
         entries = []
+        packed_keys = {k for k, v in state_keys if is_packed(v)}  # 4-bit weights' keys
         for key, value in state_keys:
             if id(value) in slot_of:
                 entries.append((key, "param", slot_of[id(value)]))
+            elif _is_quant_state_key(key, packed_keys):  # read-only, whole on every rank
+                entries.append((key, "quant_state", value.detach()))
             else:
                 path, _, buf = key.rpartition(".")
                 entries.append((key, "buffer", (module.get_submodule(path), buf)))
@@ -391,19 +404,27 @@ class ShardedModule(nn.Module):
         """``f`` whole (``padded_numel`` elements, in ``dtype``) on every rank. Collective: every
         rank calls it for the same flat parameter. ``f.views(...)`` splits it by parameter."""
         # on the device collectives run on (NCCL: not the host, where CPU offload keeps shards)
+        if f.packed:  # 4-bit bytes travel as they are, in their carrier dtype (quantized.py)
+            dtype = f.dtype
         out = torch.empty(f.padded_numel, dtype=dtype, device=self._schedule.comm.device)
         self._schedule.comm.all_gather(out, f.shard, "state_dict", "gather_flat").wait()
         return out
 
     @torch.no_grad()
     @waiting("full_state_dict")
-    def full_state_dict(self, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, rank0_only: bool = True, cpu: bool = True, packed: bool = True
+    ) -> dict[str, torch.Tensor]:
         """The unsharded fp32 weights and persistent buffers under the original names, in the
         order of the wrapped model's ``state_dict()``. Collective; gathers one unit at a time.
-        With ``rank0_only`` other ranks get ``{}``."""
+        With ``rank0_only`` other ranks get ``{}``. 4-bit weights come as their packed bytes
+        with their quantization state, as bitsandbytes' own ``state_dict()``; ``packed=False``
+        leaves them out (an adapter save: the base is never gathered)."""
         keep = not rank0_only or dist.get_rank(self.process_group) == 0
         full: dict[int, torch.Tensor] = {}
         for f in self.flat_params:
+            if f.packed and not packed:
+                continue
             views = f.views(self.gather_flat(f))
             if keep:
                 for slot, t in zip(f.slots, views):
@@ -413,7 +434,12 @@ class ShardedModule(nn.Module):
         out = {}
         for key, kind, ref in self._entries:
             if kind == "param":
-                out[key] = full[id(ref[1])]
+                if id(ref[1]) in full:
+                    out[key] = full[id(ref[1])]
+            elif kind == "quant_state":
+                if not packed:
+                    continue
+                out[key] = ref.to("cpu", copy=True) if cpu else ref.clone()
             else:
                 b = getattr(ref[0], ref[1])
                 # a copy, also on CPU: the live buffer changes as training goes on
@@ -504,9 +530,10 @@ class ShardedModule(nn.Module):
                 assert state_dict is not None
                 for slot in loaded:
                     value = state_dict[by_slot[id(slot)]]
-                    f.copy_from_full(slot, value.to(f.shard.device, torch.float32))
+                    dtype = torch.float32 if slot.packed is None else value.dtype  # bytes
+                    f.copy_from_full(slot, value.to(f.shard.device, dtype))
                 continue
-            buf = torch.zeros(f.padded_numel, dtype=torch.float32, device=device)
+            buf = torch.zeros(f.padded_numel, dtype=f.dtype, device=device)
             if state_dict is not None:  # rank 0
                 for slot, view in zip(f.slots, f.views(buf)):
                     if id(slot) in by_slot:
@@ -536,7 +563,19 @@ class ShardedModule(nn.Module):
         for key, kind, ref in self._entries:
             if key not in sd:
                 continue
-            shape = ref[1].shape if kind == "param" else getattr(ref[0], ref[1]).shape
+            if kind == "quant_state":
+                if not torch.equal(sd[key].to(ref.device), ref):
+                    return (
+                        f"load_full_state_dict(): {key} is part of a 4-bit weight's quantization "
+                        "state, which is fixed when the model is quantized and differs here; "
+                        "load the 4-bit base with from_pretrained before ls.shard()"
+                    )
+                continue
+            if kind == "param":
+                packed = ref[1].packed
+                shape = ref[1].shape if packed is None else packed.shape
+            else:
+                shape = getattr(ref[0], ref[1]).shape
             if tuple(sd[key].shape) != tuple(shape):
                 return (
                     f"load_full_state_dict(): {key} has shape {tuple(sd[key].shape)}, "

@@ -221,6 +221,11 @@ def export_hf(
     ``out_dir`` (rank 0 writes; collective). Streams one flat group at a time. Loadable by
     ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` for our Llama and for
     transformers models. Returns ``out_dir`` on rank 0, None elsewhere."""
+    if any(f.packed for f in model.flat_params):  # every rank sees the same flats
+        raise ValueError(
+            "export_hf: this model has 4-bit (bitsandbytes) weights; ls.hf.export_merged writes "
+            "it dequantized with its LoRA adapters merged, ls.hf.save_adapter the adapters alone"
+        )
     group = model.process_group
     rank = dist.get_rank(group)
     out = Path(out_dir)

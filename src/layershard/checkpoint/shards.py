@@ -122,8 +122,13 @@ def sharded_1d(model, local: torch.Tensor, numel: int, ranges, save: bool) -> to
 
 
 def params(model):
-    """``(flat, slot, shard_param)`` for every parameter, in unit order."""
+    """``(flat, slot, shard_param)`` for every parameter, in unit order, but frozen 4-bit weights
+    (engine/quantized.py): a QLoRA checkpoint holds what training changes; the packed base is
+    read again from the model folder it was quantized from (bitsandbytes' quantization is
+    deterministic), as a PEFT adapter checkpoint does."""
     for f in model.flat_params:
+        if f.packed:
+            continue
         for slot, p in zip(f.slots, f.shard_params):
             yield f, slot, p
 

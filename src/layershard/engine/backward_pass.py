@@ -154,6 +154,13 @@ def plan_backward(
 
 def gather_private(u: Unit, comm: Comm) -> PrivateGather:
     """All-gather ``u``'s weights for its backward into a buffer of its own (every rank)."""
+    if any(f.packed for f in u.flats):  # decided by an all-reduce: raises on every rank
+        raise RuntimeError(
+            f"layershard: unit {u.name} holds 4-bit weights and only some ranks' backward "
+            "reaches it; its 4-bit matmuls read their weights from the unit's gather slot in "
+            "backward (quantized.py), which a private gather does not fill. Make every rank's "
+            "loss depend on it"
+        )
     buf = torch.empty(u.gather_numel, dtype=u.slot.dtype, device=u.slot.device)
     pending = []
     over = comm.sharding.backward_gather_group

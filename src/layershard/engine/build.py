@@ -20,6 +20,7 @@ from layershard.engine.gather_slots import (
     slot_numels,
 )
 from layershard.engine.precision import MixedPrecision
+from layershard.engine.quantized import Packed, is_packed
 from layershard.engine.reducer import Reducer
 from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import Sharding
@@ -52,7 +53,9 @@ def make_storage(
     in_place = world == 1 and precision.param_dtype == torch.float32 and not offload
     storage = Storage([], [], {})
     for spec in specs:
-        flats, buffer, placed = _make_flats(spec, world, rank, host, in_place)
+        flats, buffer, placed = _make_flats(
+            spec, world, rank, host, in_place, precision.param_dtype
+        )
         if pin:
             for f in flats:
                 f.pin()
@@ -124,6 +127,14 @@ def build_schedule(
         Unit(s.name, s.module, s.is_block, fl, slot, device, backward_needs_weights(s))
         for (s, fl, _), slot in zip(others, slots)
     ]
+    for u in units:
+        if u.slot.transient and any(f.packed for f in u.flats):
+            raise ValueError(
+                f"shard(): unit {u.name} holds 4-bit weights and is larger than every block, so "
+                "its gathered weights would live in storage of its own, freed after its forward; "
+                "its 4-bit matmuls read them again in backward (quantized.py). Pass layers= so "
+                "that it is a block, or keep that module unquantized (llm_int8_skip_modules)"
+            )
     if sharding.hpz_group is not None:
         k = sharding.hpz_size
         for u in units:
@@ -142,27 +153,43 @@ def build_schedule(
 
 
 def _make_flats(
-    spec: UnitSpec, world: int, rank: int, device: torch.device, in_place: bool
+    spec: UnitSpec,
+    world: int,
+    rank: int,
+    device: torch.device,
+    in_place: bool,
+    carrier: torch.dtype,
 ) -> tuple[list[FlatParam], torch.Tensor | None, list[tuple[nn.Parameter, FlatParam, ParamSlot]]]:
-    """The unit's flat groups (trainable first, then frozen); with ``in_place``, the one zeroed
-    buffer whose consecutive views their shards are; and where each original parameter went."""
+    """The unit's flat groups (trainable first, then frozen, then frozen 4-bit weights as bytes in
+    the ``carrier`` dtype, quantized.py); with ``in_place``, the one zeroed buffer whose
+    consecutive views their shards are; and where each original parameter went."""
     groups = []
-    for requires_grad in (True, False):
-        group = [(p, uses) for p, uses in spec.params if p.requires_grad == requires_grad]
+    for requires_grad, packed in ((True, False), (False, False), (False, True)):
+        group = [
+            (p, uses)
+            for p, uses in spec.params
+            if p.requires_grad == requires_grad and is_packed(p) == packed
+        ]
         if group:
-            offsets, _, shard_numel = layout([p.numel() for p, _ in group], world)
-            groups.append((requires_grad, group, offsets, shard_numel))
+            how = [Packed.of(p) if packed else None for p, _ in group]
+            numels = [
+                p.numel() if k is None else k.carrier_numel(carrier)
+                for (p, _), k in zip(group, how)
+            ]
+            offsets, _, shard_numel = layout(numels, world)
+            groups.append((requires_grad, group, offsets, shard_numel, how, numels))
     buffer = None
-    if in_place:
+    if in_place:  # fp32 compute: the carrier is fp32 too
         buffer = torch.zeros(sum(g[3] * world for g in groups), device=device)
     flats, placed, start = [], [], 0
-    for requires_grad, group, offsets, shard_numel in groups:
+    for requires_grad, group, offsets, shard_numel, how, numels in groups:
         slots = [
-            ParamSlot(uses, p.shape, offset, requires_grad)
-            for (p, uses), offset in zip(group, offsets)
+            ParamSlot(uses, p.shape if k is None else torch.Size([n]), offset, requires_grad, k)
+            for (p, uses), offset, k, n in zip(group, offsets, how, numels)
         ]
         storage = None if buffer is None else buffer[start : start + shard_numel]
-        f = FlatParam(slots, requires_grad, world, rank, device, storage=storage)
+        dtype = carrier if how[0] is not None else torch.float32
+        f = FlatParam(slots, requires_grad, world, rank, device, storage=storage, dtype=dtype)
         start += shard_numel * world
         placed += [(p, f, sl) for (p, _), sl in zip(group, slots)]
         flats.append(f)

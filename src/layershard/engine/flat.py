@@ -1,5 +1,8 @@
 """FlatParam: one unit's parameters (all trainable, or all frozen) as a single flat fp32 tensor.
 
+A unit's frozen 4-bit weights are a flat group of their own whose elements carry their packed
+bytes in the gather slot's dtype (``dtype``; ``ParamSlot.packed``): see ``quantized.py``.
+
 The flat layout concatenates the parameters in registration order, each starting on an aligned
 offset, and pads the end so that it splits into ``world_size`` equal contiguous slices, each a
 multiple of the alignment. Each rank stores only its own slice (``shard``) and exposes, per
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from layershard.engine.quantized import Packed
 
 ALIGN = 8  # elements: 16 bytes of bf16/fp16, 32 bytes of fp32
 
@@ -48,6 +53,7 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     requires_grad: bool
+    packed: Packed | None = None  # a 4-bit weight: ``shape`` is its carrier elements
 
     @property
     def name(self) -> str:
@@ -78,6 +84,7 @@ class FlatParam:
     rank: int
     device: torch.device
     storage: torch.Tensor | None = field(default=None, repr=False)  # zeroed, shard_numel long
+    dtype: torch.dtype = torch.float32  # a packed group's carrier: the gather slot's dtype
     numel: int = field(init=False)  # up to the end of the last parameter
     padded_numel: int = field(init=False)
     shard_numel: int = field(init=False)
@@ -98,7 +105,7 @@ class FlatParam:
         if self.storage is not None:
             self.shard = self.storage
         else:
-            self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
         self.storage = None
         self.grad = torch.zeros_like(self.shard) if self.requires_grad else None
         self.shard_params: list[nn.Parameter] = []
@@ -110,7 +117,10 @@ class FlatParam:
         self.shard_params = []
         for slot in self.slots:
             lo, hi = self.local_range(slot)
-            p = nn.Parameter(self.shard[lo - self.shard_start : hi - self.shard_start])
+            piece = self.shard[lo - self.shard_start : hi - self.shard_start]
+            if slot.packed is not None:  # bytes, so that nothing takes them for weights
+                piece = piece.view(torch.uint8)
+            p = nn.Parameter(piece, requires_grad=False)
             p.requires_grad_(self.requires_grad)
             if self.grad is not None:
                 p.grad = self.grad[lo - self.shard_start : hi - self.shard_start]
@@ -154,13 +164,25 @@ class FlatParam:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's full-shape view into ``flat``, a tensor of this layout
         (``padded_numel`` elements: a gather buffer, or a gathered copy)."""
-        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+        return [
+            flat[s.offset : s.offset + s.numel].view(s.shape)
+            if s.packed is None
+            else s.packed.view(flat[s.offset : s.offset + s.numel])
+            for s in self.slots
+        ]
+
+    @property
+    def packed(self) -> bool:
+        """Its slots are 4-bit weights' bytes (quantized.py)."""
+        return any(s.packed is not None for s in self.slots)
 
     @torch.no_grad()
     def copy_from_full(self, slot: ParamSlot, full: torch.Tensor) -> None:
         """Store this rank's part of ``full`` (the whole parameter ``slot``)."""
         a, b = self.local_param_range(slot)
         lo = slot.offset + a - self.shard_start
+        if slot.packed is not None:  # the bytes, reinterpreted: never converted
+            full = slot.packed.to_carrier(full, self.dtype)
         self.shard[lo : lo + b - a].copy_(full.detach().reshape(-1)[a:b])
 
     def drop_accumulated(self) -> None:

@@ -4,7 +4,8 @@
   its parameters can live in one unit's flat storage only, so the other unit would run it with
   the rank's 1-D slice (a shape error in forward). Shared *parameters* are fine: they go to the
   root unit (tied embeddings);
-- a floating-point parameter that is not fp32: layershard keeps fp32 master weights (the flat
+- a floating-point parameter that is not fp32 (bitsandbytes 4-bit weights aside: they are
+  stored as their packed bytes, see ``quantized.py``, which also says what it refuses): layershard keeps fp32 master weights (the flat
   storage, the gradients and the optimizer state are fp32), so a bf16 parameter would be
   converted silently, doubling its memory and changing the dtype its module computes in. FSDP2
   refuses a unit whose parameters have different dtypes; here the recipe is the one FSDP2
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from layershard.engine.quantized import is_packed
 from layershard.engine.units import UnitSpec
 
 
@@ -67,6 +69,8 @@ def check_dtypes(specs: list[UnitSpec]) -> None:
     """Refuse floating-point parameters that are not fp32 (see the module docstring)."""
     for s in specs:
         for p, uses in s.params:
+            if is_packed(p):  # 4-bit bytes, whatever dtype carries them (quantized.py)
+                continue
             if p.is_floating_point() and p.dtype != torch.float32:
                 dtypes = sorted({str(q.dtype).removeprefix("torch.") for q, _ in s.params})
                 mixed = f" (unit {s.name} mixes {', '.join(dtypes)})" if len(dtypes) > 1 else ""

@@ -22,6 +22,7 @@ from torch.profiler import record_function
 
 from layershard.engine.buffers import GatherSlot
 from layershard.engine.flat import FlatParam, ParamSlot, ParamUse, view_keys
+from layershard.engine.quantized import attach_state
 
 
 @dataclass
@@ -229,6 +230,8 @@ class Unit:
         """Make the modules' weight attributes resolve to ``tensors`` (plain tensors, which
         shadow the registered slices while bound)."""
         for slot, t in zip(self.param_slots, tensors):
+            if slot.packed is not None:  # Linear4bit.forward reads weight.quant_state
+                attach_state(t, slot.packed)
             for use in slot.uses:
                 use.module.__dict__[use.attr] = t
         self.bound = True

@@ -6,6 +6,7 @@ layershard[hf]``).
     trainer = ls.hf.Trainer(model=model, args=TrainingArguments(...), ...)       # was Trainer
     trainer = ls.hf.sharded(trl.SFTTrainer)(model=model, args=SFTConfig(...))     # any subclass
     accelerator = ls.hf.Accelerator(layershard=ls.hf.ShardingPlugin(...))        # own loops
+    ls.hf.save_adapter(model, dir); ls.hf.export_merged(model, dir)               # QLoRA / LoRA
 
 See docs/hf.md.
 """
@@ -20,6 +21,16 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 from layershard.hf.accelerator import Accelerator, sharded_of
 from layershard.hf.plugin import ShardingPlugin
+from layershard.hf.qlora import export_merged, save_adapter
 from layershard.hf.trainer import SUPPORTED_OPTIM, Trainer, sharded
 
-__all__ = ["SUPPORTED_OPTIM", "Accelerator", "ShardingPlugin", "Trainer", "sharded", "sharded_of"]
+__all__ = [
+    "SUPPORTED_OPTIM",
+    "Accelerator",
+    "ShardingPlugin",
+    "Trainer",
+    "export_merged",
+    "save_adapter",
+    "sharded",
+    "sharded_of",
+]

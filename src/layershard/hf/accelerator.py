@@ -380,7 +380,8 @@ def full_state_dict(sharded: ShardedModule) -> dict[str, torch.Tensor]:
     storage: the engine's tensors are views of one gathered buffer per unit, which safetensors
     and ``save_pretrained`` would take for shared (tied) weights. Tied keys stay one tensor.
     Copied key by key so that a unit's buffer is freed once its last view is copied."""
-    sd = sharded.full_state_dict(rank0_only=True)
+    # a PEFT model saves its adapters: its 4-bit base (if any) is never gathered for that
+    sd = sharded.full_state_dict(rank0_only=True, packed=not _is_peft(sharded.module))
     copies: dict[int, torch.Tensor] = {}
     out = {}
     for key in list(sd):

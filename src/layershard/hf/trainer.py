@@ -30,6 +30,7 @@ import transformers
 from transformers.trainer import SCHEDULER_NAME
 
 import layershard as ls
+from layershard.engine.quantized import is_packed
 from layershard.hf.accelerator import (
     _ATTR,
     Accelerator,
@@ -87,6 +88,7 @@ class ShardedTrainerMixin(_TrainerBase):
             else:
                 args = (model.module, *args[1:])
         super().__init__(*args, **kwargs)
+        _fp32_adapters(self.model)
         optim = getattr(self.args.optim, "value", self.args.optim)
         if (
             self.optimizer is None
@@ -232,6 +234,31 @@ class ShardedTrainerMixin(_TrainerBase):
         if sharded is None or best is None or not (Path(best) / CHECKPOINT_DIR).is_dir():
             return super()._load_best_model()
         ls.load_checkpoint(Path(best) / CHECKPOINT_DIR, sharded, restore_rng=False)
+
+
+def _fp32_adapters(model: Any) -> None:
+    """trl's QLoRA recipe casts the trainable adapters of a 4-bit model to bf16 (the QLoRA paper's
+    choice on one GPU); layershard keeps fp32 master weights (shard() refuses anything else) and
+    computes in the dtype ``ShardingPlugin(mixed_precision=...)`` or ``bf16=True`` picks. So the
+    adapters go back to fp32, each bf16 value exactly, once, with a warning."""
+    if model is None or isinstance(model, ShardedModule):
+        return
+    if not any(is_packed(p) for p in model.parameters()):
+        return
+    cast = [
+        p
+        for p in model.parameters()
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
+    ]
+    if cast:
+        warnings.warn(
+            f"ls.hf: {len(cast)} trainable parameters of this 4-bit model are "
+            f"{str(cast[0].dtype).removeprefix('torch.')} (trl casts QLoRA adapters); layershard "
+            "trains fp32 master weights, so they are fp32 again (bf16=True computes in bf16)",
+            stacklevel=3,
+        )
+        for p in cast:
+            p.data = p.data.float()
 
 
 def _is_peft(model: Any) -> bool:

@@ -209,6 +209,15 @@ class Muon(torch.optim.Optimizer):
             for slot, p in zip(f.slots, f.shard_params):
                 named.append((slot.name, p, slot.shape, u.is_block, (f, slot)))
         names = {n for n, *_ in named}
+        if muon_params is not None and not callable(muon_params):
+            base = sorted(s.name for u in model.units for f in u.flats if f.packed for s in f.slots)
+            on_base = [n for n in muon_params if n in set(base)]
+            if on_base:
+                raise ValueError(
+                    f"Muon(muon_params=...): {on_base[:3]} are frozen 4-bit (bitsandbytes) "
+                    "weights: no optimizer steps them; Muon can step the adapters (the default "
+                    "takes every trainable 2-D weight of the blocks)"
+                )
         if muon_params is None:
             chosen = {n for n, _, shape, is_block, _ in named if is_block and len(shape) == 2}
         elif callable(muon_params):

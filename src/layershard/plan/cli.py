@@ -17,11 +17,13 @@ from layershard.plan.calibrate import CalibrationError, read_runs
 from layershard.plan.calibrate import fit as fit_runs
 from layershard.plan.calibrate import render as render_fit
 from layershard.plan.explain import explain
-from layershard.plan.hardware import GPUS, Cluster, get_gpu
+from layershard.plan.hardware import GPU, GPUS, Cluster, get_gpu
 from layershard.plan.memory import OPTIMIZER_BYTES, STRATEGIES
-from layershard.plan.model import load_model
+from layershard.plan.model import ModelShape, load_model
 from layershard.plan.network import CLUSTERS, get_cluster
 from layershard.plan.planner import DEFAULT_HEADROOM, Plan, Settings, Suggestion, make_plan, suggest
+from layershard.plan.qlora import QLoRASettings
+from layershard.plan.qlora import render as render_qlora
 from layershard.plan.sources import FRAGMENTATION
 from layershard.validation import NonNegativeInt, Number, PositiveInt, PositiveNumber, one_line
 
@@ -143,6 +145,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K|all",
         help="number of blocks with activation checkpointing (default 0)",
     )
+    q = p.add_argument_group("QLoRA (a 4-bit base with LoRA adapters: plan/qlora.py)")
+    q.add_argument("--qlora", action="store_true", help="memory per GPU for QLoRA fine-tuning")
+    q.add_argument("--lora-rank", type=int, default=16, help="LoRA r on every block linear")
+    q.add_argument("--no-double-quant", action="store_true", help="absmax in fp32 (4 B / 64)")
     a = p.add_argument_group("model assumptions (defaults: per GPU type, see docs/plan.md)")
     a.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="memory kept free")
     a.add_argument("--compute-eff", type=float, help="achieved / peak FLOP/s")
@@ -334,6 +340,23 @@ def render_suggestion(sug: Suggestion, requested: Settings) -> str:
     return "\n".join(lines)
 
 
+def _qlora(args: argparse.Namespace, shape: ModelShape, gpu: GPU) -> int:
+    if args.lora_rank < 1:
+        print("layershard plan: --lora-rank must be >= 1", file=sys.stderr)
+        return 2
+    settings = QLoRASettings(
+        world=args.gpus,
+        lora_rank=args.lora_rank,
+        double_quant=not args.no_double_quant,
+        compute_dtype=args.param_dtype or "bf16",
+        seq_len=args.seq_len or min(4096, shape.max_seq_len),
+        micro_batch=args.micro_batch,
+        offload=args.offload,
+    )
+    print(render_qlora(shape, settings, gpu.name, gpu.memory_bytes))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     bad = check_input(args)
     if bad:
@@ -352,6 +375,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"layershard plan: {e}", file=sys.stderr)
         return 2
+    if args.qlora:
+        return _qlora(args, shape, gpu)
     eff = gpu.eff
     if args.compute_eff is not None:
         eff = replace(eff, compute=args.compute_eff)

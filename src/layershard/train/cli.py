@@ -36,6 +36,9 @@ _HELP = {
     "model": "model preset: tiny, small, llama-1b, llama-7b, llama-13b, llama-70b, moe (architectures)",
     "hf_config": "train any transformers causal LM from its config.json (file or folder), random init",
     "init_from": "fine-tune: a folder with HF config.json, *.safetensors and tokenizer.json",
+    "qlora": "with --init-from: load the model in 4 bits (NF4, double quant; needs bitsandbytes) "
+    "and train LoRA adapters on every linear; the run's final/ holds the adapter (PEFT format)",
+    "lora_rank": "with --qlora: the rank r of every adapter (alpha = 2 r)",
     "tokenizer": "tokenizer.json (or a folder with one); default: a BPE trained on the corpus",
     "vocab_size": "vocabulary of the BPE trained on the corpus",
     "task": "pretrain (next-token on text) or sft (prompt/response or messages JSONL)",

@@ -53,6 +53,9 @@ class TrainConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {dim: 256}
     hf_config: StrictStr | None = None  # a transformers config.json (or its folder): random init
     init_from: StrictStr | None = None  # a folder with HF config.json + *.safetensors: fine-tuning
+    # QLoRA: --init-from's model loaded in 4 bits (NF4, double quant), LoRA on every linear
+    qlora: StrictBool = False
+    lora_rank: PositiveInt = 16  # with qlora: r of every adapter (alpha = 2 r)
     tokenizer: StrictStr | None = None  # tokenizer.json or a folder with one; None: train a BPE
     vocab_size: PositiveInt = 4096  # size of the BPE trained when no tokenizer is given
     # --- data ---------------------------------------------------------------------------------
@@ -157,6 +160,15 @@ class TrainConfig:
             # the loop runs a micro-batch with no response token backward through its logits,
             # which the chunked loss never materializes
             raise ValueError("loss_chunks is not supported with task sft yet; use loss_chunks 0")
+        if self.qlora and not self.init_from:
+            raise ValueError(
+                "--qlora needs --init-from: the Hugging Face model folder to load in 4 bits"
+            )
+        if self.qlora and (self.loss_chunks or self.optimizer == "muon"):
+            raise ValueError(
+                "--qlora is not supported with --loss-chunks or --optimizer muon yet "
+                "(the adapters train with AdamW, the loss is the model's own)"
+            )
         if self.hf_config and self.init_from:
             raise ValueError(
                 "--hf-config and --init-from both choose the model; pass one "

@@ -39,6 +39,7 @@ from layershard.train.modeling import (
     shard_options,
 )
 from layershard.train.optimizer import lr_at, param_groups
+from layershard.train.qlora import build_qlora, save_adapter
 from layershard.train.report import MetricsLog, first_val_loss, measured, memory_mib, plot_losses
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
 
@@ -85,7 +86,10 @@ class Trainer:
         # Presets of 1B+ parameters start on the meta device: shard() materializes only each
         # rank's slice (the init contract of layershard.models makes that equal to eager init).
         meta = self.kind == "preset" and count_params("preset", self.spec) >= 1e9
-        model = build_model(self.kind, self.spec, cfg, meta=meta)
+        if cfg.qlora:  # the 4-bit base read here, quantized while loading (train/qlora.py)
+            model = build_qlora(cfg, precision, device)
+        else:
+            model = build_model(self.kind, self.spec, cfg, meta=meta)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.model = ls.shard(model, **shard_options(cfg, precision, device))
         # fp16: gradients are scaled so that they do not underflow; a step whose gradients
@@ -94,7 +98,7 @@ class Trainer:
         self.skipped_steps = 0  # steps not applied (non-finite or overflowed), for the metrics
         self.flops_per_token = flops_per_token(self.kind, self.spec, self.n_params, cfg.seq_len)
         self.peak_flops = peak_flops(device)
-        if cfg.init_from:  # read after sharding: each rank reads only its slices
+        if cfg.init_from and not cfg.qlora:  # read after sharding: each rank its slices
             ls.load_hf(self.model, cfg.init_from)
         self.opt: torch.optim.Optimizer
         if cfg.optimizer == "muon":  # AdamW's lr schedule and weight decay carry over
@@ -264,10 +268,9 @@ class Trainer:
 
     def _weights_finite(self) -> bool:
         """Are this model's weights finite on every rank? (One flag, all-reduced.)"""
-        ok = torch.tensor(
-            [float(all(bool(torch.isfinite(f.shard).all()) for f in self.model.flat_params))],
-            device=self.device,
-        )
+        floats = [f.shard for f in self.model.flat_params if not f.packed]  # 4-bit: bytes
+        ok = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in floats))])
+        ok = ok.to(self.device)
         if dist.is_initialized() and self.world > 1:
             with waiting("all-reduce of the weights' finiteness"):
                 dist.all_reduce(ok, op=dist.ReduceOp.MIN)
@@ -328,9 +331,12 @@ class Trainer:
         """The trained model as an HF folder (config.json, safetensors, tokenizer.json) that
         ``--init-from`` and ``transformers`` load. Collective."""
         self._refuse_non_finite(f"the Hugging Face export {folder.name}/")
-        ls.export_hf(self.model, folder, dtype=torch.float32)  # streams unit by unit
+        if self.cfg.qlora:  # the adapters (PEFT format) for the --init-from base
+            save_adapter(self.model, folder)
+        else:
+            ls.export_hf(self.model, folder, dtype=torch.float32)  # streams unit by unit
         if self.rank == 0:
-            if self.kind == "hf":
+            if self.kind == "hf" and not self.cfg.qlora:
                 # transformers' own writer keeps model_type, which AutoConfig needs
                 self.spec.save_pretrained(str(folder))
             shutil.copy(self.run_dir / "tokenizer.json", folder / "tokenizer.json")

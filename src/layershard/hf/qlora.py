@@ -1,0 +1,163 @@
+"""Saving a sharded QLoRA model (a PEFT LoRA model on a 4-bit bitsandbytes base):
+
+- ``save_adapter``: the adapters alone, in PEFT's format (``PeftModel.from_pretrained`` loads
+  them onto the 4-bit base); only the trainable units are gathered, never the base;
+- ``export_merged``: a plain Hugging Face model (no quantization, no PEFT), each 4-bit weight
+  dequantized and its adapter merged (W + scaling x B @ A), in bf16 safetensors, written unit by
+  unit: rank 0 holds one unit's weights at a time, never the model.
+
+Both are collective (every rank calls them); rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from layershard.engine.units import Unit
+from layershard.hf.accelerator import sharded_of
+from layershard.sharded import ShardedModule
+
+PEFT_PREFIX = "base_model.model."
+
+
+def save_adapter(model: Any, folder: str | os.PathLike) -> None:
+    """Write the PEFT adapters of a sharded PEFT model into ``folder`` (``adapter_config.json``,
+    ``adapter_model.safetensors``). Collective."""
+    sharded = _sharded_peft(model, "save_adapter")
+    sd = sharded.full_state_dict(rank0_only=True, packed=False)
+    if dist.get_rank(sharded.process_group) == 0:
+        copies = {k: v.clone() for k, v in sd.items()}  # views of one buffer: own storage each
+        peft_model: Any = sharded.module
+        peft_model.save_pretrained(str(folder), state_dict=copies)
+    dist.barrier(sharded.process_group)
+
+
+def export_merged(
+    model: Any, folder: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """Write a Hugging Face model folder (``config.json`` without the quantization, safetensors
+    in ``dtype``, one file per unit and an index) with every LoRA adapter merged into its
+    dequantized base weight, loadable with ``from_pretrained``. Collective; gathers one unit at
+    a time."""
+    from safetensors.torch import save_file
+
+    sharded = _sharded_peft(model, "export_merged")
+    peft_model: Any = sharded.module
+    lora_layers = _lora_layers(peft_model)
+    rank0 = dist.get_rank(sharded.process_group) == 0
+    out = Path(folder)
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+    units = sharded.units
+    weight_map: dict[str, str] = {}
+    for i, u in enumerate(units):
+        tensors = _unit_tensors(sharded, u)  # collective: every rank gathers the unit
+        if not rank0:
+            continue
+        merged = _merge_unit(u, tensors, lora_layers, dtype)
+        name = f"model-{i + 1:05d}-of-{len(units):05d}.safetensors"
+        save_file(merged, str(out / name), metadata={"format": "pt"})
+        weight_map.update((k, name) for k in merged)
+    if rank0:
+        buffers = {
+            _hf_name(k): b.detach().to("cpu", dtype if b.is_floating_point() else b.dtype)
+            for k, b in sharded.persistent_buffers()
+        }
+        if buffers:
+            name = "model-buffers.safetensors"
+            save_file(buffers, str(out / name), metadata={"format": "pt"})
+            weight_map.update((k, name) for k in buffers)
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config = copy.deepcopy(peft_model.get_base_model().config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = dtype
+        config.save_pretrained(str(out))
+    dist.barrier(sharded.process_group)
+
+
+def _sharded_peft(model: Any, what: str) -> ShardedModule:
+    sharded = sharded_of(model) if not isinstance(model, ShardedModule) else model
+    if sharded is None:
+        raise ValueError(f"ls.hf.{what}(model): pass the model ls.shard() returned")
+    try:
+        from peft import PeftModel
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError(f"ls.hf.{what} needs peft: pip install 'layershard[hf]'") from e
+    if not isinstance(sharded.module, PeftModel):
+        raise ValueError(
+            f"ls.hf.{what}(model): the sharded model is not a PEFT model "
+            "(peft.get_peft_model before ls.shard); for a plain model use ls.export_hf"
+        )
+    return sharded
+
+
+def _lora_layers(peft_model: nn.Module) -> dict[int, Any]:
+    """id(base layer) -> its LoRA layer, for every LoRA layer of the model."""
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[int, Any] = {}
+    for m in peft_model.modules():
+        if isinstance(m, LoraLayer):
+            if any(m.use_dora.values()):
+                raise ValueError("ls.hf.export_merged: DoRA adapters are not supported")
+            out[id(m.get_base_layer())] = m
+    return out
+
+
+def _unit_tensors(sharded: ShardedModule, u: Unit) -> dict[str, torch.Tensor]:
+    """The unit's parameters, whole, by canonical name (packed bytes for 4-bit weights)."""
+    out = {}
+    for f in u.flats:
+        for slot, t in zip(f.slots, f.views(sharded.gather_flat(f))):
+            out[slot.name] = t
+    return out
+
+
+def _merge_unit(
+    u: Unit, tensors: dict[str, torch.Tensor], lora_layers: dict[int, Any], dtype
+) -> dict[str, torch.Tensor]:
+    """The unit's weights as the plain model has them: 4-bit ones dequantized, each LoRA
+    layer's delta added to its base weight, adapters dropped, names without PEFT's wrappers."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    merged: dict[str, torch.Tensor] = {}
+    for slot in u.param_slots:
+        name = slot.name
+        module, attr = slot.uses[0].module, slot.uses[0].attr
+        if ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name:
+            continue
+        w = tensors[name]
+        if slot.packed is not None:
+            w = dequantize_4bit(w, slot.packed.quant_state).float()
+        else:
+            w = w.float()
+        lora = lora_layers.get(id(module))
+        if lora is not None and attr == "weight":
+            for adapter in lora.active_adapters:
+                a = tensors[_adapter_name(slot.name, "lora_A", adapter)]
+                b = tensors[_adapter_name(slot.name, "lora_B", adapter)]
+                delta = (b.float() @ a.float()) * lora.scaling[adapter]
+                w = w + (delta.T if getattr(lora, "fan_in_fan_out", False) else delta)
+        merged[_hf_name(name)] = w.to(dtype).contiguous()
+    return merged
+
+
+def _adapter_name(base: str, which: str, adapter: str) -> str:
+    """``<layer>.base_layer.weight`` -> ``<layer>.<which>.<adapter>.weight``."""
+    layer = base.removesuffix(".weight").removesuffix(".base_layer")
+    return f"{layer}.{which}.{adapter}.weight"
+
+
+def _hf_name(name: str) -> str:
+    """A PEFT model's parameter name as the plain model's."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")

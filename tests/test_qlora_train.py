@@ -1,0 +1,52 @@
+"""`layershard train --qlora --init-from FOLDER`: the model loaded in 4 bits with LoRA on every
+linear, trained on the built-in pipeline at 2 ranks; the run's final/ is a PEFT adapter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _train import TINY, refused_one_line, train_main
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+
+def _metric(run, key: str) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]
+
+
+def test_train_qlora_from_a_model_folder(tmp_path):
+    import peft
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    cfg.save_pretrained(str(tmp_path / "hf"))
+    base = tmp_path / "base"  # a model folder with its tokenizer.json, as --init-from reads
+    args = ["--steps", "1", "--eval-interval", "0", *TINY]
+    assert train_main(["--run-dir", str(base), "--hf-config", str(tmp_path / "hf"), *args]) == 0
+    run = tmp_path / "qlora"
+    args = ["--steps", "6", "--eval-interval", "0", "--lr", "1e-2", *TINY]
+    assert (
+        train_main(["--run-dir", str(run), "--init-from", str(base / "final"), "--qlora", *args])
+        == 0
+    )
+    val = _metric(run, "val_loss")
+    assert val[-1] < val[0]  # the adapters learned
+    files = sorted(p.name for p in (run / "final").iterdir())
+    assert "adapter_model.safetensors" in files and not any(f.startswith("model") for f in files)
+    four_bit = transformers.AutoModelForCausalLM.from_pretrained(
+        str(base / "final"), device_map="cpu",
+        quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True),
+    )  # fmt: skip
+    loaded = peft.PeftModel.from_pretrained(four_bit, str(run / "final"))
+    assert sum("lora_B" in n and p.abs().sum() > 0 for n, p in loaded.named_parameters()) == 14
+
+
+def test_train_qlora_needs_init_from(capsys, tmp_path):
+    err = refused_one_line(capsys, tmp_path, "--qlora")
+    assert "--init-from" in err
