@@ -1,0 +1,107 @@
+"""Loading unsharded weights into a sharded model (``ShardedModule.load_full_state_dict``): every
+rank agrees on the dict's validity before any data moves, then each rank copies its slice of each
+parameter (from its own copy of the dict, or from rank 0's by broadcast)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from layershard.engine.agreement import agreed
+from layershard.engine.waits import waiting
+
+
+def load_full_state_dict(
+    model, state_dict: dict[str, torch.Tensor] | None, strict: bool = True
+) -> None:
+    """``ShardedModule.load_full_state_dict`` (its docstring says what and how)."""
+    comm, group = model._schedule.comm, model.process_group
+    world = dist.get_world_size(group)  # every rank of the model, replicas included
+    device = comm.device  # NCCL reduces device tensors only (CPU offload: shards on host)
+    model._schedule.quiesce()  # no gather still in flight reads a shard this overwrites
+    has = [state_dict is not None]
+    if world > 1:
+        has = [False] * world
+        with waiting("agreement on which ranks pass a state dict"):
+            dist.all_gather_object(has, state_dict is not None, group=group)
+    if not has[0]:  # every rank sees rank 0's flag: every rank raises
+        raise ValueError(
+            "load_full_state_dict(): rank 0 must pass a state dict (the other ranks may "
+            "pass the same dict or None)"
+        )
+    everyone = all(has)
+    with agreed(group):  # every rank learns every rank's verdict before any data moves
+        error = _validate(model, state_dict, strict) if state_dict is not None else ""
+        if error:
+            raise ValueError(error)
+    present = None if state_dict is None else [k for k, _, _ in model._entries if k in state_dict]
+    if not everyone and world > 1:  # which keys rank 0 has: the others copy only those
+        box = [present]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        present = box[0]
+    keys = set(present or [])
+    by_slot: dict[int, str] = {}
+    for key, kind, ref in model._entries:
+        if kind == "param" and key in keys and id(ref[1]) not in by_slot:
+            by_slot[id(ref[1])] = key
+    for f in model.flat_params:
+        loaded = [slot for slot in f.slots if id(slot) in by_slot]
+        if not loaded:
+            continue
+        if everyone:
+            assert state_dict is not None
+            for slot in loaded:
+                value = state_dict[by_slot[id(slot)]]
+                dtype = torch.float32 if slot.packed is None else value.dtype  # bytes
+                f.copy_from_full(slot, value.to(f.shard.device, dtype))
+            continue
+        buf = torch.zeros(f.padded_numel, dtype=f.dtype, device=device)
+        if state_dict is not None:  # rank 0
+            for slot, view in zip(f.slots, f.views(buf)):
+                if id(slot) in by_slot:
+                    view.copy_(state_dict[by_slot[id(slot)]])
+        comm.broadcast(buf, "state_dict")
+        for slot, view in zip(f.slots, f.views(buf)):
+            if id(slot) in by_slot:
+                f.copy_from_full(slot, view)
+    for key, b in model.persistent_buffers():
+        if key not in keys:
+            continue
+        if state_dict is not None:
+            b.copy_(state_dict[key])
+        if not everyone and world > 1:
+            comm.broadcast(b, "state_dict")
+
+
+def _validate(model, sd: dict, strict: bool) -> str:
+    expected = {key: ref for key, _, ref in model._entries}
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    if strict and (missing or unexpected):
+        return (
+            f"load_full_state_dict(): missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}; is this a "
+            "state dict of the same model? (strict=False loads the keys present)"
+        )
+    for key, kind, ref in model._entries:
+        if key not in sd:
+            continue
+        if kind == "quant_state":
+            if not torch.equal(sd[key].to(ref.device), ref):
+                return (
+                    f"load_full_state_dict(): {key} is part of a 4-bit weight's quantization "
+                    "state, which is fixed when the model is quantized and differs here; "
+                    "load the 4-bit base with from_pretrained before ls.shard()"
+                )
+            continue
+        if kind == "param":
+            packed = ref[1].packed
+            shape = ref[1].shape if packed is None else packed.shape
+        else:
+            shape = getattr(ref[0], ref[1]).shape
+        if tuple(sd[key].shape) != tuple(shape):
+            return (
+                f"load_full_state_dict(): {key} has shape {tuple(sd[key].shape)}, "
+                f"the model expects {tuple(shape)}"
+            )
+    return ""
