@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from layershard.engine.waits import waiting
+from layershard.engine.wire import WireGather
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -248,6 +249,7 @@ class Comm:
         # shard() (collective), so that no agreement waits for the GPU (layershard/groups.py).
         self.control = sharding.groups.control()
         self.control_size = dist.get_world_size(full_group)
+        self.wire: WireGather | None = None  # when weights travel quantized (engine/wire.py)
 
     def scratch_numel(self, numel: int, shard_numel: int) -> int:
         """Elements of the scratch a reduce-scatter of a ``numel`` buffer needs (``shard_numel``
@@ -325,6 +327,59 @@ class Comm:
                 return _all_gather(out, own, group=group, async_op=async_op)
 
             return self._issue(run, None, phase, what=what)
+
+    def gather_weights(
+        self, out: torch.Tensor, flat, phase: str, label: str, src: torch.Tensor | None = None
+    ) -> Pending:
+        """A unit's gather of flat parameter ``flat`` over the shard group into ``out``: in the
+        wire dtype when one is set and the group communicates, else ``all_gather`` of ``src``
+        (default: the rank's slice)."""
+        if self.wire is not None and self.active and src is None:
+            return self.wire.gather(self, flat, out, phase, label)
+        return self.all_gather(out, flat.shard if src is None else src, phase, label)
+
+    def all_gather_packed(
+        self,
+        out: torch.Tensor,
+        chunk: int,
+        pack: Callable[[torch.Tensor], None],
+        unpack: Callable[[torch.Tensor], None],
+        phase: str,
+        label: str,
+    ) -> Pending:
+        """A quantized all-gather (engine/wire.py): ``pack(own)`` writes this rank's ``chunk``
+        bytes, the ranks gather them into a byte buffer that lives until the wait, and
+        ``unpack(wire)`` dequantizes every rank's bytes into ``out`` (the gather slot). Only
+        called when the shard group communicates; the bytes counted are the wire's."""
+        group, rank, world = self.members("shard")
+        assert group is not None and (world > 1 or force_comm())
+        what = f"all-gather of unit {label} ({phase}, quantized)"
+        wire = torch.empty(world * chunk, dtype=torch.uint8, device=out.device)
+        if self.stream is not None:  # freed while the comm stream may still use it
+            wire.record_stream(self.stream)
+        own = wire[rank * chunk : (rank + 1) * chunk]
+        self.stats.record("all_gather", phase, wire.numel(), "shard")
+        with profiled(f"layershard::all_gather[{label}]"):
+            if self.gloo_workaround:
+                pack(own)
+                works = [
+                    dist.broadcast(
+                        c, src=dist.get_global_rank(group, r), group=group, async_op=True
+                    )
+                    for r, c in enumerate(wire.split(chunk))
+                ]
+                return Pending(
+                    work=works,
+                    post=lambda: unpack(wire),
+                    timer=(self.stats.wait_s, phase),
+                    what=what,
+                )
+
+            def run(async_op: bool):
+                pack(own)  # on the comm stream: after the optimizer step that wrote the shard
+                return _all_gather(wire, own, group=group, async_op=async_op)
+
+            return self._issue(run, lambda: unpack(wire), phase, what=what)
 
     def reduce_scatter(
         self,

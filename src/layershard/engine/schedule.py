@@ -161,6 +161,8 @@ class Schedule:
         self._grad_forward = torch.is_grad_enabled()
         if self._grad_forward:
             self.uses.new_forward()
+        if self.comm.wire is not None and self.comm.active:
+            self.comm.wire.refresh(self.comm)  # fp8 scales of the weights as they are now
         if self.root is not None:
             self._issue_gather(self.root, Phase.FORWARD)
             self.root.slot.wait()
@@ -516,8 +518,8 @@ class Schedule:
             out = s.data[off : off + f.padded_numel]
             if secondary is not None:  # within the K ranks of reshard_after_forward=K
                 p = self.comm.all_gather(out, secondary[i], phase.value, u.name, over="hpz")
-            else:
-                p = self.comm.all_gather(out, f.shard, phase.value, u.name)
+            else:  # in the wire dtype when weights travel quantized
+                p = self.comm.gather_weights(out, f, phase.value, u.name)
             s.gathering(p)
 
     def _keep_secondary(self, u: Unit) -> None:
