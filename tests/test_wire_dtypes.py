@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import RankChecks, run_ranks
+from _dist import RankChecks
 from _parity import (
     batches,
     clone,
@@ -184,32 +184,53 @@ def gathered_weights_within_the_bound(rank: int, world: int) -> None:
                 assert (got != master).any(), f"{gd} {u.name}: gathered exactly (not quantized?)"
 
 
-@checks.check
-def backward_uses_the_forwards_weights(rank: int, world: int) -> None:
+def _first_grads_match(rank: int, world: int, configs: list, micro: int = 1) -> None:
     """The first step's gradients equal, within the parity bound, those of a single process
     whose weights are the dequantized ones the forward gathered: the backward's re-gather
-    dequantizes to the same weights, under each strategy and feature that gathers differently.
-    (Had backward used the exact weights, the error would be ~1e-2, the bound is ~1e-6.)"""
+    dequantizes to the same weights. (Had backward used the exact weights, the error would be
+    ~0.25; the bound is ~1e-6.) ``micro`` micro-batches per rank, all but the last under
+    ``no_sync``."""
     base = realistic(tiny_llama(), seed=5)
-    batch = batches(1)[0]
-    configs = [
-        ("full", {}),
-        ("grad_op", {"strategy": "grad_op"}),
-        ("offload", {"offload": ls.CPUOffload()}),
-        ("checkpointing", {"activation_checkpointing": 3}),
-    ]
+    data = batches(micro)
     for gd in (FP8, torch.int8):
         for label, kw in configs:
             model = ls.shard(clone(base), mixed_precision=_wire(gd), **kw)
             seen = capture(model)
-            lm_loss(model, local(batch, rank, world)).backward()
+            for k, batch in enumerate(data):
+                if k < micro - 1:
+                    with model.no_sync():
+                        lm_loss(model, local(batch, rank, world)).backward()
+                else:
+                    lm_loss(model, local(batch, rank, world)).backward()
             dequantized = clone(base)
             with torch.no_grad():
                 for name, p in dequantized.named_parameters():
                     p.copy_(seen[name])
-            ref, orders = grads_in_orders(dequantized, batch, world)
+            # micro batches of equal size: their summed gradient is micro x the mean's
+            ref, orders = grads_in_orders(dequantized, torch.cat(data), world * micro)
+            ref = {k: micro * v for k, v in ref.items()}
+            orders = [{k: micro * v for k, v in o.items()} for o in orders]
             err, bound = shard_grad_error(model, ref), grad_bound(ref, orders)
             assert err <= bound, f"{gd} {label}: gradient {err:.2e} > bound {bound:.2e}"
+
+
+@checks.check
+def backward_uses_the_forwards_weights(rank: int, world: int) -> None:
+    _first_grads_match(
+        rank,
+        world,
+        [
+            ("full", {}),
+            ("grad_op", {"strategy": "grad_op"}),
+            ("offload", {"offload": ls.CPUOffload()}),
+            ("checkpointing", {"activation_checkpointing": 3}),
+        ],
+    )
+
+
+@checks.check
+def no_sync_accumulates_from_the_forwards_weights(rank: int, world: int) -> None:
+    _first_grads_match(rank, world, [("no_sync", {})], micro=2)
 
 
 def _representable(model: torch.nn.Module, gd: torch.dtype) -> None:
@@ -306,14 +327,31 @@ def bytes_per_step(rank: int, world: int) -> None:
 checks.collect(globals())
 
 
-# ---- bf16 reduction with fp32 sums, 2 to 4 ranks ---------------------------------------------
+# ---- four ranks: hybrid, hpZ; bf16 reduction with fp32 sums at 2, 3 and 4 ranks -------------
+
+checks4 = RankChecks(world_size=4, suffix="_4_ranks")
 
 
-def _bf16_reduce_rounds_once(rank: int, world: int) -> None:
+@checks4.check
+def hybrid_and_hpz_backward_uses_the_forwards_weights(rank: int, world: int) -> None:
+    """hybrid quantizes the gather within its shard group; hpZ keeps the dequantized forward
+    weights' 1/K and re-gathers those exactly (the backward computes with the forward's)."""
+    _first_grads_match(
+        rank,
+        world,
+        [
+            ("hybrid", {"strategy": "hybrid", "shard_size": 2}),
+            ("hpz", {"reshard_after_forward": 2}),
+        ],
+    )
+
+
+@checks4.check
+def bf16_reduce_sums_in_fp32(rank: int, world: int) -> None:
     """The engine's reduce-scatter of bf16 gradients (gloo: all-to-all, then the sum) equals the
     fp32 sum of every rank's bf16 chunk, in rank order, rounded to bf16 once; a sum rounded after
     each add (bf16 accumulation) differs from it at 3 and 4 ranks, so the check tells them apart
-    (two terms round once either way). One spawn of 4 ranks, a group of 2, 3 and 4 of them."""
+    (two terms round once either way). Groups of 2, 3 and 4 of the ranks."""
     for size in (2, 3, 4):
         group = dist.new_group(list(range(size)))  # collective: every rank makes every group
         if rank >= size:
@@ -348,5 +386,4 @@ def _bf16_reduce_rounds_once(rank: int, world: int) -> None:
             assert (bf16_sum[mine] != expected).any(), size
 
 
-def test_bf16_reduce_sums_in_fp32_at_2_3_4_ranks() -> None:
-    run_ranks(_bf16_reduce_rounds_once, 4)
+checks4.collect(globals())
