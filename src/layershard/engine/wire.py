@@ -28,6 +28,8 @@ A rank's chunk of the gathered bytes, ``shard_numel`` int8/fp8 values, then for 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -153,9 +155,9 @@ class WireGather:
     def __init__(self, dtype: torch.dtype, flats: list) -> None:
         self.dtype = dtype
         self.scales = {id(f): Scales(f) for f in flats} if dtype == FP8 else {}
-        # For tests only: keep the first forward's scales (a stale amax), the failure the
-        # curve test must catch.
-        self.stale = False
+        # For tests only (LAYERSHARD_FP8_STALE_SCALES=1): keep the first forward's scales, a
+        # stale amax, the failure the curve test must catch (benchmarks/wire-dtypes/).
+        self.stale = os.environ.get("LAYERSHARD_FP8_STALE_SCALES") == "1"
         self._refreshed = False
 
     def refresh(self, comm) -> None:
