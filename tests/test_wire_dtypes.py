@@ -37,6 +37,7 @@ from layershard.engine.wire import (
     quantize_fp8,
     quantize_int8,
 )
+from layershard.plan import collectives_per_step
 
 FP32, BF16 = torch.float32, torch.bfloat16
 MARGIN = 1 + 1e-6  # fp32 rounding of the int8 scale and of q * scale (a few ulp)
@@ -301,9 +302,12 @@ def masters_after_a_step_equal_an_fp32_wire_step(rank: int, world: int) -> None:
 @checks.check
 def bytes_per_step(rank: int, world: int) -> None:
     """``comm_stats()`` per step: fp8 gathers move half the bf16 bytes and a quarter of fp32's;
-    int8 adds its block scales (4 bytes per 256); a bf16 reduction half of fp32's."""
+    int8 adds its block scales (4 bytes per 256); a bf16 reduction half of fp32's. The
+    planner counts the same bytes."""
     base = tiny_llama()
     batch = local(batches(1)[0], rank, world)
+
+    names = {FP32: "fp32", BF16: "bf16", FP8: "fp8", torch.int8: "int8", None: None}
 
     def step_bytes(mp: ls.MixedPrecision) -> tuple[int, int, int]:
         model = ls.shard(clone(base), mixed_precision=mp)
@@ -311,6 +315,16 @@ def bytes_per_step(rank: int, world: int) -> None:
         model.comm_stats(reset=True)
         lm_loss(model, batch).backward()
         s = model.comm_stats()
+        # the planner's bytes (layershard plan) are the engine's
+        plan = collectives_per_step(
+            base.config,
+            world,
+            names[mp.param_dtype],
+            names[mp.reduce_dtype],
+            gather_dtype=names[mp.gather_dtype],
+        )
+        for op in ("all_gather", "reduce_scatter"):
+            assert s[op] == plan[op], (mp, op, s[op], plan[op])
         return s["all_gather"]["bytes"], s["reduce_scatter"]["bytes"], s["all_gather"]["count"]
 
     fp32, rs32, n = step_bytes(ls.MixedPrecision(FP32, FP32))
