@@ -124,6 +124,17 @@ def test_mixed_precision_refuses_other_gather_dtypes() -> None:
     assert ls.MixedPrecision().gather_dtype is None  # the default stays exact
 
 
+def test_hf_plugin_carries_the_gather_dtype() -> None:
+    """``ls.hf.ShardingPlugin(mixed_precision=ls.MixedPrecision(bf16, gather_dtype=...))`` with
+    TrainingArguments' bf16=True (accelerate's mixed_precision) keeps the wire dtype."""
+    from layershard.hf.plugin import ShardingPlugin
+
+    mp = ls.MixedPrecision(BF16, gather_dtype=FP8)
+    for amp in ("bf16", "no"):
+        plugin = ShardingPlugin(mixed_precision=mp).with_amp("bf16" if amp == "bf16" else None)
+        assert plugin.shard_kwargs()["mixed_precision"].gather_dtype == FP8
+
+
 # ---- two ranks: the engine ---------------------------------------------------------------------
 
 checks = RankChecks(world_size=2)
