@@ -52,7 +52,8 @@ def chunk_bytes(dtype: torch.dtype, shard_numel: int) -> int:
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """Per-parameter power-of-two scales from their amax (1 where a parameter is all zero or not
-    finite: its values then stay as they are, and a non-finite weight shows as such)."""
+    finite: a NaN weight then stays NaN on the wire, an infinite one saturates at 448, and the
+    fp32 masters, which the trainer checks, keep it as it is)."""
     ok = torch.isfinite(amax) & (amax > 0)
     exp = torch.ceil(torch.log2(torch.where(ok, amax, 1.0) / FP8_MAX))
     return torch.where(ok, torch.exp2(exp), 1.0)
@@ -103,19 +104,22 @@ class Scales:
 
     def __init__(self, flat) -> None:
         self.flat = flat
-        self.set(torch.zeros(len(flat.slots)))
+        self.set([1.0] * len(flat.slots))
 
     def local_amax(self) -> torch.Tensor:
-        f, amax = self.flat, torch.zeros(len(self.flat.slots))
-        for i, slot in enumerate(f.slots):
+        """Each parameter's amax over this rank's part of it (0 where it has none), on the
+        shard's device: one tensor, no host synchronization per parameter."""
+        f = self.flat
+        zero = torch.zeros((), dtype=torch.float32, device=f.shard.device)
+        parts = []
+        for slot in f.slots:
             lo, hi = f.local_range(slot)
-            if hi > lo:
-                amax[i] = f.shard[lo - f.shard_start : hi - f.shard_start].abs().max().float()
-        return amax
+            part = f.shard[lo - f.shard_start : hi - f.shard_start]
+            parts.append(part.abs().max().float() if hi > lo else zero)
+        return torch.stack(parts)
 
-    def set(self, amax: torch.Tensor) -> None:
-        self.value = fp8_scale(amax)
-        self._floats = [float(s) for s in self.value]  # read per segment at every gather
+    def set(self, scales: list[float]) -> None:
+        self._floats = scales  # read per parameter at every gather
 
     def quantize(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's slice ``src`` into ``out`` (uint8), each parameter's part by its scale
@@ -169,8 +173,12 @@ class WireGather:
         scales = list(self.scales.values())
         amax = torch.cat([s.local_amax() for s in scales])
         amax = comm.all_reduce(amax, torch.distributed.ReduceOp.MAX, "forward", "fp8 scales")
-        for s, a in zip(scales, amax.split([len(s.flat.slots) for s in scales])):
-            s.set(a)
+        values = fp8_scale(amax).tolist()  # one synchronization for the whole model
+        start = 0
+        for s in scales:
+            n = len(s.flat.slots)
+            s.set(values[start : start + n])
+            start += n
         self._refreshed = True
 
     def gather(self, comm, f, out: torch.Tensor, phase: str, label: str):
