@@ -65,10 +65,20 @@ def quantize_fp8(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     out.view(FP8).copy_(y.clamp_(-FP8_MAX, FP8_MAX))
 
 
+_E4M3: dict[torch.device, torch.Tensor] = {}  # every e4m3 byte's value (NaN codes: NaN)
+
+
 def dequantize_fp8(q: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """``out`` (compute dtype) <- the e4m3 values of ``q`` (uint8) times ``scale``: exact in
-    fp32; in bf16 the one rounding is the product's (e4m3's 4 significant bits fit bf16's 8)."""
-    torch.mul(q.view(FP8).float(), scale, out=out)
+    fp32; in bf16 the one rounding is the product's (e4m3's 4 significant bits fit bf16's 8).
+    A lookup in the 256 values times the scale: on CPU, torch's fp8 -> fp32 cast is not
+    vectorized (8 ns per element here; the lookup ~3.7 ns)."""
+    table = _E4M3.get(q.device)
+    if table is None:
+        table = torch.arange(256, dtype=torch.uint8, device=q.device).view(FP8).float()
+        _E4M3[q.device] = table
+    values = (table * scale).to(out.dtype)
+    torch.index_select(values, 0, q.to(torch.int32), out=out)
 
 
 def quantize_int8(x: torch.Tensor, out: torch.Tensor) -> None:
