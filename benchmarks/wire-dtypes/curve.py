@@ -83,15 +83,26 @@ def plot(runs: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
+    exact = runs.get("exact", {}).get("val_loss", {})
     for name, r in runs.items():
         steps = sorted(int(s) for s in r["val_loss"])
         ax.plot(steps, [r["val_loss"][str(s)] for s in steps], marker="o", label=name)
+        if name != "exact" and exact:
+            common = [s for s in steps if str(s) in exact]
+            diff = [(r["val_loss"][str(s)] - exact[str(s)]) / exact[str(s)] for s in common]
+            rel.plot(common, [100 * d for d in diff], marker="o", label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
-    ax.set_title("small model, 2 ranks, bundled corpus: wire dtypes against exact")
+    ax.set_title("small, 2 ranks, bundled corpus")
     ax.legend()
     ax.grid(alpha=0.3)
+    rel.axhspan(-100 * TOLERANCE, 100 * TOLERANCE, color="green", alpha=0.1, label="within 1%")
+    rel.set_xlabel("step")
+    rel.set_ylabel("(loss - exact) / exact, %")
+    rel.set_title("against the exact run")
+    rel.legend()
+    rel.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
