@@ -85,13 +85,14 @@ def plot(runs: dict, path: Path) -> None:
 
     fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
     exact = runs.get("exact", {}).get("val_loss", {})
-    for name, r in runs.items():
+    for i, (name, r) in enumerate(runs.items()):
+        color = f"C{i}"  # one color per option in both panels
         steps = sorted(int(s) for s in r["val_loss"])
-        ax.plot(steps, [r["val_loss"][str(s)] for s in steps], marker="o", label=name)
+        ax.plot(steps, [r["val_loss"][str(s)] for s in steps], marker="o", label=name, color=color)
         if name != "exact" and exact:
             common = [s for s in steps if str(s) in exact]
             diff = [(r["val_loss"][str(s)] - exact[str(s)]) / exact[str(s)] for s in common]
-            rel.plot(common, [100 * d for d in diff], marker="o", label=name)
+            rel.plot(common, [100 * d for d in diff], marker="o", label=name, color=color)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
     ax.set_title("small, 2 ranks, bundled corpus")
