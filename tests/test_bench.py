@@ -99,3 +99,45 @@ def test_deep_shape_computes_the_loss_outside_the_model():
     x = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
     inside, outside = compute_loss(model, x, "inside"), compute_loss(model, x, "outside")
     torch.testing.assert_close(outside, inside, rtol=1e-6, atol=0)
+
+
+def test_logits_shape_is_issue_34s_user_model():
+    """The `logits` shape (issue 34): logits returned, the loss outside, vocab 16384 over 3
+    blocks of d 768 with the embedding and the head each ~1.8x a block."""
+    import argparse
+
+    import torch
+
+    from layershard.bench.cli import SHAPES
+    from layershard.bench.worker import build_model
+    from layershard.plan import ModelShape, units
+
+    spec = SHAPES["logits"]
+    assert spec["loss"] == "outside" and spec["seq_len"] == 128 and spec["micro_batch"] == 2
+    args = argparse.Namespace(
+        seed=0, hf_config=None, model=spec["model"], vocab_size=8192,
+        model_override=list(spec["overrides"]), seq_len=spec["seq_len"],
+    )  # fmt: skip
+    with torch.device("meta"):
+        model, desc = build_model(args)
+    assert (desc["vocab_size"], desc["dim"], desc["n_layers"]) == (16384, 768, 3)
+    sizes = {u.name: u.numel for u in units(ModelShape.from_config(model.config))}
+    ratio = sizes["lm_head"] / sizes["layers.0"]
+    assert 1.7 <= ratio <= 1.9 and sizes["embed"] == sizes["lm_head"], sizes
+
+
+def test_wire_options_are_layershard_runs():
+    """`--gather-dtype fp8 int8 --reduce-dtype fp32 bf16` names one layershard run per option
+    beside the exact one, each a known implementation of the worker."""
+    from layershard.bench import IMPLS, WIRE_IMPL, wire_impl
+
+    names = [wire_impl(g, r) for g in (None, "fp8", "int8") for r in ("fp32", "bf16")]
+    assert names == [
+        None,
+        "layershard-bf16r",
+        "layershard-fp8",
+        "layershard-fp8-bf16r",
+        "layershard-int8",
+        "layershard-int8-bf16r",
+    ]
+    assert all(n in IMPLS and n in WIRE_IMPL for n in names if n)

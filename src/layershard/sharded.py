@@ -127,7 +127,7 @@ def shard(
         strategy=strategy, shard_size=shard_size, reshard_after_forward=reshard_after_forward,
         mesh=mesh is not None, offload=offload is not None, compile=bool(compile),
         param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-        activation_checkpointing=activation_checkpointing,
+        gather_dtype=precision.gather_dtype, activation_checkpointing=activation_checkpointing,
     )  # fmt: skip
     check_same_layout(group, layout(specs, shard_options))  # other models on other ranks: say so
     state_keys = list(model.state_dict(keep_vars=True).items())
@@ -551,5 +551,6 @@ class ShardedModule(nn.Module):
             )
         rows.append(
             f"world size {s.world_size}, compute {s.precision.param_dtype}, reduce {s.precision.reduce_dtype}"
+            + (f", gather {s.precision.gather_dtype}" if s.precision.gather_dtype else "")
         )
         return "\n".join(rows)

@@ -13,6 +13,11 @@ IMPLS = (
     "layershard-grad_op",
     "layershard-no_shard",
     "layershard-hybrid",
+    "layershard-bf16r",
+    "layershard-fp8",
+    "layershard-fp8-bf16r",
+    "layershard-int8",
+    "layershard-int8-bf16r",
     "layershard-muon-allgather",
     "fsdp2",
     "fsdp1",
@@ -28,3 +33,20 @@ STRATEGY_IMPL = {
     "no_shard": "layershard-no_shard",
     "hybrid": "layershard-hybrid",
 }
+
+# layershard (full) with wire dtypes (issue 34): the gather dtype and, with "-bf16r", gradients
+# reduced in bf16 with fp32 sums. ``layershard bench --gather-dtype fp8 --reduce-dtype bf16``.
+WIRE_IMPL = {
+    "layershard-bf16r": (None, "bf16"),
+    "layershard-fp8": ("fp8", "fp32"),
+    "layershard-fp8-bf16r": ("fp8", "bf16"),
+    "layershard-int8": ("int8", "fp32"),
+    "layershard-int8-bf16r": ("int8", "bf16"),
+}
+
+
+def wire_impl(gather: str | None, reduce: str) -> str | None:
+    """The implementation name of a wire option (None: exact, the plain "layershard")."""
+    if gather is None and reduce == "fp32":
+        return None
+    return "layershard" + (f"-{gather}" if gather else "") + ("-bf16r" if reduce == "bf16" else "")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL
+from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, wire_impl
 from layershard.models import hf as models_hf
 
 TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain")
@@ -29,7 +29,9 @@ TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain")
 # vocabulary over few wide blocks, where the embedding and the LM head are each 4x a block (as in
 # Llama 3, 128k vocab: its head is 2.4x a block), so they, not the blocks, are the largest units;
 # and many small blocks with the loss computed outside the model (the logits returned, the user's
-# cross-entropy on them), where what each unit costs beyond its collectives is paid 16 times a step.
+# cross-entropy on them), where what each unit costs beyond its collectives is paid 16 times a step;
+# and issue 34's user model: logits returned, the loss outside, embedding and head 1.8x a block
+# (vocab 16384, d 768, 3 blocks), where the forward's peak is the user's loss on the logits.
 SHAPES: dict[str, dict[str, Any]] = {
     "small": {"model": "small", "overrides": [], "seq_len": 512, "global_batch": 8},
     "comm": {
@@ -57,9 +59,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         "micro_batch": 2,
         "loss": "outside",
     },
+    "logits": {
+        "model": "small",
+        "overrides": [
+            "vocab_size=16384", "dim=768", "n_layers=3", "n_heads=12", "n_kv_heads=12",
+            "ffn_dim=2048",
+        ],
+        "seq_len": 128,
+        "micro_batch": 2,
+        "loss": "outside",
+    },
     # the `moe` preset (8 experts, top-2): 1-D sharding gathers every expert of a layer
     "moe": {"model": "moe", "overrides": [], "seq_len": 256, "micro_batch": 2},
 }  # fmt: skip
+# without --shape/--model/--hf-config (moe only when asked: it is not a dense shape to compare)
+DEFAULT_SHAPES = [name for name in SHAPES if name != "moe"]
 
 
 def load_hf_config(path: str):
@@ -82,11 +96,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = m.add_mutually_exclusive_group()
     src.add_argument(
         "--shape", nargs="+", choices=SHAPES, default=None,
-        help="named bench shapes (default, without --model/--hf-config: small comm vocab): "
+        help="named bench shapes (default, without --model/--hf-config: all but moe): "
         "small is the preset at seq 512, global batch 8; comm is d 384, seq 256, 4 sequences "
         "per rank; vocab is vocab 32768 over 3 blocks of d 768 (embedding and head 4x a "
-        "block), seq 256, global batch 8; deep is 16 blocks of d 256, the loss outside the "
-        "model; moe is the moe preset (8 experts, top-2), seq 256, 2 sequences per rank",
+        "block), seq 256, global batch 8; deep is 16 blocks of d 256, loss outside; logits "
+        "is vocab 16384, 3 blocks of d 768, seq 128, 2 per rank, logits returned, loss outside; "
+        "moe is the moe preset (8 experts, top-2), seq 256, 2 sequences per rank",
     )  # fmt: skip
     src.add_argument("--model", default=None, help="a layershard preset (tiny, small, ...)")
     src.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json or its folder")
@@ -137,6 +152,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=list(STRATEGY_IMPL),
         help="layershard strategies to run (hybrid from 4 ranks, as 2 groups)",
     )
+    r.add_argument(
+        "--gather-dtype", nargs="+", default=[], choices=["fp8", "int8"],
+        help="also run layershard with its weights gathered in these dtypes (fp8: e4m3, a "
+        "scale per parameter; int8: a scale per 256), each as layershard-<dtype>",
+    )  # fmt: skip
+    r.add_argument(
+        "--reduce-dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+        help="the reduce dtypes of those wire runs (bf16: sent in bf16, summed in fp32; "
+        "-bf16r in the name); bf16 alone also runs layershard-bf16r. The plain layershard "
+        "run stays exact",
+    )  # fmt: skip
     r.add_argument("--steps", type=int, default=5, help="timed steps per run")
     r.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     r.add_argument("--repeats", type=int, default=3, help="runs per implementation and world size")
@@ -179,7 +205,7 @@ def _model_tag(args) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.model is None and args.hf_config is None:
-        shapes = args.shape or list(SHAPES)
+        shapes = args.shape or DEFAULT_SHAPES
     elif args.shape:
         print("layershard bench: --shape or --model/--hf-config, not both", file=sys.stderr)
         return 2
@@ -221,9 +247,17 @@ def run_shape(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    impls = (
-        ["layershard"] + strategies + [i for i in chosen if i not in ("layershard", *strategies)]
-    )
+    wires = [
+        w
+        for g in [None, *args.gather_dtype]
+        for r in args.reduce_dtype
+        if (w := wire_impl(g, r)) is not None
+    ]
+    if wires and muon:
+        print("layershard bench: --gather-dtype/--reduce-dtype run with adamw", file=sys.stderr)
+        return 2
+    ours = ["layershard", *strategies, *wires]
+    impls = ours + [i for i in chosen if i not in ours]
     out = Path(args.out or f"benchmarks/{args.tag}-{device}")
     if args.out and args.shape_name:  # one folder per named shape
         out = out / args.tag

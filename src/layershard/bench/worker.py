@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL
+from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, WIRE_IMPL
 from layershard.bench.measure import (
     CountCollectives,
     StorageCounter,
@@ -42,7 +42,7 @@ MUON_LR = 0.02  # Muon's lr in --optimizer muon runs (AdamW keeps --lr for the o
 
 
 def is_layershard(impl: str) -> bool:
-    return impl in ("layershard", MUON_ALTERNATIVE) or impl in STRATEGY_IMPLS
+    return impl in ("layershard", MUON_ALTERNATIVE) or impl in STRATEGY_IMPLS or impl in WIRE_IMPL
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,6 +156,14 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
         import layershard as ls
 
         mp = ls.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
+        if impl in WIRE_IMPL:  # weights over the gather in fp8/int8, bf16 reductions
+            gather, reduce = WIRE_IMPL[impl]
+            mp = ls.MixedPrecision(
+                torch.bfloat16 if bf16 else torch.float32,
+                torch.bfloat16 if reduce == "bf16" else torch.float32,
+                {"fp8": torch.float8_e4m3fn, "int8": torch.int8, None: None}[gather],
+            )
+            notes["wire"] = f"gather {gather or 'exact'}, reduce {reduce}"
         strategy = STRATEGY_IMPLS.get(impl, "full")
         kwargs: dict = {"strategy": strategy}
         if strategy == "hybrid":  # two groups: 2 x 2 at world size 4

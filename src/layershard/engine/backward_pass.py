@@ -165,9 +165,11 @@ def gather_private(u: Unit, comm: Comm) -> PrivateGather:
     pending = []
     over = comm.sharding.backward_gather_group
     for i, (f, off) in enumerate(zip(u.flats, u.flat_offsets)):
-        src = u.secondary[i] if u.secondary is not None else f.shard
         out = buf[off : off + f.padded_numel]
-        pending.append(comm.all_gather(out, src, "backward", u.name, over=over))
+        if u.secondary is not None:
+            pending.append(comm.all_gather(out, u.secondary[i], "backward", u.name, over=over))
+        else:  # as its forward gathered it (quantized when weights travel so)
+            pending.append(comm.gather_weights(out, f, "backward", u.name))
     views = [
         v
         for f, o in zip(u.flats, u.flat_offsets)

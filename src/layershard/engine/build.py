@@ -25,6 +25,7 @@ from layershard.engine.reducer import Reducer
 from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import Sharding
 from layershard.engine.units import Unit, UnitSpec, backward_needs_weights
+from layershard.engine.wire import WireGather
 
 
 @dataclass
@@ -78,6 +79,8 @@ def build_schedule(
     schedule (hooks not yet installed)."""
     comm = Comm(sharding, group, device)
     comm.host_sync = offload
+    if precision.gather_dtype is not None:
+        comm.wire = WireGather(precision.gather_dtype, [f for fl in storage.flats for f in fl])
     host = storage.flats[0][0].shard.device if storage.flats else device
     root_spec = specs[0] if specs[0].module is None else None
     others = [

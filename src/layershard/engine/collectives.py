@@ -11,7 +11,8 @@ queued before them is the work that last read or wrote the buffer being reused, 
 step that last wrote the shard being cast. The compute stream waits for a collective only through
 ``Pending.wait()`` (an event), never for the whole comm stream, and the CPU never blocks. Buffers
 are preallocated (gradient slots are freed only after the compute stream has waited for their
-reduce-scatters), so no ``record_stream`` is needed. On CPU (gloo) the collective runs on gloo's
+reduce-scatters; a quantized gather's byte buffer is held by its ``Pending`` until then), so no
+``record_stream`` is needed. On CPU (gloo) the collective runs on gloo's
 own threads; ``Pending.wait()`` waits for its work handle.
 
 An all-gather is *in place*: the rank's shard is cast (to the compute dtype) straight into its
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from layershard.engine.waits import waiting
+from layershard.engine.wire import WireGather
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -124,8 +126,13 @@ class Pending:
         host_post: Callable[[], object] | None = None,
         host_sync: bool = False,
         what: str = "collective",
+        keep: object = None,
     ):
         self.what = what  # for a stall report: "all-gather of unit layers.3 (backward)"
+        # a buffer allocated for this collective alone (a quantized gather's bytes): on CUDA held
+        # until the compute stream has waited for the collective, so that the allocator hands
+        # its memory to nothing the comm stream may still be reading (no record_stream)
+        self._keep = keep
         self._works = work if isinstance(work, list) else [work] if work is not None else []
         self._event, self._post, self._timer = event, post, timer
         self._host_post, self._host_sync = host_post, host_sync
@@ -162,6 +169,7 @@ class Pending:
             self._host_post()
         self.done = True
         self._works, self._post, self._host_post = [], None, None  # let buffers go
+        self._keep = None
 
 
 def _sum_into_first(rows: tuple[torch.Tensor, ...]) -> None:
@@ -248,6 +256,7 @@ class Comm:
         # shard() (collective), so that no agreement waits for the GPU (layershard/groups.py).
         self.control = sharding.groups.control()
         self.control_size = dist.get_world_size(full_group)
+        self.wire: WireGather | None = None  # when weights travel quantized (engine/wire.py)
 
     def scratch_numel(self, numel: int, shard_numel: int) -> int:
         """Elements of the scratch a reduce-scatter of a ``numel`` buffer needs (``shard_numel``
@@ -264,7 +273,13 @@ class Comm:
         return g, dist.get_rank(g), dist.get_world_size(g)
 
     def _issue(
-        self, run: Callable[[bool], object], post, phase: str, host_post=None, what: str = ""
+        self,
+        run: Callable[[bool], object],
+        post,
+        phase: str,
+        host_post=None,
+        what: str = "",
+        keep: object = None,
     ) -> Pending:
         timer = (self.stats.wait_s, phase)
         if self.stream is None:  # CPU: async gloo work, post-processing at wait()
@@ -276,7 +291,9 @@ class Comm:
                 post()
             event = torch.cuda.Event()
             event.record(self.stream)
-        return Pending(event=event, host_post=host_post, host_sync=self.host_sync, what=what)
+        return Pending(
+            event=event, host_post=host_post, host_sync=self.host_sync, what=what, keep=keep
+        )
 
     def _copied_locally(self, host_post: Callable[[], object] | None = None) -> Pending:
         """No collective, but a copy between host and device memory was queued on the current
@@ -325,6 +342,57 @@ class Comm:
                 return _all_gather(out, own, group=group, async_op=async_op)
 
             return self._issue(run, None, phase, what=what)
+
+    def gather_weights(
+        self, out: torch.Tensor, flat, phase: str, label: str, src: torch.Tensor | None = None
+    ) -> Pending:
+        """A unit's gather of flat parameter ``flat`` over the shard group into ``out``: in the
+        wire dtype when one is set and the group communicates, else ``all_gather`` of ``src``
+        (default: the rank's slice)."""
+        if self.wire is not None and self.active and src is None:
+            return self.wire.gather(self, flat, out, phase, label)
+        return self.all_gather(out, flat.shard if src is None else src, phase, label)
+
+    def all_gather_packed(
+        self,
+        out: torch.Tensor,
+        chunk: int,
+        pack: Callable[[torch.Tensor], None],
+        unpack: Callable[[torch.Tensor], None],
+        phase: str,
+        label: str,
+    ) -> Pending:
+        """A quantized all-gather (engine/wire.py): ``pack(own)`` writes this rank's ``chunk``
+        bytes, the ranks gather them into a byte buffer that lives until the wait, and
+        ``unpack(wire)`` dequantizes every rank's bytes into ``out`` (the gather slot). Only
+        called when the shard group communicates; the bytes counted are the wire's."""
+        group, rank, world = self.members("shard")
+        assert group is not None and (world > 1 or force_comm())
+        what = f"all-gather of unit {label} ({phase}, quantized)"
+        wire = torch.empty(world * chunk, dtype=torch.uint8, device=out.device)  # Pending keeps it
+        own = wire[rank * chunk : (rank + 1) * chunk]
+        self.stats.record("all_gather", phase, wire.numel(), "shard")
+        with profiled(f"layershard::all_gather[{label}]"):
+            if self.gloo_workaround:
+                pack(own)
+                works = [
+                    dist.broadcast(
+                        c, src=dist.get_global_rank(group, r), group=group, async_op=True
+                    )
+                    for r, c in enumerate(wire.split(chunk))
+                ]
+                return Pending(
+                    work=works,
+                    post=lambda: unpack(wire),
+                    timer=(self.stats.wait_s, phase),
+                    what=what,
+                )
+
+            def run(async_op: bool):
+                pack(own)  # on the comm stream: after the optimizer step that wrote the shard
+                return _all_gather(wire, own, group=group, async_op=async_op)
+
+            return self._issue(run, lambda: unpack(wire), phase, what=what, keep=wire)
 
     def reduce_scatter(
         self,

@@ -1,9 +1,14 @@
-"""Mixed precision: the compute dtype of gathered weights and the dtype gradients are reduced in.
+"""Mixed precision: the compute dtype of gathered weights, the dtype they travel in, and the dtype
+gradients are reduced in.
 
 Masters, gradient slices and optimizer state are always fp32. With ``param_dtype=bf16`` each rank
-keeps a bf16 copy of its slice, refreshed once per optimizer step (when the fp32 slice changed), and
-all-gathers that: half the bytes on the wire. Gradients are computed in bf16, copied (cast) into the
-fp32 gradient buffer, reduce-scattered in ``reduce_dtype`` and accumulated into fp32 slices.
+casts its slice to bf16 at every gather, straight into its chunk of the gather buffer, and
+all-gathers that: half the bytes on the wire. ``gather_dtype`` (fp8 e4m3 or int8, engine/wire.py)
+sends one byte per weight instead, quantized from the fp32 slice at every gather and dequantized
+into ``param_dtype`` after it; ``None`` (the default) sends ``param_dtype``, exactly. Gradients are
+computed in ``param_dtype``, copied (cast) into the gradient buffer in ``reduce_dtype``,
+reduce-scattered and accumulated into fp32 slices; with ``reduce_dtype=bf16`` on gloo each rank's
+chunk travels in bf16 and the chunks are summed in fp32, rounded to bf16 once (collectives.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from layershard.engine.wire import GATHER_DTYPES
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -21,8 +28,16 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 class MixedPrecision:
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
+    # the dtype weights travel in over the all-gather: None sends param_dtype (exact);
+    # torch.float8_e4m3fn (a scale per parameter) or torch.int8 (a scale per 256) quantize
+    gather_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        if self.gather_dtype is not None and self.gather_dtype not in GATHER_DTYPES:
+            raise ValueError(
+                f"MixedPrecision.gather_dtype={self.gather_dtype} is not supported; use None "
+                "(the compute dtype, exact), torch.float8_e4m3fn or torch.int8"
+            )
         for field_name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field_name)
             if dtype not in _FLOATS:

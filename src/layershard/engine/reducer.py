@@ -64,6 +64,35 @@ class Reducer:
         self.data_parallel = comm.world_size * comm.sharding.replicas
         self._n_reduced = 0  # reductions issued this backward: picks the next gradient slot
         self._reduced: dict[int, Pending] = {}  # id(flat) -> its last reduction this backward
+        # units after which (in backward order) no reduction takes a gradient slot: see tail
+        self.tail: set[int] = set()
+
+    def plan_tail(self, backward_order: list[Unit], last: Unit | None) -> None:
+        """``tail``: the units whose backward begins after the last reduction into the shared
+        gradient slots was issued (an embedding larger than a block, last in backward). At their
+        backward's start the slots are given back (``release_slots``) instead of at the end of
+        backward: with the loss outside the model, an embedding's gradient and its reduce
+        scratch come on top of whatever is still held then (issue 34: 108 MiB of block slots
+        beside a 48 MiB embedding gradient and its scratch made layershard's peak 1.11x
+        FSDP2's). ``last`` (the root unit, reduced last) is a shared-slot user when small."""
+        self.tail = set()
+        users = backward_order + ([last] if last is not None else [])
+        for u in reversed(users):
+            f = u.trainable
+            if f is not None and f.padded_numel <= self.slot_numel:
+                break
+            self.tail.add(id(u))
+
+    def release_own(self) -> None:
+        """Give back the large units' gradient buffer if its reduction is over."""
+        if self.own is not None and self.own.finished():
+            self.own.release()
+
+    def release_slots(self) -> None:
+        """Wait for the shared gradient slots' reductions and free them (see ``plan_tail``); a
+        later reduction into them would allocate them again."""
+        for gs in self.grad_slots:
+            gs.release()
 
     def reduce(self, u: Unit, grads: tuple, later: bool) -> None:
         """``u``'s backward ended with ``grads`` (one per parameter, None where it got none):

@@ -120,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--param-dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="compute dtype (default bf16)")  # fmt: skip
     r.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    r.add_argument("--gather-dtype", default=None, choices=["fp8", "int8"],
+                   help="weights over the all-gather in fp8 (e4m3) or int8 blocks: their bytes "
+                   "(default: the compute dtype)")  # fmt: skip
     r.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
     r.add_argument("--strategy", default="full", choices=STRATEGIES,
                    help="shard(strategy=...): full (ZeRO-3), grad_op (ZeRO-2), no_shard (DDP-like), "
@@ -205,7 +208,9 @@ def render(plan: Plan) -> str:
         f"GiB, {g.bf16_tflops:g} TFLOP/s bf16, NVLink {g.intra_bw_gbs:g} GB/s, "
         f"network {g.inter_bw_gbs:g} GB/s, PCIe {g.pcie_gbs:g} GB/s per GPU)",
         f"  seq {s.seq_len}, micro-batch {s.micro_batch}, grad-accum {s.grad_accum}, "
-        f"{s.param_dtype} params, {s.reduce_dtype} reduce, {s.optimizer}, "
+        f"{s.param_dtype} params, {s.reduce_dtype} reduce, "
+        + (f"{s.gather_dtype} gathers, " if s.gather_dtype else "")
+        + f"{s.optimizer}, "
         f"{s.checkpoint_layers}/{sh.n_layers} layers checkpointed",
         f"  strategy: {plan.strategy_label}",
         "",
@@ -416,6 +421,7 @@ def run(args: argparse.Namespace) -> int:
         offload=args.offload,
         loss_chunks=args.loss_chunks,
         loss=args.loss,
+        gather_dtype=args.gather_dtype,
     )
     kw: dict[str, Any] = {
         "latency_s": None if args.latency_us is None else args.latency_us * 1e-6,
@@ -498,8 +504,10 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
     import yaml
 
     s, cl = plan.settings, plan.cluster
-    if s.reduce_dtype != "fp32":
-        raise ValueError(f"layershard train reduces gradients in fp32, not {s.reduce_dtype}")
+    if s.reduce_dtype not in ("fp32", "bf16"):
+        raise ValueError(
+            f"layershard train reduces gradients in fp32 or bf16, not {s.reduce_dtype}"
+        )
     if s.optimizer not in ("adamw", "muon"):
         raise ValueError(f"layershard train has no optimizer {s.optimizer!r} (adamw, muon)")
     cfg: dict[str, Any] = (
@@ -516,6 +524,10 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
         offload=s.offload,
         loss_chunks=s.loss_chunks,
     )
+    if s.reduce_dtype != "fp32":
+        cfg["reduce_dtype"] = s.reduce_dtype
+    if s.gather_dtype is not None:
+        cfg["gather_dtype"] = s.gather_dtype
     if s.strategy == "hybrid" and s.shard_size:
         cfg["shard_size"] = s.shard_size
     if s.strategy == "full" and s.reshard_after_forward is not True:

@@ -64,6 +64,7 @@ class Settings:
     offload: bool = False  # ls.CPUOffload()
     loss_chunks: int = 0  # the chunked loss (layershard.loss) in K chunks; 0: the plain loss
     loss: str = "fp32"  # fp32: layershard's loss; fused: a fused cross-entropy (flash-attn's)
+    gather_dtype: str | None = None  # weights over the all-gather: fp8, int8 (None: param_dtype)
 
     def strategy_kwargs(self) -> dict[str, Any]:
         return {
@@ -231,7 +232,7 @@ def make_plan(
         shape, gpu, cluster, s.micro_batch, s.seq_len, s.checkpoint_layers, s.grad_accum,
         s.param_dtype, s.reduce_dtype, s.strategy, s.no_sync, compute_eff, comm_eff, latency_s,
         s.shard_size, s.reshard_after_forward, s.offload, s.optimizer, eff,
-        loss_chunks=s.loss_chunks, loss=s.loss, links=links,
+        loss_chunks=s.loss_chunks, loss=s.loss, links=links, gather_dtype=s.gather_dtype,
     )  # fmt: skip
     return Plan(shape, gpu, cluster, s, mem, t, headroom, fragmentation)
 

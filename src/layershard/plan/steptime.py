@@ -178,12 +178,15 @@ def predict_time(
     loss_chunks: int = 0,
     loss: str = "fp32",
     links: Links | None = None,
+    gather_dtype: str | None = None,
 ) -> TimePlan:
     """Step time of one optimizer step (module docstring). Efficiencies: ``eff`` (default: the
     GPU's), ``compute_eff`` (a fraction of peak for every FLOP, instead of the kernel model)
     and ``comm_eff`` (NVLink and network alike) overriding its fields. ``links``: a cluster's
     bandwidths and efficiencies (``network.CLUSTERS``) instead of the GPU's defaults.
-    ``latency_s``: a flat latency per collective instead of NCCL's ring/tree model."""
+    ``latency_s``: a flat latency per collective instead of NCCL's ring/tree model.
+    ``gather_dtype``: fp8/int8 weights over the all-gathers (their bytes; the quantize and
+    dequantize kernels are not modelled)."""
     shape = ModelShape.from_config(config)
     e = eff or gpu.eff
     intra_gbs, inter_gbs = gpu.intra_bw_gbs, gpu.inter_bw_gbs
@@ -198,7 +201,7 @@ def predict_time(
     )
     c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     stages, root = build_stages(
-        shape, layout, micro_batch, seq_len, checkpoint_layers, c, r, loss_chunks
+        shape, layout, micro_batch, seq_len, checkpoint_layers, c, r, loss_chunks, gather_dtype
     )
     intra = intra_gbs * 1e9 * e.nvlink
     inter = inter_gbs * 1e9 * e.network

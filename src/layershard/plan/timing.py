@@ -200,14 +200,29 @@ class Stage:
     own_slot: bool = False  # a small unit out of the alternation (gather_slots.py)
 
 
+def gathered_bytes(padded: int, shard: int, k: int, c: int, gather_dtype: str | None) -> int:
+    """Bytes of one all-gather of a flat buffer (``padded`` elements, ``shard`` per rank over
+    ``k`` ranks): the compute dtype's ``c`` per element, or the wire dtype's (engine/wire.py):
+    fp8 one byte, int8 one byte and a 4-byte scale per 256 of each rank's slice."""
+    if gather_dtype is None:
+        return padded * c
+    if gather_dtype == "fp8":
+        return padded
+    if gather_dtype == "int8":
+        return k * (shard + 4 * -(-shard // 256))
+    raise ValueError(f"gather dtype {gather_dtype!r}: fp8, int8 or None")
+
+
 def _unit_transfers(
-    u: Unit, layout: Layout, c: int, r: int, regather: bool
+    u: Unit, layout: Layout, c: int, r: int, regather: bool, gather_dtype: str | None = None
 ) -> tuple[list[Transfer], list[Transfer], list[Transfer], tuple[int, int, int]]:
     """A unit's gather (forward), gather (backward) and reduction transfers per micro-batch
     (reductions: when this micro-batch reduces), and its compute-stream copies (HBM bytes per
-    forward, PCIe bytes per forward and per backward)."""
+    forward, PCIe bytes per forward and per backward). ``gather_dtype``: weights over the shard
+    group's all-gathers in fp8/int8 (hpZ's backward gathers its kept compute-dtype copy)."""
     n, k = layout.world, layout.shard
     padded, shard = u.padded_numel(k), u.shard_numel(k)
+    wire = gathered_bytes(padded, shard, k, c, gather_dtype)
     off = layout.offload
     fwd: list[Transfer] = []
     bwd: list[Transfer] = []
@@ -216,14 +231,14 @@ def _unit_transfers(
     if k > 1:
         if off:
             fwd.append(Transfer("h2d", "forward", "pcie", 1, 1, shard * c))
-        fwd.append(Transfer("all_gather", "forward", "shard", k, 1, padded * c))
+        fwd.append(Transfer("all_gather", "forward", "shard", k, 1, wire))
         if regather and not layout.keep_gathered:
             if layout.hpz > 1:  # from the device-resident 1/K, within the K ranks
                 bwd.append(Transfer("all_gather", "backward", "hpz", layout.hpz, 1, padded * c))
             else:
                 if off:
                     bwd.append(Transfer("h2d", "backward", "pcie", 1, 1, shard * c))
-                bwd.append(Transfer("all_gather", "backward", "shard", k, 1, padded * c))
+                bwd.append(Transfer("all_gather", "backward", "shard", k, 1, wire))
         red.append(Transfer("reduce_scatter", "backward", "shard", k, 1, padded * r))
     elif off:  # one rank per shard: the "gather" is a copy on the compute stream
         local_h2d = padded * c
@@ -257,6 +272,7 @@ def build_stages(
     param_bytes: int,
     reduce_bytes: int,
     loss_chunks: int = 0,
+    gather_dtype: str | None = None,
 ) -> tuple[list[Stage], Stage | None]:
     """Stages in forward order, and the root unit's (gathered at the start of the forward,
     kept all step, reduced at the end of the backward; no compute of its own). The chunked
@@ -284,7 +300,9 @@ def build_stages(
     root = None
     for u in us:
         regather = u.needs_weights_in_backward and not u.persistent and u.name not in resident
-        fwd, bwd, red, local = _unit_transfers(u, layout, param_bytes, reduce_bytes, regather)
+        fwd, bwd, red, local = _unit_transfers(
+            u, layout, param_bytes, reduce_bytes, regather, gather_dtype
+        )
         s = Stage("<root>") if u.persistent else by_name[u.name]
         s.gather_fwd, s.gather_bwd, s.reduce = fwd, bwd, red
         s.local_copy, s.local_h2d, s.local_d2h = local
@@ -346,13 +364,14 @@ def _step_transfers_for(
     reshard_after_forward: bool | int,
     offload: bool,
     gpus_per_node: int | None,
+    gather_dtype: str | None = None,
 ) -> list[Transfer]:
     shape = ModelShape.from_config(config)
     layout = resolve_layout(
         strategy, world_size, shard_size, reshard_after_forward, gpus_per_node, offload
     )
     c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
-    stages, root = build_stages(shape, layout, 1, 1, 0, c, r)
+    stages, root = build_stages(shape, layout, 1, 1, 0, c, r, gather_dtype=gather_dtype)
     return step_transfers(stages, root, grad_accum, no_sync, world_size, not layout.keep_gathered)
 
 
@@ -367,13 +386,15 @@ def collectives_per_step(
     shard_size: int | None = None,
     reshard_after_forward: bool | int = True,
     offload: bool = False,
+    gather_dtype: str | None = None,
 ) -> dict[str, dict[str, int]]:
     """The collectives of one optimizer step, in the format of ``ShardedModule.comm_stats()``:
     count, full-buffer bytes (before the (N-1)/N ring factor) and count per phase (without
-    ``clip_grad_norm_``'s scalar all-reduce). See the module docstring for each strategy."""
+    ``clip_grad_norm_``'s scalar all-reduce, and with fp8 gathers without the scales'
+    all-reduce per forward). See the module docstring for each strategy."""
     ts = _step_transfers_for(
         config, world_size, param_dtype, reduce_dtype, grad_accum, no_sync, strategy,
-        shard_size, reshard_after_forward, offload, None,
+        shard_size, reshard_after_forward, offload, None, gather_dtype,
     )  # fmt: skip
     return _aggregate(ts)
 
@@ -410,12 +431,13 @@ def transfers_by_link(
     shard_size: int | None = None,
     reshard_after_forward: bool | int = True,
     offload: bool = False,
+    gather_dtype: str | None = None,
 ) -> dict[tuple[str, str, int], dict[str, float]]:
     """Bytes one GPU sends per step, by (kind, group, group size) and link (nvlink, network,
     pcie): which links each strategy's collectives cross on ``cluster``."""
     ts = _step_transfers_for(
         config, cluster.gpus, param_dtype, reduce_dtype, grad_accum, no_sync, strategy,
-        shard_size, reshard_after_forward, offload, cluster.gpus_per_node,
+        shard_size, reshard_after_forward, offload, cluster.gpus_per_node, gather_dtype,
     )  # fmt: skip
     out: dict[tuple[str, str, int], dict[str, float]] = {}
     for t in ts:

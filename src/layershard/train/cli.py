@@ -62,6 +62,10 @@ _HELP = {
     "grad_clip": "clip the global gradient norm (0: off)",
     "precision": "auto (bf16 on GPU, fp32 on CPU), fp32, bf16 or fp16 (with ls.GradScaler)",
     "loss_scale": "fp16: the initial loss scale (halved at each overflow)",
+    "gather_dtype": "dtype weights travel in over the all-gather: exact (the compute dtype), fp8 "
+    "(e4m3, a scale per parameter) or int8 (a scale per 256 weights); masters stay fp32",
+    "reduce_dtype": "dtype gradients are reduced in: fp32, or bf16 (sent in bf16, summed in fp32 "
+    "on CPU/gloo)",
     "strategy": "ls.shard strategy: full (ZeRO-3), grad_op (ZeRO-2), no_shard (DDP-like), hybrid",
     "shard_size": "hybrid: ranks per shard group (default: the ranks of a node)",
     "reshard_after_forward": "full: true, false (= grad_op) or K: keep each unit sharded over K "
@@ -131,6 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif f.name in ("data", "no_decay"):
             kwargs["nargs"] = "*" if f.name == "no_decay" else "+"
             kwargs["metavar"] = "PATH" if f.name == "data" else "PATTERN"
+        elif annotation.startswith("typing.Literal"):  # words ("int8" is not a number)
+            pass
         elif "int" in annotation:
             kwargs["type"] = int
         elif "float" in annotation:

@@ -85,6 +85,9 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # fp16: ls.GradScaler's initial loss scale (halved at each overflow, doubled after 2000 steps)
     loss_scale: Annotated[Number, Field(gt=0, description="a number > 0")] = 65536.0  # fp16 only
+    # the wire: weights over the all-gather (exact: the compute dtype), gradients' reduce dtype
+    gather_dtype: Literal["exact", "fp8", "int8"] = "exact"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     strategy: Literal["full", "grad_op", "no_shard", "hybrid"] = "full"
     shard_size: Ranks = None  # hybrid: ranks per shard group (default: the ranks of a node)
     reshard_after_forward: Annotated[

@@ -247,8 +247,13 @@ def shard_options(cfg: TrainConfig, precision: str, device: torch.device) -> dic
     """``ls.shard`` keyword arguments for a run's config (the CLI and the Python API agree by
     construction: the run's options are these, and nothing else)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    gather = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(cfg.gather_dtype)
+    reduce = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
+    mp = None
+    if dtype is not None or gather is not None or reduce != torch.float32:
+        mp = ls.MixedPrecision(dtype or torch.float32, reduce, gather)
     return {
-        "mixed_precision": ls.MixedPrecision(param_dtype=dtype) if dtype is not None else None,
+        "mixed_precision": mp,
         "activation_checkpointing": cfg.activation_checkpointing,
         "device": device if device.type != "cpu" else None,
         "strategy": cfg.strategy,

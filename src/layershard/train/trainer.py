@@ -524,7 +524,10 @@ class Trainer:
         if rank == 0:
             print(
                 f"layershard train: {self.n_params / 1e6:.2f}M parameters, {self.world} ranks, "
-                f"{self.precision}, {self.ga} micro-batch(es) of {cfg.micro_batch}x{cfg.seq_len}"
+                f"{self.precision}"
+                + (f", gathers in {cfg.gather_dtype}" if cfg.gather_dtype != "exact" else "")
+                + (f", reduces in {cfg.reduce_dtype}" if cfg.reduce_dtype != "fp32" else "")
+                + f", {self.ga} micro-batch(es) of {cfg.micro_batch}x{cfg.seq_len}"
                 f" per rank per step, {cfg.steps} steps"
                 + (f", resumed at step {self.step}" if resumed else ""),
                 flush=True,

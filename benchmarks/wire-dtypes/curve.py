@@ -1,0 +1,137 @@
+"""The wire dtypes' training curve (issue 34): `layershard train` on the built-in `small` model,
+the bundled corpus (Python's stdlib sources), 2 ranks, 300 steps, validation loss every 50 steps,
+once per option; each option's validation loss must stay within 1% (relative) of the exact run's
+at every evaluation, and a deliberately broken scale (fp8 with the first step's amax kept:
+LAYERSHARD_FP8_STALE_SCALES=1) must fail that.
+
+Run it from a snapshot of the tree (the runs import the code they measure):
+
+    git worktree add --detach /tmp/wire-snap HEAD
+    PYTHONPATH=/tmp/wire-snap/src python benchmarks/wire-dtypes/curve.py [--options ...]
+    python benchmarks/wire-dtypes/curve.py --report-only    # table and plot from curve.json
+
+Tokens per step are reduced from `train`'s defaults (2 sequences of 128 tokens per rank, not 8
+of 256) so that the runs fit an afternoon on 2 CPU cores; the model and the 300 steps are the
+issue's. Results: curve.json (every evaluation of every run, with the load average), curve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOLERANCE = 0.01  # relative, at every evaluation
+COMMON = [
+    "--model", "small", "--steps", "300", "--eval-interval", "50", "--seq-len", "128",
+    "--micro-batch", "2", "--nproc-per-node", "2", "--sample-tokens", "0", "--seed", "0",
+]  # fmt: skip
+OPTIONS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "exact": ([], {}),
+    "fp8 gather + bf16 reduce": (["--gather-dtype", "fp8", "--reduce-dtype", "bf16"], {}),
+    "int8 gather + bf16 reduce": (["--gather-dtype", "int8", "--reduce-dtype", "bf16"], {}),
+    "fp8 gather, stale amax (broken)": (
+        ["--gather-dtype", "fp8", "--reduce-dtype", "bf16"],
+        {"LAYERSHARD_FP8_STALE_SCALES": "1"},
+    ),
+    "bf16 reduce": (["--reduce-dtype", "bf16"], {}),
+    "fp8 gather": (["--gather-dtype", "fp8"], {}),
+    "int8 gather": (["--gather-dtype", "int8"], {}),
+}
+
+
+def run_one(name: str, out: Path) -> dict:
+    flags, env = OPTIONS[name]
+    run_dir = out / name.replace(" ", "_").replace(",", "").replace("+", "and")
+    cmd = [sys.executable, "-m", "layershard", "train", *COMMON, *flags]
+    cmd += ["--run-dir", str(run_dir), "--overwrite"]
+    t0, load = time.time(), os.getloadavg()[0]
+    p = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{name}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m}
+    return {
+        "flags": flags,
+        "env": env,
+        "val_loss": val,
+        "seconds": time.time() - t0,
+        "load_at_start": load,
+        "load_at_end": os.getloadavg()[0],
+    }
+
+
+def verdicts(runs: dict) -> dict[str, dict]:
+    exact = runs["exact"]["val_loss"]
+    out = {}
+    for name, r in runs.items():
+        if name == "exact":
+            continue
+        rel = {s: abs(v - exact[s]) / exact[s] for s, v in r["val_loss"].items() if s in exact}
+        out[name] = {"max_rel": max(rel.values()), "rel": rel, "ok": max(rel.values()) <= TOLERANCE}
+    return out
+
+
+def plot(runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
+    exact = runs.get("exact", {}).get("val_loss", {})
+    for i, (name, r) in enumerate(runs.items()):
+        color = f"C{i}"  # one color per option in both panels
+        steps = sorted(int(s) for s in r["val_loss"])
+        ax.plot(steps, [r["val_loss"][str(s)] for s in steps], marker="o", label=name, color=color)
+        if name != "exact" and exact:
+            common = [s for s in steps if str(s) in exact]
+            diff = [(r["val_loss"][str(s)] - exact[str(s)]) / exact[str(s)] for s in common]
+            rel.plot(common, [100 * d for d in diff], marker="o", label=name, color=color)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.set_title("small, 2 ranks, bundled corpus")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    rel.axhspan(-100 * TOLERANCE, 100 * TOLERANCE, color="green", alpha=0.1, label="within 1%")
+    rel.set_xlabel("step")
+    rel.set_ylabel("(loss - exact) / exact, %")
+    rel.set_title("against the exact run")
+    rel.legend()
+    rel.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
+    p.add_argument("--runs", default="/tmp/wire-curve", help="run folders (not kept)")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args()
+    record = HERE / "curve.json"
+    runs = json.loads(record.read_text())["runs"] if record.exists() else {}
+    if not args.report_only:
+        for name in args.options:
+            print(f"{name} ...", flush=True)
+            r = run_one(name, Path(args.runs))
+            runs[name] = json.loads(json.dumps(r))  # step keys as strings, as read back
+            record.write_text(json.dumps({"runs": runs}, indent=1))
+            print(f"  {r['seconds']:.0f} s, val {r['val_loss']}", flush=True)
+    if "exact" not in runs:
+        return 0
+    v = verdicts(runs)
+    record.write_text(json.dumps({"runs": runs, "verdicts": v, "tolerance": TOLERANCE}, indent=1))
+    for name, d in v.items():
+        print(f"{name:<34} max rel. diff {d['max_rel']:.4f} -> {'within' if d['ok'] else 'OUT'}")
+    plot(runs, HERE / "curve.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
