@@ -26,6 +26,7 @@ SHAPE = ["vocab_size=8192", "dim=384", "n_layers=3", "n_heads=6", "n_kv_heads=6"
 
 def _peak(impl: str, rank: int, world: int) -> int:
     from layershard.bench import worker as W
+    from layershard.bench.measure import mem_tracker
 
     overrides = sum([["--model-override", o] for o in SHAPE], [])
     args = W.parse_args(
@@ -46,7 +47,7 @@ def _peak(impl: str, rank: int, world: int) -> int:
 
     step(xs[0])  # optimizer state exists, as in every later step
     step(xs[1])
-    mt = W._mem_tracker()
+    mt = mem_tracker()
     mt.track_external(model, opt)
     with mt:
         step(xs[2])

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import layershard as ls
 from layershard.bench import worker as W
+from layershard.bench.measure import mem_tracker
 
 SHAPE = ["vocab_size=16384", "dim=768", "n_layers=3", "n_heads=12", "n_kv_heads=12", "ffn_dim=2048"]
 
@@ -44,7 +45,7 @@ def main() -> None:
 
     step(xs[0])
     step(xs[1])
-    mt = W._mem_tracker()
+    mt = mem_tracker()
     mt.track_external(model, opt)
     with mt:
         step(xs[2])
