@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import random
 import shutil
@@ -675,21 +674,19 @@ JOBS = {
 }
 
 
-def main() -> None:
-    job, out = sys.argv[1], Path(sys.argv[2])
-    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None
+def run_sections(sections, out: Path, result: Path | None) -> None:
+    """Run each section (a function of ``out``) on this rank, an error reported in its place;
+    rank 0 writes the results to ``result`` (if any); then leave as our spawned ranks do."""
     torch.set_num_threads(1)
     res: dict = {}
-    for section in JOBS[job]:
-        if only and section.__name__ not in only:
-            continue
+    for section in sections:
         try:
             res[section.__name__] = section(out)
         except Exception:  # noqa: BLE001 - reported to the test that reads this section
             res[section.__name__] = {"error": traceback.format_exc()}
             print(res[section.__name__]["error"], file=sys.stderr)
-    if RANK == 0 and job != "calibrate":
-        (out / f"{job}.json").write_text(json.dumps(res, indent=1, default=_json))
+    if RANK == 0 and result is not None:
+        result.write_text(json.dumps(res, indent=1, default=str))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -698,10 +695,11 @@ def main() -> None:
     os._exit(0)  # gloo's static destructors have aborted finished ranks (see tests/_dist.py)
 
 
-def _json(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    return str(o)
+def main() -> None:
+    job, out = sys.argv[1], Path(sys.argv[2])
+    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None
+    sections = [s for s in JOBS[job] if not only or s.__name__ in only]
+    run_sections(sections, out, None if job == "calibrate" else out / f"{job}.json")
 
 
 if __name__ == "__main__":

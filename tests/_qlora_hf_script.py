@@ -12,15 +12,13 @@ Rank 0 writes ``OUT/<impl>.json`` (impl: ``single`` or ``ls``) and the saved ada
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _hf_script import args, chat_tokenizer, completions, logged, sequences
+from _hf_script import args, chat_tokenizer, completions, logged, run_sections, sequences
 from _qlora import bnb_config, lora_config, save_base
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -132,22 +130,7 @@ def sft(out: Path) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    torch.set_num_threads(1)
-    res: dict = {}
-    for section in (trainer, sft):
-        try:
-            res[section.__name__] = section(out)
-        except Exception:  # noqa: BLE001 - reported to the test that reads this section
-            res[section.__name__] = {"error": traceback.format_exc()}
-            print(res[section.__name__]["error"], file=sys.stderr)
-    if RANK == 0:
-        (out / f"{IMPL}.json").write_text(json.dumps(res, indent=1, default=str))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's static destructors have aborted finished ranks (see tests/_dist.py)
+    run_sections((trainer, sft), out, out / f"{IMPL}.json")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from _dist import RankChecks, shared_tmp  # noqa: E402
 from _parity import (  # noqa: E402
     EPS,
     SPREAD_FACTOR,
+    global_mean,
     grad_error,
     grads_in_orders,
     loss_bound,
@@ -67,9 +68,7 @@ def _train(model, data, rank: int, world: int, opt) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(global_mean(loss))
     return losses
 
 

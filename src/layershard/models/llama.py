@@ -544,42 +544,32 @@ def hf_llama_config(cfg: LlamaConfig) -> transformers.PretrainedConfig:
     the router's logits returned so that its loss includes the load-balancing term)."""
     import transformers
 
-    if cfg.n_experts:
-        return transformers.MixtralConfig(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.dim,
-            intermediate_size=cfg.moe_ffn_dim,
-            num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim,
-            max_position_embeddings=cfg.max_seq_len,
-            rope_theta=cfg.rope_theta,  # type: ignore[call-arg, unused-ignore]
-            rms_norm_eps=cfg.norm_eps,
-            tie_word_embeddings=cfg.tie_embeddings,
-            num_local_experts=cfg.n_experts,
-            num_experts_per_tok=cfg.top_k,
-            router_aux_loss_coef=cfg.aux_loss_coef,
-            output_router_logits=True,
-            router_jitter_noise=0.0,
-            sliding_window=None,
-            hidden_act="silu",
-        )
-    return transformers.LlamaConfig(
+    common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.dim,
-        intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
         max_position_embeddings=cfg.max_seq_len,
         # transformers 5 declares no rope_theta (it takes it through **kwargs into
-        # rope_parameters); 4.x declares it, hence unused-ignore too
-        rope_theta=cfg.rope_theta,  # type: ignore[call-arg, unused-ignore]
+        # rope_parameters); 4.x declares it
+        rope_theta=cfg.rope_theta,
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False,
-        mlp_bias=False,
         hidden_act="silu",
+    )
+    if cfg.n_experts:
+        return transformers.MixtralConfig(
+            **common,
+            intermediate_size=cfg.moe_ffn_dim,
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.top_k,
+            router_aux_loss_coef=cfg.aux_loss_coef,
+            output_router_logits=True,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+        )
+    return transformers.LlamaConfig(
+        **common, intermediate_size=cfg.ffn_dim, attention_bias=False, mlp_bias=False
     )
