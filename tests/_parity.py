@@ -292,8 +292,9 @@ def grad_error(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor
 
 
 def shard_grad_error(model, reference: dict[str, torch.Tensor]) -> float:
-    """grad_error of a sharded model's gradient slices (each rank's own); the largest over the
-    ranks (a collective: every rank calls it)."""
+    """grad_error of a sharded model's gradient slices (each rank's own; an expert-parallel
+    layer's against its part of the whole); the largest over the ranks (a collective: every rank
+    calls it)."""
     worst = 0.0
     for f in model.flat_params:
         for slot, p in zip(f.slots, f.shard_params):
@@ -301,7 +302,10 @@ def shard_grad_error(model, reference: dict[str, torch.Tensor]) -> float:
             if slot.name in reference and b > a:
                 ref = reference[slot.name]
                 mine = torch.zeros(b - a) if p.grad is None else p.grad
-                err = (mine - ref.reshape(-1)[a:b]).abs().max() / ref.abs().max().clamp_min(1e-30)
+                at = slot.whole_offset
+                err = (
+                    mine - ref.reshape(-1)[at + a : at + b]
+                ).abs().max() / ref.abs().max().clamp_min(1e-30)
                 worst = max(worst, err.item())
     t = torch.tensor([worst])
     if dist.is_initialized():

@@ -238,13 +238,13 @@ def _backward_gather_before_reduce(rank: int, world: int) -> None:
     comm = model._schedule.comm
     ag, rs = comm.all_gather, comm.reduce_scatter
 
-    def log_ag(out, shard, phase, label, *args):
+    def log_ag(out, shard, phase, label, *args, **kwargs):
         issued.append(("AG", label, phase))
-        return ag(out, shard, phase, label, *args)
+        return ag(out, shard, phase, label, *args, **kwargs)
 
-    def log_rs(inp, scratch, phase, label, *args):
+    def log_rs(inp, scratch, phase, label, *args, **kwargs):
         issued.append(("RS", label, phase))
-        return rs(inp, scratch, phase, label, *args)
+        return rs(inp, scratch, phase, label, *args, **kwargs)
 
     comm.all_gather, comm.reduce_scatter = log_ag, log_rs
     model.layers[2].register_forward_pre_hook(lambda *_: issued.append(("FWD", "layers.2", "")))
@@ -451,7 +451,7 @@ def _two_reduce_scatters_in_flight(rank: int, world: int, collective: str) -> No
         s = model._schedule
         units = [u for u in model.units if u.name in ("layers.0", "layers.1")]
         torch.manual_seed(rank)
-        grads = [[torch.randn(slot.shape) for slot in u.trainable.slots] for u in units]
+        grads = [[torch.randn(slot.shape) for slot in u.trainables[0].slots] for u in units]
         for u, g in zip(units, grads):
             s.reducer.reduce(u, tuple(g), later=False)
         for gs in reversed(s.reducer.grad_slots):
@@ -459,7 +459,7 @@ def _two_reduce_scatters_in_flight(rank: int, world: int, collective: str) -> No
     finally:
         setattr(owner, collective, real)
     for u, g in zip(units, grads):
-        f = u.trainable
+        f = u.trainables[0]
         for slot, p, mine in zip(f.slots, f.shard_params, g):
             mean = mine.clone()
             dist.all_reduce(mean)

@@ -1,4 +1,6 @@
-"""Expert parallelism's token exchange (parallel/expert.py) on the built-in MoE, without sharding:
+"""Expert parallelism on the built-in MoE. First its token exchange (parallel/expert.py) without
+sharding, then sharded (``ls.parallelize(model, ep=2)``: experts over efsdp, the rest over
+dp_shard), at 4 ranks unless said. Without sharding:
 at 4 ranks, EP groups {0, 1} and {2, 3} each split a layer's 4 experts in two; the ranks holding
 the same experts ({0, 2}, {1, 3}) sum their expert gradients, every rank sums the others, as data
 parallelism would. Against one process on the same micro-batches (_parity.py's `exact_parts`: the
@@ -11,6 +13,11 @@ data-parallel world (4), not the number of ranks holding an expert (2)."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
 import torch
 import torch.distributed as dist
 from _dist import RankChecks
@@ -24,9 +31,11 @@ from _parity import (
     grads_in_orders,
     lm_loss,
     local,
+    shard_grad_error,
 )
-from test_moe import tiny_moe
+from test_moe import STEPS, matches_one_process, tiny_moe
 
+import layershard as ls
 from layershard.parallel.expert import ExpertGroup
 
 checks = RankChecks(world_size=4)
@@ -92,4 +101,182 @@ def expert_parallel_matches_one_process(rank: int, world: int) -> None:
     assert grad_error(wrong, ref_grads) > 0.5
 
 
+# ---- sharded: ls.parallelize(model, ep=...) -----------------------------------------------------
+
+
+def _ep2(model):
+    return ls.parallelize(model, ep=EP)
+
+
+def _ep_by_hand(model, data: list[torch.Tensor]) -> tuple[dict, dict]:
+    """The same training, expert-parallel without sharding, data parallelism by hand
+    (`_ep_grads`): one more legitimate order of the sums for the weights' bound. Every expert's
+    gradient sums the rows of two ranks' micro-batches in one matmul, which none of the
+    single-process plans does; AdamW turns that last-bit difference into a spread of its own
+    (measured 2026-11-26, AVX2: layershard's EP run 3.46e-6 from the rank-order reference after
+    6 steps, where the plans' bound allowed 2.84e-6; at 2 ranks, where the single-process plans
+    are one, its first gradient 3.0e-7 relative against a bound of one ulp). Returns the first
+    step's gradients and the final weights, whole."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ep_group, same = _groups(rank, world)
+    for layer in model.layers:
+        layer.mlp.experts.split_experts(
+            ExpertGroup(ep_group, layer.mlp.experts.gate_up_proj.shape[0])
+        )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for batch in data:
+        lm_loss(model, local(batch, rank, world)).backward()
+        grads = _ep_grads(model, ep_group, same, world)
+        first = first or grads
+        for name, p in model.named_parameters():
+            g = grads[name]
+            if "experts" in name:  # this rank's experts of the whole
+                e, j = p.shape[0], dist.get_rank(ep_group)
+                g = g[j * e : (j + 1) * e]
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach().clone()
+        if "experts" in name:
+            parts = [torch.empty_like(t) for _ in range(EP)]
+            dist.all_gather(parts, t, group=ep_group)
+            t = torch.cat(parts)
+        out[name] = t
+    return first, out
+
+
+@checks.check
+def sharded_ep_matches_one_process(rank: int, world: int) -> None:
+    """EP 2 x efsdp 2 (dp_shard 4): the first step's gradients, every loss of 6 AdamW steps and
+    the final weights (whole experts, from full_state_dict) against one process (test_moe's
+    `matches_one_process`), the weights' bound widened by the unsharded expert-parallel run
+    (`_ep_by_hand`)."""
+    full = matches_one_process(tiny_moe(), STEPS, rank, world, shard=_ep2, other=_ep_by_hand)
+    if rank == 0:
+        assert full["layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)  # all 4 experts
+
+
+@checks.check
+def sharded_ep_groups_bytes_and_divisor(rank: int, world: int) -> None:
+    """What each rank holds and moves: dense units 1/4 of their weights, experts 1/(efsdp x ep)
+    = 1/4 of theirs (each rank 1/2 of its 2 experts); per step and MoE layer one all-gather of
+    the experts in forward, one in backward and one reduce-scatter, over the efsdp group (2
+    ranks), moving the local experts only (half of them). Then the negative control: expert
+    gradients divided by efsdp x replicas (2) instead of the data-parallel world (4) are caught
+    by the gradient check."""
+    base = tiny_moe()
+    batch = batches(1)[0]
+    model = _ep2(clone(base))
+    experts = [f for f in model.flat_params if f.over == "expert"]
+    n_layers = len(model.module.layers)
+    assert len(experts) == n_layers and all(f.world_size == 2 for f in experts)
+    whole = sum(p.numel() for n, p in base.named_parameters() if "experts" in n)
+    held = sum(f.shard_numel for f in experts)
+    assert whole // 4 <= held <= whole // 4 + 8 * n_layers, (held, whole)  # + alignment
+    dense = sum(f.shard_numel for f in model.flat_params if f.over == "shard")
+    dense_whole = sum(p.numel() for n, p in base.named_parameters() if "experts" not in n)
+    assert dense * 4 - dense_whole <= 8 * 4 * len(model.flat_params), (dense, dense_whole)
+    model.comm_stats(reset=True)
+    lm_loss(model, local(batch, rank, world)).backward()
+    by_group = model._schedule.comm.stats.by_group()
+    assert by_group["all_gather"]["expert"] == 2 * n_layers, by_group
+    assert by_group["reduce_scatter"]["expert"] == n_layers, by_group
+    local_experts = whole // EP * 4  # fp32 bytes of a rank's experts, summed over layers
+    assert sum(f.padded_numel for f in experts) * 4 == pytest.approx(local_experts, rel=0.01)
+    assert by_group["all_gather"]["shard"] == 2 * n_layers + 3, by_group  # + embed, norm, head
+    ref_grads, orders = grads_in_orders(base, batch, world, exact_parts=True)
+    assert shard_grad_error(model, ref_grads) <= grad_bound(ref_grads, orders)
+    # the negative control: the divisor of the expert gradients wrong (2, not 4)
+    wrong = _ep2(clone(base))
+    wrong._schedule.reducer.data_parallel = 2
+    lm_loss(wrong, local(batch, rank, world)).backward()
+    assert shard_grad_error(wrong, ref_grads) > 0.5
+
+
+def _whole_optimizer(model, opt, key: str) -> dict[str, torch.Tensor]:
+    """Optimizer state ``key`` of every parameter, whole (every rank's part summed into place:
+    without replicas each element lives on one rank)."""
+    out = {}
+    for f in model.flat_params:
+        for slot, p in zip(f.slots, f.shard_params):
+            whole = torch.zeros(slot.whole_shape.numel())
+            a, b = f.param_ranges(slot)[f.rank]
+            if b > a:
+                whole[a:b] = opt.state[p][key]
+            dist.all_reduce(whole)
+            out[slot.name] = whole
+    return out
+
+
+@checks.check
+def checkpoint_across_layouts(rank: int, world: int) -> None:
+    """Saved at EP 2 x efsdp 2 after 2 steps, loaded into a 1-D sharded model and back into an EP
+    one: weights and AdamW state bit for bit the saved ones; the next step's loss as the saver's
+    next step (within LOSS_RTOL: another layout sums in another order)."""
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    root = Path(box[0])
+    data = batches(3)
+    ep = _ep2(tiny_moe())
+    opt = torch.optim.AdamW(ep.parameters(), lr=1e-2)
+    for batch in data[:2]:
+        lm_loss(ep, local(batch, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    ls.save_checkpoint(root / "ep", ep, opt, step=2)
+    saved = ep.full_state_dict(rank0_only=False)
+    saved_avg = _whole_optimizer(ep, opt, "exp_avg_sq")
+    next_loss = global_mean(lm_loss(ep, local(data[2], rank, world)))
+    for make in (ls.shard, _ep2):  # 1-D, then EP again
+        model = make(tiny_moe(seed=7))
+        opt2 = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ls.load_checkpoint(root / "ep", model, opt2)
+        full = model.full_state_dict(rank0_only=False)
+        assert all(torch.equal(full[k], saved[k]) for k in saved), make
+        avg = _whole_optimizer(model, opt2, "exp_avg_sq")
+        assert all(torch.equal(avg[k], saved_avg[k]) for k in saved_avg), make
+        loss = global_mean(lm_loss(model, local(data[2], rank, world)))
+        assert abs(loss - next_loss) <= LOSS_RTOL * abs(next_loss), (loss, next_loss)
+    # and a 1-D checkpoint loads into the EP layout
+    one_d = ls.shard(tiny_moe(seed=3))
+    ls.save_checkpoint(root / "1d", one_d, None, step=0)
+    reference = one_d.full_state_dict(rank0_only=False)
+    model = _ep2(tiny_moe(seed=7))
+    ls.load_checkpoint(root / "1d", model)
+    full = model.full_state_dict(rank0_only=False)
+    assert all(torch.equal(full[k], reference[k]) for k in reference)
+    # load_full_state_dict from rank 0 alone: each EP rank takes its experts
+    model = _ep2(tiny_moe(seed=7))
+    model.load_full_state_dict(reference if rank == 0 else None)
+    full = model.full_state_dict(rank0_only=False)
+    assert all(torch.equal(full[k], reference[k]) for k in reference)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root)
+
+
+checks2 = RankChecks(world_size=2, suffix="_ws2")
+
+
+@checks2.check
+def ep2_over_dp_shard2(rank: int, world: int) -> None:
+    """2 ranks, EP 2 with dp_shard 2: efsdp is 1, so experts are not sharded further nor
+    reduced (the all-to-all's backward already summed both ranks' tokens into each expert's
+    gradient); dense units sharded over both. Against one process, as above."""
+    model_holder = {}
+
+    def shard(m):
+        model_holder["m"] = ls.parallelize(m, ep=2)
+        return model_holder["m"]
+
+    matches_one_process(tiny_moe(), 3, rank, world, shard=shard, other=_ep_by_hand)
+    stats = model_holder["m"]._schedule.comm.stats.by_group()
+    assert "expert" not in stats.get("all_gather", {}), stats
+    assert "expert" not in stats.get("reduce_scatter", {}), stats
+
+
 checks.collect(globals())
+checks2.collect(globals())

@@ -41,7 +41,7 @@ def _llama_parity(rank: int, world: int) -> None:
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
 
     n_units = len(model.units)  # embed, 3 blocks, norm, lm_head
-    assert n_units == 6 and all(u.trainable is not None for u in model.units)
+    assert n_units == 6 and all(u.trainables for u in model.units)
     padded = sum(f.padded_numel for f in model.flat_params)
     memory = []
     for step, batch in enumerate(batches(STEPS)):

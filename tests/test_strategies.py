@@ -89,7 +89,7 @@ def _expected_counts(model, sync_first: bool, name: str) -> dict:
     regathered = sum(
         len(u.flats) for u in units if u.gather_in_backward and all(u is not r for r in resident)
     )
-    trainable = sum(1 for u in model.units if u.trainable is not None)
+    trainable = sum(1 for u in model.units if u.trainables)
     reductions = trainable * (2 if sync_first else 1)
     out: dict = {}
     if name != "no_shard":

@@ -10,6 +10,7 @@ from layershard.distributed import init_distributed
 from layershard.engine.precision import GradScaler, MixedPrecision
 from layershard.engine.strategy import CPUOffload
 from layershard.loss import chunked_loss
+from layershard.parallel.mesh import parallelize
 from layershard.sharded import ShardedModule, shard
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "load_checkpoint",
     "load_hf",
     "optim",
+    "parallelize",
     "save_checkpoint",
     "shard",
 ]

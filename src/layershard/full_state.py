@@ -51,9 +51,17 @@ def load_full_state_dict(
         if everyone:
             assert state_dict is not None
             for slot in loaded:
-                value = state_dict[by_slot[id(slot)]]
+                value = slot.part_of(state_dict[by_slot[id(slot)]])  # experts: this rank's
                 dtype = torch.float32 if slot.packed is None else value.dtype  # bytes
                 f.copy_from_full(slot, value.to(f.shard.device, dtype))
+            continue
+        if f.over == "expert":  # each EP rank takes another part: every expert travels
+            for slot in loaded:
+                whole = torch.zeros(slot.whole_shape, device=device)
+                if state_dict is not None:  # rank 0
+                    whole.copy_(state_dict[by_slot[id(slot)]])
+                comm.broadcast(whole, "state_dict")
+                f.copy_from_full(slot, slot.part_of(whole))
             continue
         buf = torch.zeros(f.padded_numel, dtype=f.dtype, device=device)
         if state_dict is not None:  # rank 0
@@ -96,7 +104,7 @@ def _validate(model, sd: dict, strict: bool) -> str:
             continue
         if kind == "param":
             packed = ref[1].packed
-            shape = ref[1].shape if packed is None else packed.shape
+            shape = ref[1].whole_shape if packed is None else packed.shape
         else:
             shape = getattr(ref[0], ref[1]).shape
         if tuple(sd[key].shape) != tuple(shape):

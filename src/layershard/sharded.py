@@ -25,10 +25,11 @@ from layershard.distributed import default_device
 from layershard.engine.agreement import agreed
 from layershard.engine.buffers import nbytes
 from layershard.engine.build import build_schedule, make_storage
-from layershard.engine.flat import FlatParam
+from layershard.engine.flat import FlatParam, ParamSlot
 from layershard.engine.init import fill_shards
 from layershard.engine.model_checks import (
     check_dtypes,
+    check_experts,
     check_same_layout,
     check_shared_modules,
     layout,
@@ -60,6 +61,7 @@ def shard(
     shard_size: int | None = None,
     reshard_after_forward: bool | int = True,
     mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None,
     offload: CPUOffload | None = None,
     compile: bool | dict = False,
 ) -> ShardedModule:
@@ -75,6 +77,12 @@ def shard(
             ``"hybrid"`` (HSDP: sharded within groups of ``shard_size`` ranks, default the ranks
             of a node, replicated across groups; or pass a 2-D ``mesh`` (replicate, shard)).
             See ``layershard.engine.strategy``.
+        mesh: a DeviceMesh with named dimensions ``dp_shard`` (and optionally
+            ``dp_replicate``, ``tp``): units are sharded over ``dp_shard``, replicated over
+            ``dp_replicate``; ``tp`` is the model's own (its DTensors).
+        expert_mesh: for a model whose experts were split by expert parallelism
+            (``ls.parallelize(model, ep=...)``), the mesh ``(dp_replicate, efsdp, ep)``: experts
+            are sharded over ``efsdp``. ``ls.parallelize`` builds both meshes.
         reshard_after_forward: for ``"full"``: ``True``; ``False`` is ``"grad_op"``; an int K
             keeps each unit sharded over K ranks (a node) from its forward to its backward, so
             the backward gather stays within them (ZeRO++ hpZ, FSDP2's int).
@@ -106,7 +114,9 @@ def shard(
     precision = mixed_precision or FULL_PRECISION
     device = torch.device(device) if device is not None else default_device(group)
     _check_devices(model)
-    sharding = resolve_strategy(strategy, group, shard_size, reshard_after_forward, mesh)
+    sharding = resolve_strategy(
+        strategy, group, shard_size, reshard_after_forward, mesh, expert_mesh
+    )
     host = torch.device("cpu") if offload is not None else device
 
     specs = find_units(model, layers)
@@ -119,13 +129,15 @@ def shard(
             f"the number of blocks ({n_blocks})"
         )
     with agreed(group):  # a check that fails on one rank alone fails on every rank
+        check_experts(specs, sharding)
         check_shared_modules(model, specs)
         check_dtypes(specs)
         check_quantized(specs)
     disable_cpu_repacking(model)
     shard_options = dict(
         strategy=strategy, shard_size=shard_size, reshard_after_forward=reshard_after_forward,
-        mesh=mesh is not None, offload=offload is not None, compile=bool(compile),
+        mesh=mesh is not None, expert_mesh=expert_mesh is not None,
+        offload=offload is not None, compile=bool(compile),
         param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
         gather_dtype=precision.gather_dtype, activation_checkpointing=activation_checkpointing,
     )  # fmt: skip
@@ -408,8 +420,21 @@ class ShardedModule(nn.Module):
         if f.packed:  # 4-bit bytes travel as they are, in their carrier dtype (quantized.py)
             dtype = f.dtype
         out = torch.empty(f.padded_numel, dtype=dtype, device=self._schedule.comm.device)
-        self._schedule.comm.all_gather(out, f.shard, "state_dict", "gather_flat").wait()
+        self._schedule.comm.all_gather(out, f.shard, "state_dict", "gather_flat", f.over).wait()
         return out
+
+    def _whole(self, slot: ParamSlot, part: torch.Tensor) -> torch.Tensor:
+        """An expert parameter's whole (every EP rank's experts, along dim 0) from this rank's
+        ``part``; any other parameter as it is. Collective over the EP group for experts."""
+        if slot.expert is None:
+            return part
+        group = self.sharding.ep_group
+        parts = [torch.empty_like(part) for _ in range(self.sharding.ep_size)]
+        with waiting("all-gather of experts (full_state_dict)"):
+            dist.all_gather(parts, part.contiguous(), group=group)
+        whole = torch.cat(parts)
+        assert whole.shape == slot.whole_shape, (whole.shape, slot.whole_shape)
+        return whole
 
     @torch.no_grad()
     @waiting("full_state_dict")
@@ -426,7 +451,7 @@ class ShardedModule(nn.Module):
         for f in self.flat_params:
             if f.packed and not packed:
                 continue
-            views = f.views(self.gather_flat(f))
+            views = [self._whole(s, v) for s, v in zip(f.slots, f.views(self.gather_flat(f)))]
             if keep:
                 for slot, t in zip(f.slots, views):
                     full[id(slot)] = t.to("cpu") if cpu else t.clone()
@@ -547,7 +572,7 @@ class ShardedModule(nn.Module):
             numel = sum(f.numel for f in u.flats)
             rows.append(
                 f"{u.name:<32} {len(u.param_slots):>7} {numel:>12,} {u.gather_numel:>12,} {sid:>5}  "
-                f"{u.trainable is not None}"
+                f"{bool(u.trainables)}"
             )
         rows.append(
             f"world size {s.world_size}, compute {s.precision.param_dtype}, reduce {s.precision.reduce_dtype}"

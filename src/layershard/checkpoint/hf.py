@@ -452,9 +452,10 @@ def _plan_load(model, src: Path, strict: bool, rename, handle, plan: list, bufs:
     for _f, slot, key, fname in plan:
         sl = handle(fname).get_slice(key)
         shape, dt = list(sl.get_shape()), sl.get_dtype()
-        if shape != list(slot.shape):
+        if shape != list(slot.whole_shape):
             raise CheckpointMismatchError(
-                f"{src / fname}: {key} has shape {tuple(shape)}, the model expects {tuple(slot.shape)}"
+                f"{src / fname}: {key} has shape {tuple(shape)}, the model expects "
+                f"{tuple(slot.whole_shape)}"
             )
         if dt not in _ST_FLOAT:
             raise CheckpointMismatchError(
@@ -474,19 +475,21 @@ def _read_slices(src: Path, handle, plan: list, bufs: list) -> None:
         a, b = f.local_param_range(slot)
         if b <= a:
             continue
+        lo = slot.offset + a - f.shard_start
+        a, b = a + slot.whole_offset, b + slot.whole_offset  # in the file's (whole) tensor
         try:
             sl = handle(fname).get_slice(key)
-            if len(slot.shape) == 0:
+            shape = slot.whole_shape
+            if len(shape) == 0:
                 part = handle(fname).get_tensor(key).reshape(-1)
             else:
-                row = slot.numel // slot.shape[0] if slot.shape[0] else 1
+                row = shape.numel() // shape[0] if shape[0] else 1
                 r0, r1 = a // row, -(-b // row)
                 part = sl[r0:r1].reshape(-1)[a - r0 * row : b - r0 * row]
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorruptError(f"{src / fname}: reading {key} failed ({e})") from None
-        lo = slot.offset + a - f.shard_start
         f.shard[lo : lo + b - a].copy_(part)
     for buf, key, fname in bufs:
         buf.copy_(handle(fname).get_tensor(key))

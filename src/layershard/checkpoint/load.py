@@ -120,9 +120,7 @@ def _targets(model, optimizer, folder: Path, manifest: dict, restore: bool, rank
     RNG states (``restore``). Changes nothing."""
     state: dict[str, Any] = {}
     for f, slot, p in params(model):
-        state[f"model/{slot.name}"] = sharded_1d(
-            model, p.detach(), slot.numel, f.param_ranges(slot), save=False
-        )
+        state[f"model/{slot.name}"] = sharded_1d(model, f, slot, p.detach(), save=False)
     for key, b in buffers(model):
         if key in manifest["model"]["buffers"]:
             state[f"model/{key}"] = b
@@ -151,9 +149,7 @@ def _targets(model, optimizer, folder: Path, manifest: dict, restore: bool, rank
                             and old.dtype == dtype
                             else torch.empty_like(p, dtype=dtype)
                         )
-                        state[f"optim/{slot.name}/{k}"] = sharded_1d(
-                            model, t, slot.numel, f.param_ranges(slot), save=False
-                        )
+                        state[f"optim/{slot.name}/{k}"] = sharded_1d(model, f, slot, t, save=False)
                     else:
                         device = p.device if fused else torch.device("cpu")
                         t = (

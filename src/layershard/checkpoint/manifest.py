@@ -82,10 +82,9 @@ def collect(model, optimizer: torch.optim.Optimizer | None) -> Collected:
     tensors: dict[str, Any] = {}
     described, index = {}, {}
     for f, slot, p in params(model):
-        ranges = f.param_ranges(slot)
-        tensors[f"model/{slot.name}"] = sharded_1d(model, p.detach(), slot.numel, ranges, save=True)
+        tensors[f"model/{slot.name}"] = sharded_1d(model, f, slot, p.detach(), save=True)
         described[slot.name] = {
-            "shape": list(slot.shape),
+            "shape": list(slot.whole_shape),
             "dtype": "float32",
             "requires_grad": slot.requires_grad,
             "aliases": [u.name for u in slot.uses[1:]],
@@ -167,9 +166,7 @@ def _optimizer(model, optimizer, index: dict, tensors: dict[str, Any]) -> dict:
                     tensors[key] = v.detach()
                 elif isinstance(v, torch.Tensor) and v.shape == p.shape:
                     k_of[k] = {"kind": "sharded", "dtype": dtype_name(v.dtype)}
-                    tensors[key] = sharded_1d(
-                        model, v.detach(), slot.numel, f.param_ranges(slot), save=True
-                    )
+                    tensors[key] = sharded_1d(model, f, slot, v.detach(), save=True)
                 elif isinstance(v, torch.Tensor):
                     raise CheckpointError(
                         f"optimizer state {k!r} of {slot.name} has shape {tuple(v.shape)}: only "
@@ -300,11 +297,12 @@ def validate(model, optimizer, folder: Path, manifest: dict, md: Metadata, stric
             raise CheckpointMismatchError(msg)
     for name, (_, slot) in ours.items():
         rec = saved["params"][name]
-        if list(rec["shape"]) != list(slot.shape):
+        if list(rec["shape"]) != list(slot.whole_shape):
             raise CheckpointMismatchError(
-                f"model/{name}: the checkpoint has shape {tuple(rec['shape'])}, the model {tuple(slot.shape)}"
+                f"model/{name}: the checkpoint has shape {tuple(rec['shape'])}, the model {tuple(slot.whole_shape)}"
             )
-        msg = check_tensor(md, f"model/{name}", [slot.numel], "float32", folder, sharded=True)
+        numel = slot.whole_shape.numel()
+        msg = check_tensor(md, f"model/{name}", [numel], "float32", folder, sharded=True)
         if msg:
             raise CheckpointMismatchError(msg) if "expected" in msg else CheckpointCorruptError(msg)
     bufs = dict(buffers(model))
@@ -352,7 +350,7 @@ def validate(model, optimizer, folder: Path, manifest: dict, md: Metadata, stric
         for k, rec in kinds.items():
             if rec["kind"] == "value":
                 continue
-            shape = [slot.numel] if rec["kind"] == "sharded" else []
+            shape = [slot.whole_shape.numel()] if rec["kind"] == "sharded" else []
             msg = check_tensor(
                 md, f"optim/{name}/{k}", shape, rec["dtype"], folder, rec["kind"] == "sharded"
             )

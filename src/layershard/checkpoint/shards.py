@@ -103,16 +103,18 @@ class Shard1D(torch.Tensor):
         return self._local
 
 
-def sharded_1d(model, local: torch.Tensor, numel: int, ranges, save: bool) -> torch.Tensor:
-    """``local`` (this rank's part ``ranges[shard rank]`` of a 1-D tensor of ``numel`` elements)
-    as DCP should see it. The layout comes from the flat parameter, not from a collective. The
-    ranks that hold a replica of another rank's slice (``hybrid``, ``no_shard``) write nothing:
-    every chunk is saved once, and loads into every replica."""
+def sharded_1d(model, f, slot, local: torch.Tensor, save: bool) -> torch.Tensor:
+    """``local`` (this rank's part of parameter ``slot`` of flat ``f``, or of its per-element
+    optimizer state) as DCP should see it: a slice of the flattened whole parameter (all
+    experts, for an expert-parallel layer's). The layout comes from the flat parameter, not from
+    a collective. The ranks that hold a replica of another rank's slice (``hybrid``,
+    ``no_shard``) write nothing: every chunk is saved once, and loads into every replica."""
+    numel = slot.whole_shape.numel()
     if numel == 0:
         return local
     if save and not model.sharding.writes_slices:
         return Shard1D(local[:0], numel, 0)
-    lo, hi = ranges[model.sharding.shard_rank]
+    lo, hi = f.param_ranges(slot)[f.rank]
     if local.numel() != hi - lo:
         raise CheckpointError(
             f"internal: a local slice of {local.numel()} elements for the range [{lo}, {hi})"

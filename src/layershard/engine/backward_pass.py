@@ -125,9 +125,7 @@ def plan_backward(
     if no_sync and not gathers:  # no collective in this backward
         return BackwardPass()
     planned = [
-        u
-        for u in units
-        if u.trainable is not None or (u.gather_in_backward and gathers and u is not root)
+        u for u in units if u.trainables or (u.gather_in_backward and gathers and u is not root)
     ]
     reached = dict.fromkeys((id(u) for u in planned), 0)
     for record in uses:
@@ -143,7 +141,7 @@ def plan_backward(
     deferred, private, unreached = [], {}, set()
     for u, (most, least, dirty) in zip(planned, flags.tolist()):
         divergent = most != -least
-        if u.trainable is not None and not no_sync and (divergent or (most == 0 and dirty)):
+        if u.trainables and not no_sync and (divergent or (most == 0 and dirty)):
             deferred.append(u)
         if divergent and u.gather_in_backward and gathers and u is not root:
             private[id(u)] = gather_private(u, comm)

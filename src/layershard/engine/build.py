@@ -11,7 +11,7 @@ from torch import nn
 
 from layershard.engine.buffers import GatherSlot, GradSlot, Spare
 from layershard.engine.collectives import Comm
-from layershard.engine.flat import FlatParam, ParamSlot, layout
+from layershard.engine.flat import FlatParam, ParamSlot, expert_part, layout
 from layershard.engine.gather_slots import (
     OWN,
     TURNS,
@@ -52,10 +52,12 @@ def make_storage(
     buffer, which is also its gather slot (no copy, no second copy in memory)."""
     world, rank = sharding.shard_size, sharding.shard_rank
     in_place = world == 1 and precision.param_dtype == torch.float32 and not offload
+    in_place = in_place and sharding.expert_size == 1
+    experts = (sharding.expert_size, sharding.expert_rank)
     storage = Storage([], [], {})
     for spec in specs:
         flats, buffer, placed = _make_flats(
-            spec, world, rank, host, in_place, precision.param_dtype
+            spec, (world, rank), experts, host, in_place, precision.param_dtype
         )
         if pin:
             for f in flats:
@@ -114,7 +116,9 @@ def build_schedule(
     large = [f for f in trainable if f.padded_numel > limit]
     grad_numel = max((f.padded_numel for f in shared), default=0)
     shard_numel = max((f.shard_numel for f in shared), default=0)
-    scratch = comm.scratch_numel(grad_numel, shard_numel)
+    scratch = max(
+        (comm.scratch_numel(f.padded_numel, f.shard_numel, f.over) for f in shared), default=0
+    )
     grad_slots = [
         GradSlot(grad_numel, rdtype, device, shard_numel, scratch, host_dev)
         for _ in range(2 if shared else 0)
@@ -122,7 +126,7 @@ def build_schedule(
     own = None
     if large:  # one gradient buffer at a time, of the size of the unit being reduced
         big = max(large, key=lambda f: f.padded_numel)
-        big_scratch = comm.scratch_numel(big.padded_numel, big.shard_numel)
+        big_scratch = max(comm.scratch_numel(f.padded_numel, f.shard_numel, f.over) for f in large)
         own = GradSlot(
             big.padded_numel, rdtype, device, big.shard_numel, big_scratch, host_dev, True, spare
         )
@@ -155,44 +159,67 @@ def build_schedule(
     return Schedule(root, units, reducer, comm, precision, spare)
 
 
+# A unit's flat groups, in this order: (trainable, 4-bit, experts)
+_GROUPS = (
+    (True, False, False), (True, False, True), (False, False, False), (False, False, True),
+    (False, True, False),
+)  # fmt: skip
+
+
 def _make_flats(
     spec: UnitSpec,
-    world: int,
-    rank: int,
+    shard: tuple[int, int],
+    experts: tuple[int, int],
     device: torch.device,
     in_place: bool,
     carrier: torch.dtype,
 ) -> tuple[list[FlatParam], torch.Tensor | None, list[tuple[nn.Parameter, FlatParam, ParamSlot]]]:
     """The unit's flat groups (trainable first, then frozen, then frozen 4-bit weights as bytes in
-    the ``carrier`` dtype, quantized.py); with ``in_place``, the one zeroed buffer whose
-    consecutive views their shards are; and where each original parameter went."""
+    the ``carrier`` dtype, quantized.py; experts of an expert-parallel layer in groups of their
+    own, split over the ``experts`` (size, rank) group instead of the ``shard`` one); with
+    ``in_place``, the one zeroed buffer whose consecutive views their shards are; and where each
+    original parameter went."""
     groups = []
-    for requires_grad, packed in ((True, False), (False, False), (False, True)):
+    for requires_grad, packed, expert in _GROUPS:
         group = [
             (p, uses)
             for p, uses in spec.params
-            if p.requires_grad == requires_grad and is_packed(p) == packed
+            if p.requires_grad == requires_grad
+            and is_packed(p) == packed
+            and (expert_part(p) is not None) == expert
         ]
         if group:
+            world = experts[0] if expert else shard[0]
             how = [Packed.of(p) if packed else None for p, _ in group]
             numels = [
                 p.numel() if k is None else k.carrier_numel(carrier)
                 for (p, _), k in zip(group, how)
             ]
             offsets, _, shard_numel = layout(numels, world)
-            groups.append((requires_grad, group, offsets, shard_numel, how, numels))
+            groups.append((requires_grad, expert, group, offsets, shard_numel, how, numels))
     buffer = None
     if in_place:  # fp32 compute: the carrier is fp32 too
-        buffer = torch.zeros(sum(g[3] * world for g in groups), device=device)
+        buffer = torch.zeros(sum(g[4] * shard[0] for g in groups), device=device)
     flats, placed, start = [], [], 0
-    for requires_grad, group, offsets, shard_numel, how, numels in groups:
+    for requires_grad, expert, group, offsets, shard_numel, how, numels in groups:
         slots = [
-            ParamSlot(uses, p.shape if k is None else torch.Size([n]), offset, requires_grad, k)
+            ParamSlot(
+                uses,
+                p.shape if k is None else torch.Size([n]),
+                offset,
+                requires_grad,
+                k,
+                expert_part(p),
+            )  # fmt: skip
             for (p, uses), offset, k, n in zip(group, offsets, how, numels)
         ]
         storage = None if buffer is None else buffer[start : start + shard_numel]
         dtype = carrier if how[0] is not None else torch.float32
-        f = FlatParam(slots, requires_grad, world, rank, device, storage=storage, dtype=dtype)
+        world, rank = experts if expert else shard
+        over = "expert" if expert else "shard"
+        f = FlatParam(
+            slots, requires_grad, world, rank, device, storage=storage, dtype=dtype, over=over
+        )
         start += shard_numel * world
         placed += [(p, f, sl) for (p, _), sl in zip(group, slots)]
         flats.append(f)

@@ -231,13 +231,15 @@ class Comm:
     """Issues a sharded model's collectives and counts them. ``group`` is the shard group (the
     ranks a unit is split over; None: this rank alone); ``replicate`` the group its slices are
     replicated over; ``hpz`` the group backward re-gathers within (``reshard_after_forward=K``);
-    ``full`` every rank of the model (state loading, buffer broadcast)."""
+    ``full`` every rank of the model (state loading, buffer broadcast); ``expert`` the group an
+    expert-parallel layer's experts are split over (the ranks holding the same experts)."""
 
     def __init__(self, sharding, full_group: dist.ProcessGroup, device: torch.device):
         self.sharding = sharding
         self.group = sharding.shard_group
         self.replicate = sharding.replicate_group
         self.hpz = sharding.hpz_group
+        self.expert = sharding.expert_group
         self.full = full_group
         self.device = device
         self.rank, self.world_size = sharding.shard_rank, sharding.shard_size
@@ -258,19 +260,30 @@ class Comm:
         self.control_size = dist.get_world_size(full_group)
         self.wire: WireGather | None = None  # when weights travel quantized (engine/wire.py)
 
-    def scratch_numel(self, numel: int, shard_numel: int) -> int:
-        """Elements of the scratch a reduce-scatter of a ``numel`` buffer needs (``shard_numel``
-        per rank): the received chunks of every rank (gloo's all-to-all), the reduced chunk
-        (native reduce-scatter), or none (a one-rank group copies)."""
-        if not self.active:
+    def scratch_numel(self, numel: int, shard_numel: int, over: str = "shard") -> int:
+        """Elements of the scratch a reduce-scatter of a ``numel`` buffer over group ``over``
+        needs (``shard_numel`` per rank): the received chunks of every rank (gloo's
+        all-to-all), the reduced chunk (native reduce-scatter), or none (a one-rank group
+        copies)."""
+        if not self.communicates(over):
             return 0
         return numel if self.gloo_workaround else shard_numel
 
     def members(self, over: str) -> tuple[dist.ProcessGroup | None, int, int]:
-        g = {"shard": self.group, "hpz": self.hpz, "replicate": self.replicate}[over]
+        g = {
+            "shard": self.group, "hpz": self.hpz, "replicate": self.replicate,
+            "expert": self.expert,
+        }[over]  # fmt: skip
         if g is None:
             return None, 0, 1
         return g, dist.get_rank(g), dist.get_world_size(g)
+
+    def communicates(self, over: str) -> bool:
+        """Does group ``over`` move data (not a group of one; forced for tests)?"""
+        if over == "shard":
+            return self.active
+        group, _, world = self.members(over)
+        return group is not None and (world > 1 or force_comm())
 
     def _issue(
         self,
@@ -349,9 +362,9 @@ class Comm:
         """A unit's gather of flat parameter ``flat`` over the shard group into ``out``: in the
         wire dtype when one is set and the group communicates, else ``all_gather`` of ``src``
         (default: the rank's slice)."""
-        if self.wire is not None and self.active and src is None:
+        if self.wire is not None and self.communicates(flat.over) and src is None:
             return self.wire.gather(self, flat, out, phase, label)
-        return self.all_gather(out, flat.shard if src is None else src, phase, label)
+        return self.all_gather(out, flat.shard if src is None else src, phase, label, flat.over)
 
     def all_gather_packed(
         self,
@@ -361,17 +374,18 @@ class Comm:
         unpack: Callable[[torch.Tensor], None],
         phase: str,
         label: str,
+        over: str = "shard",
     ) -> Pending:
         """A quantized all-gather (engine/wire.py): ``pack(own)`` writes this rank's ``chunk``
         bytes, the ranks gather them into a byte buffer that lives until the wait, and
         ``unpack(wire)`` dequantizes every rank's bytes into ``out`` (the gather slot). Only
-        called when the shard group communicates; the bytes counted are the wire's."""
-        group, rank, world = self.members("shard")
+        called when group ``over`` communicates; the bytes counted are the wire's."""
+        group, rank, world = self.members(over)
         assert group is not None and (world > 1 or force_comm())
         what = f"all-gather of unit {label} ({phase}, quantized)"
         wire = torch.empty(world * chunk, dtype=torch.uint8, device=out.device)  # Pending keeps it
         own = wire[rank * chunk : (rank + 1) * chunk]
-        self.stats.record("all_gather", phase, wire.numel(), "shard")
+        self.stats.record("all_gather", phase, wire.numel(), over)
         with profiled(f"layershard::all_gather[{label}]"):
             if self.gloo_workaround:
                 pack(own)
@@ -402,33 +416,36 @@ class Comm:
         label: str,
         post: Callable[[torch.Tensor], object],
         host_post: Callable[[], object] | None = None,
+        over: str = "shard",
     ) -> Pending:
-        """Sum ``inp`` across the shard group and then this rank's chunk across the replicas;
-        then ``post(chunk)`` with the chunk of the sum (on the comm stream on CUDA), then
-        ``host_post()`` on the CPU. ``scratch`` (``scratch_numel`` elements) is where the chunk
-        is reduced into or the other ranks' chunks are received."""
-        n = inp.numel() // self.world_size
+        """Sum ``inp`` across group ``over`` (the shard group, or the expert group) and then
+        this rank's chunk across the replicas; then ``post(chunk)`` with the chunk of the sum
+        (on the comm stream on CUDA), then ``host_post()`` on the CPU. ``scratch``
+        (``scratch_numel`` elements) is where the chunk is reduced into or the other ranks'
+        chunks are received."""
+        group, rank, world = self.members(over)
+        n = inp.numel() // world
         what = f"reduce-scatter of unit {label} ({phase})"
         first: Callable[[bool], object] | None = None
         combine: Callable[[], object] | None = None  # after ``first``, before the replicas'
-        if not self.active:
+        if not self.communicates(over):
             chunk = inp
         else:
-            self.stats.record("reduce_scatter", phase, inp.numel() * inp.element_size())
+            self.stats.record("reduce_scatter", phase, inp.numel() * inp.element_size(), over)
             assert scratch is not None, "the reduce-scatter needs its gradient slot's scratch"
             if self.gloo_workaround:  # all-to-all, then this rank sums what it received
                 recv = scratch[: inp.numel()]
-                first = lambda a: dist.all_to_all_single(recv, inp, group=self.group, async_op=a)  # noqa: E731
+                first = lambda a: dist.all_to_all_single(recv, inp, group=group, async_op=a)  # noqa: E731
                 if inp.dtype == torch.float32:  # into the first received chunk: inp is read only
                     rows = recv.split(n)
                     chunk = rows[0]
                     combine = partial(_sum_into_first, rows)
                 else:  # 16-bit: summed in fp32, rounded once, into the buffer's own chunk
-                    chunk = inp[self.rank * n : (self.rank + 1) * n]
-                    combine = partial(torch.sum, recv.view(self.world_size, n), dim=0, out=chunk)
+                    chunk = inp[rank * n : (rank + 1) * n]
+                    combine = partial(torch.sum, recv.view(world, n), dim=0, out=chunk)
             else:
                 chunk = scratch[:n]
-                first = lambda a: _reduce_scatter(chunk, inp, group=self.group, async_op=a)  # noqa: E731
+                first = lambda a: _reduce_scatter(chunk, inp, group=group, async_op=a)  # noqa: E731
         second: Callable[[bool], object] | None = None
         if self.replicate is not None:
             self.stats.record(

@@ -45,6 +45,24 @@ class ParamUse:
     attr: str
 
 
+@dataclass(frozen=True)
+class ExpertPart:
+    """Where a rank's experts sit in the whole parameter of an expert-parallel layer (experts
+    split over the ``ep`` ranks along dim 0, parallel/expert.py): its shape, and the elements of
+    the flattened whole before this rank's part. Checkpoints and ``full_state_dict`` speak of the
+    whole; the flat storage holds the part."""
+
+    whole_shape: torch.Size
+    offset: int
+
+
+EXPERT_ATTR = "_layershard_expert"  # an ExpertPart on a parameter that holds some experts only
+
+
+def expert_part(p: torch.Tensor) -> ExpertPart | None:
+    return getattr(p, EXPERT_ATTR, None)
+
+
 @dataclass
 class ParamSlot:
     """An original parameter's place in its flat tensor. ``uses[0].name`` is its canonical name."""
@@ -54,6 +72,7 @@ class ParamSlot:
     offset: int
     requires_grad: bool
     packed: Packed | None = None  # a 4-bit weight: ``shape`` is its carrier elements
+    expert: ExpertPart | None = None  # this rank's experts of a larger parameter
 
     @property
     def name(self) -> str:
@@ -62,6 +81,23 @@ class ParamSlot:
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    @property
+    def whole_shape(self) -> torch.Size:
+        """The parameter's shape as checkpoints and full state dicts hold it."""
+        return self.shape if self.expert is None else self.expert.whole_shape
+
+    @property
+    def whole_offset(self) -> int:
+        """Where this rank's part starts in the flattened whole parameter."""
+        return 0 if self.expert is None else self.expert.offset
+
+    def part_of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part (``shape``) of the whole parameter ``whole``."""
+        if self.expert is None:
+            return whole
+        start = self.expert.offset
+        return whole.reshape(-1)[start : start + self.numel].view(self.shape)
 
 
 def layout(numels: list[int], world_size: int) -> tuple[list[int], int, int]:
@@ -85,6 +121,9 @@ class FlatParam:
     device: torch.device
     storage: torch.Tensor | None = field(default=None, repr=False)  # zeroed, shard_numel long
     dtype: torch.dtype = torch.float32  # a packed group's carrier: the gather slot's dtype
+    # the group it is sharded over (engine/collectives.py ``Comm.members``): "shard", or
+    # "expert" for experts of an expert-parallel layer (the ranks holding the same experts)
+    over: str = "shard"
     numel: int = field(init=False)  # up to the end of the last parameter
     padded_numel: int = field(init=False)
     shard_numel: int = field(init=False)
@@ -155,9 +194,11 @@ class FlatParam:
         return lo - slot.offset, hi - slot.offset
 
     def param_ranges(self, slot: ParamSlot) -> list[tuple[int, int]]:
-        """For every rank, the part ``[a, b)`` of the flattened parameter ``slot`` it holds."""
+        """For every rank of its group, the part ``[a, b)`` of the flattened whole parameter
+        ``slot`` (all experts, for an expert slot) it holds."""
+        at = slot.whole_offset - slot.offset
         return [
-            (lo - slot.offset, hi - slot.offset)
+            (lo + at, hi + at)
             for lo, hi in (self.range_on(slot, r) for r in range(self.world_size))
         ]
 

@@ -10,6 +10,8 @@
   converted silently, doubling its memory and changing the dtype its module computes in. FSDP2
   refuses a unit whose parameters have different dtypes; here the recipe is the one FSDP2
   documents for bf16 training: fp32 parameters and ``mixed_precision=MixedPrecision(bf16)``;
+- experts split for expert parallelism (parallel/expert.py) without the expert mesh that says
+  which ranks hold the same experts, or split over a different number of ranks than its ``ep``;
 - ranks that disagree on the model or the options: every rank hashes its unit layout (units,
   parameter names, shapes, dtypes, ``requires_grad``, and the options that decide the
   collectives) and the ranks compare the hashes (one small all-gather); on a mismatch they
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from layershard.engine.flat import expert_part
 from layershard.engine.quantized import is_packed
 from layershard.engine.units import UnitSpec
 
@@ -39,6 +42,26 @@ def _unit_of(name: str, specs: list[UnitSpec]) -> str:
         if (name == s.name or name.startswith(s.name + ".")) and len(s.name) > len(best):
             best = s.name
     return best or "<root>"
+
+
+def check_experts(specs: list[UnitSpec], sharding) -> None:
+    for s in specs:
+        for p, uses in s.params:
+            part = expert_part(p)
+            if part is None:
+                continue
+            if sharding.expert_group is None and sharding.ep_group is None:
+                raise ValueError(
+                    f"shard(): {uses[0].name} holds some experts only (expert parallelism) but "
+                    "no expert_mesh was given; use ls.parallelize(model, ep=...), or pass "
+                    "expert_mesh= (dims 'efsdp', 'ep') with the mesh the experts were split over"
+                )
+            if part.whole_shape[0] != p.shape[0] * sharding.ep_size:
+                raise ValueError(
+                    f"shard(): {uses[0].name} holds {p.shape[0]} of {part.whole_shape[0]} "
+                    f"experts, but the expert mesh's ep is {sharding.ep_size}: split the "
+                    "experts over the expert mesh's 'ep' dimension"
+                )
 
 
 def check_shared_modules(model: nn.Module, specs: list[UnitSpec]) -> None:

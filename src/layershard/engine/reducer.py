@@ -78,8 +78,7 @@ class Reducer:
         self.tail = set()
         users = backward_order + ([last] if last is not None else [])
         for u in reversed(users):
-            f = u.trainable
-            if f is not None and f.padded_numel <= self.slot_numel:
+            if any(f.padded_numel <= self.slot_numel for f in u.trainables):
                 break
             self.tail.add(id(u))
 
@@ -98,33 +97,33 @@ class Reducer:
         """``u``'s backward ended with ``grads`` (one per parameter, None where it got none):
         reduce them now, or (``later``: ``no_sync``, or a unit this backward reduces at its end)
         add them to the fp32 accumulator."""
-        f = u.trainable
-        if f is None:
-            return
-        pairs = [  # (flat offset, numel, gradient) of the trainable slots, which come first
-            (s.offset, s.numel, g.reshape(-1))
-            for s, g in zip(f.slots, grads[: len(f.slots)])
-            if g is not None
-        ]
-        if later or f.acc_dirty:
-            acc = self._accumulator(f)
-            if pairs:
-                torch._foreach_add_([acc[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs])
-            f.acc_dirty = True
-            if later:
-                return
-            pairs = []  # the accumulator holds them (and what no_sync backwards left)
-        self._reduce_now(u, pairs)
+        for f, fgrads in u.trainable_grads(grads):
+            pairs = [  # (flat offset, numel, gradient) of the flat's slots
+                (s.offset, s.numel, g.reshape(-1)) for s, g in zip(f.slots, fgrads) if g is not None
+            ]
+            if later or f.acc_dirty:
+                acc = self._accumulator(f)
+                if pairs:
+                    torch._foreach_add_(
+                        [acc[o : o + n] for o, n, _ in pairs], [g for *_, g in pairs]
+                    )
+                f.acc_dirty = True
+                if later:
+                    continue
+                pairs = []  # the accumulator holds them (and what no_sync backwards left)
+            self._reduce_now(u, f, pairs)
 
     def reduce_accumulated(self, u: Unit) -> None:
-        """End of backward: reduce what ``u``'s accumulator holds (zeros on a rank whose
+        """End of backward: reduce what ``u``'s accumulators hold (zeros on a rank whose
         backward did not reach it; every rank calls it, in the same unit order)."""
-        self._reduce_now(u, [])
+        for f in u.trainables:
+            self._reduce_now(u, f, [])
 
-    def _reduce_now(self, u: Unit, pairs: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Reduce ``pairs``, or the accumulator when it holds something."""
-        f = u.trainable
-        assert f is not None
+    def _reduce_now(
+        self, u: Unit, f: FlatParam, pairs: list[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        """Reduce ``pairs`` (gradients of ``u``'s flat ``f``), or the accumulator when it holds
+        something."""
         earlier = self._reduced.get(id(f))
         if earlier is not None:  # f's second use: its gradient is added, after the first's
             earlier.wait()
@@ -155,9 +154,11 @@ class Reducer:
             host_post = partial(scale_into, grad, staging, post_factor, fresh)
         else:
             post = lambda chunk: scale_into(grad, chunk, post_factor, fresh)  # noqa: E731
-        need = self.comm.scratch_numel(f.padded_numel, f.shard_numel)
-        scratch = gs.get_scratch(need) if gs.scratch_numel else None
-        pending = self.comm.reduce_scatter(buf, scratch, "backward", u.name, post, host_post)
+        need = self.comm.scratch_numel(f.padded_numel, f.shard_numel, f.over)
+        scratch = gs.get_scratch(need) if need else None
+        pending = self.comm.reduce_scatter(
+            buf, scratch, "backward", u.name, post, host_post, over=f.over
+        )
         gs.reducing(pending)
         self._reduced[id(f)] = pending
 
@@ -173,7 +174,7 @@ class Reducer:
         g = pairs[0][2]
         same = g.dtype == gs.dtype == torch.float32 and g.device == gs.device
         same = same and g.is_contiguous()
-        return g if same and self.comm.active else None
+        return g if same and self.comm.communicates(f.over) else None
 
     def _fill(
         self, gs: GradSlot, f: FlatParam, pairs: list[tuple[int, int, torch.Tensor]]

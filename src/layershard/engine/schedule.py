@@ -156,8 +156,9 @@ class Schedule:
         for u in self.all_units():
             u.unbind()
             u.slot.reset()
-            if u.trainable is not None and torch.is_grad_enabled():
-                u.trainable.release_grad()
+            if torch.is_grad_enabled():
+                for f in u.trainables:
+                    f.release_grad()
         self.phase = Phase.FORWARD
         self._grad_forward = torch.is_grad_enabled()
         if self._grad_forward:
@@ -213,8 +214,8 @@ class Schedule:
         bw.abandon()
         self._settle()
         for u in self.all_units():
-            if u.trainable is not None:
-                u.trainable.drop_accumulated()
+            for f in u.trainables:
+                f.drop_accumulated()
 
     def pre_forward(self, u: Unit, args: tuple = (), kwargs: dict | None = None):
         if self.in_backward():  # a recompute of a checkpoint that calls the module itself
@@ -236,7 +237,7 @@ class Schedule:
         self.gather_next(u, Phase.FORWARD)
         if grad and u.gather_in_backward:
             self._push_saved_tensor_hooks(u, use)
-        record = self.uses.get(use) if grad and u.trainable is None else None
+        record = self.uses.get(use) if grad and not u.trainables else None
         if record is not None:
             return mark_inputs(record, args, kwargs or {})
         return None
@@ -426,7 +427,7 @@ class Schedule:
     def _bind(self, u: Unit, use: int | None) -> None:
         private = self.bw.private.get(id(u)) if self.bw is not None else None
         full_views = private.views if private is not None else u.full_views
-        if torch.is_grad_enabled() and u.trainable is not None:
+        if torch.is_grad_enabled() and u.trainables:
             views = BindUnit.apply(self, u, use, u.anchor, *full_views)
             record = self.uses.get(use) if self.phase is Phase.FORWARD else None
             if record is not None and views:

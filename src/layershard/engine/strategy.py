@@ -17,6 +17,16 @@ slice with the same gradients, so they stay equal). The hpZ and hybrid groups ar
 ``layershard.groups`` (consecutive blocks of K ranks, and every K-th rank for hybrid's replicas, as
 torch's ``DeviceMesh`` lays them out), which also says when they go; a 2-D ``mesh`` passed in is
 the caller's.
+
+Past one dimension (issue 32) the groups come from meshes with named dimensions, laid out as
+transformers' ``DistributedConfig`` lays them out: a dense mesh ``(dp_replicate, dp_shard, tp)``
+and an expert mesh ``(dp_replicate, efsdp, ep)`` over the same ranks, ``efsdp * ep = dp_shard *
+tp``. Dense units are sharded over ``dp_shard`` (the ranks with the same tensor-parallel
+coordinate: their local shapes agree), the experts of an expert-parallel layer over ``efsdp``
+(the ranks holding the same experts); both replicate over ``dp_replicate``. Every gradient is
+divided by the whole data-parallel size ``dp_replicate * dp_shard``: an expert's gradient on its
+rank already sums the contributions of its EP group's tokens (the all-to-all's backward brought
+them home, parallel/expert.py), and the reduction over ``efsdp`` sums the rest.
 """
 
 from __future__ import annotations
@@ -57,6 +67,10 @@ class Sharding:
     keep_gathered: bool  # grad_op, no_shard: no re-gather in backward
     groups: Groups = field(compare=False, repr=False)  # every group made for this model
     hpz_group: dist.ProcessGroup | None = None  # full with reshard_after_forward=K
+    # expert parallelism: the ranks holding the same experts (efsdp) and those splitting a
+    # layer's experts (ep); None: a group of one
+    expert_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None
 
     @property
     def shard_size(self) -> int:
@@ -73,6 +87,18 @@ class Sharding:
     @property
     def replica_index(self) -> int:
         return 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
+
+    @property
+    def expert_size(self) -> int:
+        return 1 if self.expert_group is None else dist.get_world_size(self.expert_group)
+
+    @property
+    def expert_rank(self) -> int:
+        return 0 if self.expert_group is None else dist.get_rank(self.expert_group)
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.ep_group is None else dist.get_world_size(self.ep_group)
 
     @property
     def hpz_size(self) -> int:
@@ -155,15 +181,23 @@ def check_options(
             )
 
 
+def named(mesh: DeviceMesh | None) -> bool:
+    """A mesh with named dimensions (issue 32's ``dp_shard``...), not hybrid's plain 2-D one."""
+    return mesh is not None and "dp_shard" in (mesh.mesh_dim_names or ())
+
+
 def resolve(
     strategy: str,
     group: dist.ProcessGroup,
     shard_size: int | None = None,
     reshard_after_forward: bool | int = True,
     mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> Sharding:
     """Build the groups of ``strategy`` over ``group`` (collective: every rank calls it). The
     groups made here live as long as the returned ``Sharding`` (``layershard.groups``)."""
+    if named(mesh) or expert_mesh is not None:
+        return from_meshes(strategy, group, mesh, expert_mesh, shard_size, reshard_after_forward)
     world = dist.get_world_size(group)
     check_options(strategy, world, shard_size, reshard_after_forward, mesh is not None)
     groups = Groups(group)
@@ -203,3 +237,72 @@ def _resolve(strategy, group, groups, world, shard_size, reshard_after_forward, 
     shard = shard_group if dist.get_world_size(shard_group) > 1 else None
     replicate = replicate_group if dist.get_world_size(replicate_group) > 1 else None
     return Sharding("hybrid", shard, replicate, False, groups)
+
+
+def _dim(mesh: DeviceMesh, name: str) -> dist.ProcessGroup | None:
+    """The group of this rank along dimension ``name``; None when absent or of size one."""
+    if name not in (mesh.mesh_dim_names or ()) or mesh[name].size() == 1:
+        return None
+    return mesh[name].get_group()
+
+
+def _size(mesh: DeviceMesh, name: str) -> int:
+    return mesh[name].size() if name in (mesh.mesh_dim_names or ()) else 1
+
+
+def from_meshes(
+    strategy: str,
+    group: dist.ProcessGroup,
+    mesh: DeviceMesh | None,
+    expert_mesh: DeviceMesh | None,
+    shard_size: int | None,
+    reshard_after_forward: bool | int,
+) -> Sharding:
+    """The groups of a dense mesh ``(dp_replicate, dp_shard, tp)`` and an expert mesh
+    ``(dp_replicate, efsdp, ep)`` (module docstring); the meshes are the caller's."""
+    if strategy not in ("full", "grad_op", "hybrid"):
+        raise ValueError(
+            f"shard(strategy={strategy!r}) with a mesh: use 'full' or 'grad_op' (dp_replicate > 1 "
+            "in the mesh makes it hybrid)"
+        )
+    if shard_size is not None or reshard_after_forward not in (True, False):
+        raise ValueError(
+            "shard(mesh=...): the mesh gives the groups; shard_size= and reshard_after_forward=K "
+            "do not apply (use dp_replicate in the mesh for HSDP)"
+        )
+    if mesh is None or not named(mesh):
+        raise ValueError(
+            "shard(expert_mesh=...) needs mesh= too: a DeviceMesh with named dimensions "
+            "including 'dp_shard' (ls.parallelize builds both)"
+        )
+    world = dist.get_world_size(group)
+    if mesh.size() != world:
+        raise ValueError(
+            f"shard(mesh=...): the mesh has {mesh.size()} ranks, the process group {world}"
+        )
+    groups = Groups(group)
+    keep = strategy == "grad_op" or reshard_after_forward is False
+    replicate = _dim(mesh, "dp_replicate")
+    expert = ep = None
+    if expert_mesh is not None:
+        names = expert_mesh.mesh_dim_names or ()
+        if "ep" not in names or "efsdp" not in names or expert_mesh.size() != world:
+            raise ValueError(
+                "shard(expert_mesh=...): a DeviceMesh over the same ranks with dimensions "
+                "('dp_replicate',) 'efsdp', 'ep' (as transformers' DistributedConfig lays them out)"
+            )
+        dense = _size(mesh, "dp_shard") * _size(mesh, "tp")
+        if _size(expert_mesh, "efsdp") * _size(expert_mesh, "ep") != dense:
+            raise ValueError(
+                f"shard(expert_mesh=...): efsdp x ep ({_size(expert_mesh, 'efsdp')} x "
+                f"{_size(expert_mesh, 'ep')}) must equal dp_shard x tp ({dense})"
+            )
+        if _size(expert_mesh, "dp_replicate") != _size(mesh, "dp_replicate"):
+            raise ValueError("shard(expert_mesh=...): its dp_replicate must equal the mesh's")
+        expert, ep = _dim(expert_mesh, "efsdp"), _dim(expert_mesh, "ep")
+    name = "hybrid" if replicate is not None else ("grad_op" if keep else "full")
+    sharding = Sharding(
+        name, _dim(mesh, "dp_shard"), replicate, keep, groups, expert_group=expert, ep_group=ep
+    )
+    groups.owned_by(sharding)
+    return sharding

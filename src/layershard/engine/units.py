@@ -164,7 +164,8 @@ class Unit:
         self.name, self.module, self.is_block = name, module, is_block
         self.flats, self.slot = flats, slot
         self.gather_in_backward = gather_in_backward  # False: an embedding (see units.py)
-        self.trainable = next((f for f in flats if f.requires_grad), None)
+        # its trainable flat groups: one, and a second of experts in an expert-parallel layer
+        self.trainables = [f for f in flats if f.requires_grad]
         self.param_slots: list[ParamSlot] = [s for f in flats for s in f.slots]
         self.flat_offsets, off = [], 0
         for f in flats:
@@ -190,7 +191,7 @@ class Unit:
     @property
     def acc_dirty(self) -> bool:
         """Its gradients wait in the fp32 accumulator (``no_sync``), not yet reduced."""
-        return self.trainable is not None and self.trainable.acc_dirty
+        return any(f.acc_dirty for f in self.trainables)
 
     @property
     def full_views(self) -> list[torch.Tensor]:
@@ -212,6 +213,15 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.name})"
+
+    def trainable_grads(self, grads: tuple) -> list[tuple[FlatParam, tuple]]:
+        """``grads`` (one per parameter, in ``param_slots`` order) split by trainable flat
+        group (whose slots come first)."""
+        out, start = [], 0
+        for f in self.trainables:
+            out.append((f, grads[start : start + len(f.slots)]))
+            start += len(f.slots)
+        return out
 
     def check_requires_grad(self) -> None:
         """``shard()`` split the unit into trainable and frozen shards; a flag changed since

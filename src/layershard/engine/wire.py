@@ -214,4 +214,4 @@ class WireGather:
                 for r in range(world):
                     dequantize_int8(wire[r * chunk : (r + 1) * chunk], n, out[r * n : (r + 1) * n])
 
-        return comm.all_gather_packed(out, chunk, pack, unpack, phase, label)
+        return comm.all_gather_packed(out, chunk, pack, unpack, phase, label, f.over)

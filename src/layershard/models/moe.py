@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layershard.engine.flat import EXPERT_ATTR, ExpertPart
 from layershard.parallel.expert import ExpertGroup, expert_parallel_forward
 
 
@@ -74,7 +75,7 @@ class Experts(nn.Module):
 
     def __init__(self, dim: int, ffn_dim: int, n_experts: int, n_layers: int) -> None:
         super().__init__()
-        self.n_layers = n_layers
+        self.n_layers, self.n_experts = n_layers, n_experts
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.ep: ExpertGroup | None = None  # expert parallelism: see split_experts
@@ -85,8 +86,12 @@ class Experts(nn.Module):
         """Keep only this rank's experts of ``eg`` (parallel/expert.py); tokens then reach them
         by all-to-all."""
         keep = slice(eg.first, eg.first + eg.local)
-        self.gate_up_proj = nn.Parameter(self.gate_up_proj[keep].clone())
-        self.down_proj = nn.Parameter(self.down_proj[keep].clone())
+        for name in ("gate_up_proj", "down_proj"):
+            whole = getattr(self, name)
+            part = nn.Parameter(whole[keep].clone(), requires_grad=whole.requires_grad)
+            # where the part sits in the whole: checkpoints and full state dicts hold the whole
+            setattr(part, EXPERT_ATTR, ExpertPart(whole.shape, eg.first * whole[0].numel()))
+            setattr(self, name, part)
         self.ep = eg
 
     def reset_parameters(self) -> None:

@@ -201,13 +201,16 @@ class Muon(torch.optim.Optimizer):
         self._device = model.collective_device
 
         named: list[tuple[str, nn.Parameter, torch.Size, bool, Any]] = []
+        if sharding.ep_size > 1 or sharding.expert_size > 1:
+            raise ValueError(
+                "Muon: expert parallelism is not supported yet (its experts are sharded over "
+                "another group than the shard group); use AdamW, or ep=1"
+            )
         for u in model.units:
-            f = u.trainable
-            if f is None:
-                continue
-            assert f.world_size == self._world, "a flat parameter outside the shard group"
-            for slot, p in zip(f.slots, f.shard_params):
-                named.append((slot.name, p, slot.shape, u.is_block, (f, slot)))
+            for f in u.trainables:
+                assert f.world_size == self._world, "a flat parameter outside the shard group"
+                for slot, p in zip(f.slots, f.shard_params):
+                    named.append((slot.name, p, slot.shape, u.is_block, (f, slot)))
         names = {n for n, *_ in named}
         if muon_params is not None and not callable(muon_params):
             base = sorted(s.name for u in model.units for f in u.flats if f.packed for s in f.slots)

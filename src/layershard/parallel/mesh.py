@@ -1,0 +1,100 @@
+"""``ls.parallelize``: the meshes of an N-D run, the model's experts split over ``ep``, then
+layershard's sharding as the data-parallel axis (``ls.shard(model, mesh=, expert_mesh=)``).
+
+The meshes are laid out as transformers' ``DistributedConfig`` lays them out (so a rank's
+coordinates mean the same under either library): a dense mesh ``(dp_replicate, dp_shard, tp)``
+and an expert mesh ``(dp_replicate, efsdp, ep)`` over the same ranks, row-major, with
+``efsdp = dp_shard * tp / ep``. A layer's EP group is thus ``ep`` consecutive ranks, and the
+ranks holding the same experts (efsdp) are every ``ep``-th rank within a replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from layershard.distributed import default_device
+from layershard.parallel.expert import ExpertGroup
+
+
+def mesh_sizes(world: int, tp: int = 1, ep: int = 1, dp_replicate: int = 1) -> dict[str, int]:
+    """Every dimension's size for ``world`` ranks, or ``ValueError`` saying what to change."""
+    for name, n in (("tp", tp), ("ep", ep), ("dp_replicate", dp_replicate)):
+        if n < 1:
+            raise ValueError(f"parallelize({name}={n}): must be at least 1")
+    if world % (tp * dp_replicate):
+        raise ValueError(
+            f"parallelize(tp={tp}, dp_replicate={dp_replicate}): their product must divide the "
+            f"world size {world}"
+        )
+    dp_shard = world // (tp * dp_replicate)
+    if (dp_shard * tp) % ep:
+        raise ValueError(
+            f"parallelize(ep={ep}): must divide dp_shard x tp = {dp_shard * tp} (the ranks of a "
+            "replica), so that efsdp = dp_shard x tp / ep is whole"
+        )
+    efsdp = dp_shard * tp // ep
+    return dict(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, efsdp=efsdp, ep=ep)
+
+
+def make_meshes(
+    tp: int = 1, ep: int = 1, dp_replicate: int = 1, device_type: str | None = None
+) -> tuple[DeviceMesh, DeviceMesh]:
+    """The dense and the expert mesh over every rank (collective)."""
+    world = dist.get_world_size()
+    n = mesh_sizes(world, tp, ep, dp_replicate)
+    kind = device_type or default_device(dist.group.WORLD).type
+    dense = init_device_mesh(
+        kind,
+        (n["dp_replicate"], n["dp_shard"], tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+    )
+    expert = init_device_mesh(
+        kind, (n["dp_replicate"], n["efsdp"], ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
+    )
+    return dense, expert
+
+
+def split_experts(model: nn.Module, expert_mesh: DeviceMesh) -> int:
+    """Keep on this rank its ``ep`` share of every expert layer (modules with ``split_experts``:
+    the built-in MoE's ``Experts``); returns how many layers were split."""
+    group = expert_mesh["ep"].get_group()
+    from layershard.models.moe import Experts
+
+    layers = [m for m in model.modules() if isinstance(m, Experts)]
+    for m in layers:
+        m.split_experts(ExpertGroup(group, m.n_experts))
+    return len(layers)
+
+
+def parallelize(
+    model: nn.Module, *, tp: int = 1, ep: int = 1, dp_replicate: int = 1, **shard_options: Any
+):
+    """Shard ``model`` over every rank with expert parallelism ``ep`` (its experts split over
+    ``ep`` ranks, tokens exchanged by all-to-all), replicas ``dp_replicate`` (HSDP) and the rest
+    data-parallel sharding; returns ``ls.shard``'s ``ShardedModule``. Every rank passes the same
+    (unsplit) model. ``shard_options`` go to ``ls.shard`` (``mixed_precision=``,
+    ``activation_checkpointing=``...)."""
+    from layershard.sharded import shard  # the engine imports nothing from here
+
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize(): call ls.init_distributed() first")
+    for key in ("mesh", "expert_mesh", "process_group", "shard_size", "strategy"):
+        if key in shard_options and key != "strategy":
+            raise ValueError(f"parallelize(): {key}= is decided by tp/ep/dp_replicate")
+    if tp != 1:
+        raise NotImplementedError(
+            "parallelize(tp=...): apply torch's parallelize_module to the model, then "
+            "ls.shard(model, mesh=...) with the mesh's dp_shard dimension"
+        )
+    dense, expert = make_meshes(tp, ep, dp_replicate)
+    if ep > 1:
+        if split_experts(model, expert) == 0:
+            raise ValueError(
+                f"parallelize(ep={ep}): the model has no expert layers to split (the built-in "
+                "MoE's Experts); use ep=1 for a dense model"
+            )
+    return shard(model, mesh=dense, expert_mesh=expert if ep > 1 else None, **shard_options)
