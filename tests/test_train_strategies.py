@@ -1,4 +1,5 @@
-"""`layershard train` drives the engine's options: each strategy, hpZ with CPU offload, and fp16
+"""`layershard train` drives the engine's options: each strategy, hpZ with CPU offload, expert
+parallelism (the built-in MoE with --ep 2), and fp16
 (with ls.GradScaler) train 20 steps through the CLI on 2 gloo ranks, and each run's losses equal
 those of the same run written against the Python API (`ls.shard` with the options spelled out
 here, the same data order and recipe). A checkpoint of one strategy resumes under another; the
@@ -50,6 +51,13 @@ RUNS: dict[str, tuple[list[str], dict, str]] = {
         {"strategy": "full", "reshard_after_forward": 1, "offload": "cpu"},
         "fp32",
     ),
+    # the built-in MoE (4 experts, top-2), each layer's experts split over the 2 ranks
+    "ep": (
+        ["--model", "moe", "--model-override", "n_experts=4", "--model-override",
+         "moe_ffn_dim=64", "--model-override", "n_heads=4", "--ep", "2"],
+        {"strategy": "full", "ep": 2},
+        "fp32",
+    ),  # fmt: skip
     # a first loss scale of 2**20 overflows in the first steps here: the scaler skips some
     "fp16": (["--precision", "fp16", "--loss-scale", "1048576"], {"strategy": "full"}, "fp16"),
 }
@@ -145,7 +153,11 @@ def _api_runs(rank: int, world: int, cases: list, out_path: str) -> None:
             kwargs["offload"] = ls.CPUOffload()
         if precision == "fp16":
             kwargs["mixed_precision"] = ls.MixedPrecision(param_dtype=torch.float16)
-        model = ls.shard(build_model(kind, spec, cfg), **kwargs)
+        ep = kwargs.pop("ep", 1)
+        if ep > 1:  # each MoE layer's experts split over ep ranks, then sharded
+            model = ls.parallelize(build_model(kind, spec, cfg), ep=ep, **kwargs)
+        else:
+            model = ls.shard(build_model(kind, spec, cfg), **kwargs)
         opt = torch.optim.AdamW(
             param_groups(model.named_parameters(), cfg), lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2), eps=1e-8,

@@ -19,7 +19,9 @@ IMPLS = (
     "layershard-int8",
     "layershard-int8-bf16r",
     "layershard-muon-allgather",
+    "layershard-ep",
     "fsdp2",
+    "fsdp2-ep",
     "fsdp1",
     "ddp",
     "plain",
@@ -27,6 +29,10 @@ IMPLS = (
 # With --optimizer muon, "layershard" runs ls.optim.Muon (one owner per matrix) and this one the
 # simple alternative (every rank gathers and orthogonalizes every matrix).
 MUON_ALTERNATIVE = "layershard-muon-allgather"
+# Expert parallelism (``--ep N``, issue 32): layershard through ``ls.parallelize(model, ep=N)``,
+# and torch FSDP2 with the same expert split, applied as transformers' DistributedConfig applies
+# it (experts fully_shard-ed over efsdp, divided by the whole data-parallel size).
+EP_IMPLS = ("layershard-ep", "fsdp2-ep")
 STRATEGY_IMPL = {
     "full": "layershard",
     "grad_op": "layershard-grad_op",

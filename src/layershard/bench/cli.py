@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, wire_impl
+from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, wire_impl
 from layershard.models import hf as models_hf
 
-TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain")
+TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain", "fsdp2-ep")
 
 # The default bench: the `small` preset, a communication-heavier shape beside it (narrower,
 # shorter sequences, fewer tokens per rank: less compute per byte communicated), and a large
@@ -163,6 +163,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-bf16r in the name); bf16 alone also runs layershard-bf16r. The plain layershard "
         "run stays exact",
     )  # fmt: skip
+    r.add_argument(
+        "--ep", type=int, default=None, metavar="N",
+        help="expert parallelism over N ranks (a MoE model: --shape moe): also runs "
+        "layershard-ep (ls.parallelize(model, ep=N)) and fsdp2-ep (FSDP2 with the same expert "
+        "split, as transformers' DistributedConfig applies it); default impls then fsdp2-ep",
+    )  # fmt: skip
     r.add_argument("--steps", type=int, default=5, help="timed steps per run")
     r.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     r.add_argument("--repeats", type=int, default=3, help="runs per implementation and world size")
@@ -239,7 +245,11 @@ def run_shape(args: argparse.Namespace) -> int:
     device = _device_kind()
     strategies = [STRATEGY_IMPL[s] for s in args.strategy if s != "full"]
     muon = args.optimizer == "muon"
-    chosen = args.impl or ([MUON_ALTERNATIVE] if muon else ["fsdp2", "fsdp1", "ddp"])
+    default = ["fsdp2-ep"] if args.ep else ["fsdp2", "fsdp1", "ddp"]
+    chosen = args.impl or ([MUON_ALTERNATIVE] if muon else default)
+    if args.ep is None and set(chosen) & set(EP_IMPLS):
+        print("layershard bench: the *-ep implementations need --ep N", file=sys.stderr)
+        return 2
     if muon and set(chosen) & set(TORCH_IMPLS):
         print(
             "layershard bench: --optimizer muon runs layershard only (torch's implementations "
@@ -256,7 +266,7 @@ def run_shape(args: argparse.Namespace) -> int:
     if wires and muon:
         print("layershard bench: --gather-dtype/--reduce-dtype run with adamw", file=sys.stderr)
         return 2
-    ours = ["layershard", *strategies, *wires]
+    ours = ["layershard", *(["layershard-ep"] if args.ep else []), *strategies, *wires]
     impls = ours + [i for i in chosen if i not in ours]
     out = Path(args.out or f"benchmarks/{args.tag}-{device}")
     if args.out and args.shape_name:  # one folder per named shape
@@ -367,6 +377,8 @@ def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]
         "--warmup", str(args.warmup), "--seed", str(args.seed), "--lr", str(args.lr),
         "--optimizer", args.optimizer, "--loss", args.loss, "--out", str(path),
     ]  # fmt: skip
+    if args.ep:
+        cmd += ["--ep", str(args.ep)]
     if args.hf_config:
         cmd += ["--hf-config", args.hf_config]
     else:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layershard.bench import IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, WIRE_IMPL
+from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, WIRE_IMPL
 from layershard.bench.measure import (
     CountCollectives,
     StorageCounter,
@@ -42,7 +42,11 @@ MUON_LR = 0.02  # Muon's lr in --optimizer muon runs (AdamW keeps --lr for the o
 
 
 def is_layershard(impl: str) -> bool:
-    return impl in ("layershard", MUON_ALTERNATIVE) or impl in STRATEGY_IMPLS or impl in WIRE_IMPL
+    return (
+        impl in ("layershard", MUON_ALTERNATIVE, "layershard-ep")
+        or impl in STRATEGY_IMPLS
+        or impl in WIRE_IMPL
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--loss", choices=["inside", "outside"], default="inside")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (the *-ep impls)")
     p.add_argument("--no-mem", action="store_true", help="skip the MemTracker step")
     p.add_argument("--out", required=True, help="JSON file (written by rank 0)")
     return p.parse_args(argv)
@@ -148,10 +153,12 @@ def final_norm_and_head(model: nn.Module) -> list[nn.Module]:
 # ---- implementations -------------------------------------------------------------------------------
 
 
-def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: int):
+def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: int, ep: int = 1):
     """(wrapped model, autocast context factory, notes)"""
     notes = {}
     no_autocast = contextlib.nullcontext
+    if impl in EP_IMPLS:
+        return _wrap_ep(impl, model, device, bf16, world, ep), no_autocast, {"ep": ep}
     if is_layershard(impl):
         import layershard as ls
 
@@ -231,6 +238,43 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
             return ddp, partial(torch.autocast, device.type, dtype=torch.bfloat16), notes
         return ddp, no_autocast, notes
     raise ValueError(impl)
+
+
+def _wrap_ep(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: int, ep: int):
+    """Expert parallelism ``ep`` with layershard (``ls.parallelize``) or FSDP2 (``fully_shard``
+    as transformers' ``apply_fully_sharded_data_parallelism`` applies it, on the same meshes
+    and the same expert split)."""
+    import layershard as ls
+    from layershard.parallel.mesh import make_meshes, split_experts
+
+    if impl == "layershard-ep":
+        mp = ls.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
+        return ls.parallelize(model, ep=ep, mixed_precision=mp, device=device)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from layershard.models.moe import Experts
+
+    dense, expert = make_meshes(ep=ep, device_type=device.type)
+    split_experts(model, expert)
+    model.to(device)
+    mp_policy = (
+        MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
+    efsdp = expert["efsdp"]
+    for m in model.modules():
+        if isinstance(m, Experts):
+            fully_shard(m, mesh=efsdp, mp_policy=mp_policy)
+            m.set_gradient_divide_factor(float(world))  # type: ignore[operator]
+            if efsdp.size() > 1:  # gloo refuses PREMUL_SUM: sum, then divide locally
+                m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    mesh = dense["dp_shard"]
+    for block in block_list(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    tail = final_norm_and_head(model)
+    if tail:
+        fully_shard(tail, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
 
 
 @contextlib.contextmanager
@@ -348,7 +392,7 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     model, desc = build_model(args)
     vocab: int = cast(Any, model.config).vocab_size  # a LlamaConfig or a transformers config
-    model, autocast, notes = wrap(args.impl, model, device, bf16, world)
+    model, autocast, notes = wrap(args.impl, model, device, bf16, world, args.ep)
     muon = args.optimizer == "muon"
     opt: torch.optim.Optimizer
     muon_opt: ls.optim.Muon | None = None

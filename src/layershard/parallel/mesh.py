@@ -82,8 +82,8 @@ def parallelize(
 
     if not dist.is_initialized():
         raise RuntimeError("parallelize(): call ls.init_distributed() first")
-    for key in ("mesh", "expert_mesh", "process_group", "shard_size", "strategy"):
-        if key in shard_options and key != "strategy":
+    for key in ("mesh", "expert_mesh", "process_group", "shard_size"):
+        if shard_options.get(key) is not None:
             raise ValueError(f"parallelize(): {key}= is decided by tp/ep/dp_replicate")
     if tp != 1:
         raise NotImplementedError(

@@ -68,6 +68,9 @@ _HELP = {
     "on CPU/gloo)",
     "strategy": "ls.shard strategy: full (ZeRO-3), grad_op (ZeRO-2), no_shard (DDP-like), hybrid",
     "shard_size": "hybrid: ranks per shard group (default: the ranks of a node)",
+    "ep": "expert parallelism (a MoE model, e.g. --model moe): each layer's experts split over "
+    "ep ranks, tokens exchanged by all-to-all; experts sharded over the world / ep ranks that "
+    "hold the same ones (ls.parallelize)",
     "reshard_after_forward": "full: true, false (= grad_op) or K: keep each unit sharded over K "
     "ranks between forward and backward (hpZ)",
     "offload": "ls.CPUOffload(): shards, gradients and optimizer state in CPU memory",

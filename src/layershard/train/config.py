@@ -90,6 +90,8 @@ class TrainConfig:
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     strategy: Literal["full", "grad_op", "no_shard", "hybrid"] = "full"
     shard_size: Ranks = None  # hybrid: ranks per shard group (default: the ranks of a node)
+    # expert parallelism: each MoE layer's experts split over ep ranks (ls.parallelize)
+    ep: PositiveInt = 1
     reshard_after_forward: Annotated[
         StrictBool | PositiveInt,
         Field(description="true, false or a number of ranks K >= 1 (hpZ)"),
@@ -147,6 +149,15 @@ class TrainConfig:
             check_strategy_options(self.strategy, None, self.shard_size, self.reshard_after_forward)
         except ValueError as e:
             raise ValueError(f"strategy options: {_flags(str(e))}{_fix(str(e))}") from None
+        if self.ep > 1 and (
+            self.strategy not in ("full", "grad_op")
+            or self.reshard_after_forward not in (True, False)
+        ):
+            raise ValueError(
+                f"ep {self.ep}: expert parallelism runs with strategy full or grad_op "
+                "(reshard_after_forward true or false); drop --strategy/--reshard-after-forward, "
+                "or --ep"
+            )
         if self.precision != "fp16" and self.loss_scale != _DEFAULT_LOSS_SCALE:
             raise ValueError(
                 f"loss_scale {self.loss_scale:g} is fp16's initial loss scale, but this run "
@@ -476,6 +487,11 @@ def check_world(cfg: TrainConfig, world: int | None, local_world: int | None) ->
             f"strategy options: {_flags(str(e))}; change --nproc-per-node / --nnodes or the "
             "strategy options"
         ) from None
+    if world is not None and world % cfg.ep:
+        raise ConfigError(
+            f"ep {cfg.ep} must divide the world size {world} (each layer's experts split over "
+            "ep ranks); change --ep or --nproc-per-node / --nnodes"
+        )
 
 
 def grad_accum_for(cfg: TrainConfig, world_size: int) -> int:

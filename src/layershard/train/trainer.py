@@ -91,7 +91,11 @@ class Trainer:
         else:
             model = build_model(self.kind, self.spec, cfg, meta=meta)
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.model = ls.shard(model, **shard_options(cfg, precision, device))
+        options = shard_options(cfg, precision, device)
+        if cfg.ep > 1:  # the experts split first, then sharded over the ranks holding them
+            self.model = ls.parallelize(model, ep=cfg.ep, **options)
+        else:
+            self.model = ls.shard(model, **options)
         # fp16: gradients are scaled so that they do not underflow; a step whose gradients
         # overflowed is skipped by the scaler on every rank (its inf check is all-reduced)
         self.scaler = ls.GradScaler(init_scale=cfg.loss_scale) if precision == "fp16" else None
