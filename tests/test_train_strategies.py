@@ -37,6 +37,7 @@ TINY = [
 SMALL = ["--model-override", "dim=64", "--model-override", "n_layers=2",
          "--model-override", "ffn_dim=128"]  # fmt: skip
 
+MOE = ("n_experts=4", "moe_ffn_dim=64", "n_heads=4")  # the moe preset, small
 # name -> (CLI flags, the same run's ls.shard options and precision, spelled out by hand)
 RUNS: dict[str, tuple[list[str], dict, str]] = {
     "grad_op": (["--strategy", "grad_op"], {"strategy": "grad_op"}, "fp32"),
@@ -53,11 +54,10 @@ RUNS: dict[str, tuple[list[str], dict, str]] = {
     ),
     # the built-in MoE (4 experts, top-2), each layer's experts split over the 2 ranks
     "ep": (
-        ["--model", "moe", "--model-override", "n_experts=4", "--model-override",
-         "moe_ffn_dim=64", "--model-override", "n_heads=4", "--ep", "2"],
+        ["--model", "moe", "--ep", "2", *(f"--model-override={o}" for o in MOE)],
         {"strategy": "full", "ep": 2},
         "fp32",
-    ),  # fmt: skip
+    ),
     # a first loss scale of 2**20 overflows in the first steps here: the scaler skips some
     "fp16": (["--precision", "fp16", "--loss-scale", "1048576"], {"strategy": "full"}, "fp16"),
 }
