@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from layershard.cli import main
 from layershard.plan import Cluster, ModelShape, Settings, get_gpu, make_plan, suggest
@@ -215,3 +216,17 @@ def test_qwen3_moe_and_mixtral_configs(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(sparse))
     with pytest.raises(ValueError, match="every layer must be a MoE layer"):
         ModelShape.from_hf_config(tmp_path)
+
+
+def test_write_config_with_tp_ep(capsys, tmp_path):
+    out = tmp_path / "run.yaml"
+    base = ["plan", "--model", "moe", "--gpus", "4", "--gpus-per-node", "4", "--seq-len", "256",
+            "--write-config", str(out)]  # fmt: skip
+    # given --tp/--ep: layershard train cannot take them yet, so nothing is written
+    assert main([*base, "--tp", "2", "--ep", "4"]) == 2
+    assert "layershard train has no --tp/--ep yet" in capsys.readouterr().err
+    assert not out.exists()
+    # searched: the fastest row without TP/EP is written
+    assert main(base) == 0
+    cfg = yaml.safe_load(out.read_text())
+    assert cfg["model"] == "moe" and "tp" not in cfg and "ep" not in cfg

@@ -494,6 +494,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.write_config:
         chosen = plan if args.no_suggest or sug.plan is None else sug.plan
+        if chosen.mesh is not None and not (args.tp or args.ep):  # train has no --tp/--ep yet
+            chosen = next((r.plan for r in sug.ranking if r.plan and r.plan.mesh is None), chosen)
         if not chosen.fits:
             print(
                 "layershard plan: error: --write-config: these settings do not fit and no "
