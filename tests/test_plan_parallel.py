@@ -230,3 +230,17 @@ def test_write_config_with_tp_ep(capsys, tmp_path):
     assert main(base) == 0
     cfg = yaml.safe_load(out.read_text())
     assert cfg["model"] == "moe" and "tp" not in cfg and "ep" not in cfg
+
+
+@pytest.mark.parametrize("ckpt", [0, 1])
+def test_mesh_step_adds_up(ckpt):
+    """--explain's parts (compute by kind, contention, copies, exposed communication by link,
+    the optimizer) add up to a mesh row's step; the blocking collectives are all exposed."""
+    s = Settings(micro_batch=2, seq_len=16, tp=2, ep=4, checkpoint_layers=ckpt)
+    t = make_plan(MOE, H100, Cluster(8, 8), s).time
+    parts = sum(t.compute_by_kind.values()) + t.contention_s + t.copy_s + t.optimizer_s
+    assert parts + sum(t.exposed_by_link.values()) == pytest.approx(t.step_s)
+    assert t.exposed_comm_s == pytest.approx(sum(t.exposed_by_link.values()))
+    # a checkpointed layer's recompute repeats its forward's all-to-alls and all-reduces
+    a2a = t.comm_bytes["all_to_all"]["nvlink"]
+    assert a2a == (8 + 2 * ckpt) * 32 * 64 * 2 * 3 / 4

@@ -16,7 +16,8 @@ divisors (grad_accum scaled up to match) the fewest checkpointed layers that fit
 always faster). The fastest of all those wins; within 0.5% of it (below what the model can
 resolve) the one with the lowest peak. If nothing fits, it reports the smallest GPU count that
 fits with micro-batch 1 and every layer checkpointed (``full``, with or without offload), or that
-none does.
+none does. With TP/EP meshes (``plan/parallel.py``) it also compares ``full`` at each
+(tp, ep), the micro-batch per TP group scaled by tp to keep the global batch.
 """
 
 from __future__ import annotations
