@@ -244,3 +244,23 @@ def test_mesh_step_adds_up(ckpt):
     # a checkpointed layer's recompute repeats its forward's all-to-alls and all-reduces
     a2a = t.comm_bytes["all_to_all"]["nvlink"]
     assert a2a == (8 + 2 * ckpt) * 32 * 64 * 2 * 3 / 4
+
+
+def test_tp_moe_elementwise_of_its_share_of_the_tokens():
+    """With TP a rank routes T/tp tokens: the routed rows' element-wise bytes shrink with them
+    (the rest of the block's, on the whole T, does not)."""
+    from layershard.plan.kernels import elementwise_elems
+    from layershard.plan.parallel import tp_shape
+    from layershard.plan.sources import KERNELS, elementwise_floors
+
+    shape = ModelShape.from_hf_config(CONFIGS / "qwen3-30b-a3b")
+    mesh, T, c = Mesh(8, 2, 8), 8 * 4096, 2
+    t = predict_time(shape, H100, Cluster(8, 8), 8, 4096, mesh=mesh)
+    km, hbm, e = KERNELS["h100"], H100.hbm_bw_gbs * 1e9, H100.eff
+    routed = shape.top_k * (5 * shape.moe_ffn_dim + 4 * shape.dim) * (T - T // 2)
+    ew = (elementwise_elems(tp_shape(shape, mesh)) * T - routed) * c / (hbm * km.hbm_eff)
+    floor_f, floor_b = elementwise_floors("llama")
+    blocks = shape.n_layers * (max(ew, floor_f) + max(2 * ew, floor_b))
+    outside = 2 * (2 * c * shape.dim * T / hbm)  # the embedding's and the final norm's bytes
+    assert ew > floor_f  # the bytes, not the launch floor, bound it here
+    assert t.compute_by_kind["elementwise"] == pytest.approx((blocks + outside) / e.compute_scale)

@@ -40,7 +40,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from layershard.plan.hardware import GPU, Cluster
-from layershard.plan.kernels import StageCompute, expert_linears, gemm_time
+from layershard.plan.kernels import (
+    KernelModel,
+    StageCompute,
+    elementwise_elems,
+    expert_linears,
+    gemm_time,
+)
 from layershard.plan.memory import (
     dtype_bytes,
     layer_activation_bytes_per_token,
@@ -51,7 +57,7 @@ from layershard.plan.memory import (
     unit_grad_bytes,
 )
 from layershard.plan.model import ModelShape, Unit
-from layershard.plan.sources import KERNELS, Efficiency
+from layershard.plan.sources import KERNELS, Efficiency, elementwise_floors
 from layershard.plan.timing import Layout, Stage, Transfer
 
 TP_SIZES = (1, 2, 4, 8)  # the TP sizes the suggestion tries (within a node)
@@ -316,6 +322,8 @@ class MeshTime:
                 g_b += gemm_time(rows, kk, n, p, hbm, km, c) + gemm_time(n, kk, rows, p, hbm, km, c)
             scale = local_experts / e.compute_scale
             kind, g_f, g_b = "gemm", g_f * scale, g_b * scale
+            if m.tp > 1:
+                self._routed_elementwise(sc, stages, km, hbm, e, tokens, k, c)
         for x, s in zip(sc, stages):
             if not s.name.startswith("layers."):
                 continue
@@ -324,6 +332,23 @@ class MeshTime:
             if int(s.name.split(".")[1]) < k:
                 key = "recompute" if kind == "gemm" else kind
                 x.bwd[key] = x.bwd.get(key, 0.0) + g_f
+
+    def _routed_elementwise(self, sc: list[StageCompute], stages: list[Stage], km: KernelModel,
+                            hbm: float, e: Efficiency, tokens: int, k: int, c: int) -> None:  # fmt: skip
+        """``block_compute``'s element-wise bytes with the routed rows' part (gather, SwiGLU,
+        add back: ``top_k (5 fe + 4 d)`` per token) of ``T/tp`` tokens, not ``T``."""
+        sh = self.shape
+        routed = (
+            sh.top_k * (5 * sh.moe_ffn_dim + 4 * sh.dim) * (tokens - moe_tokens(tokens, self.mesh))
+        )
+        ew = (elementwise_elems(self.local) * tokens - routed) * c / (hbm * km.hbm_eff)
+        floors, scale = elementwise_floors(sh.family), 1.0 / e.compute_scale
+        new_f, new_b = max(ew, floors[0]) * scale, max(2 * ew, floors[1]) * scale
+        for x, s in zip(sc, stages):
+            if s.name.startswith("layers."):
+                if int(s.name.split(".")[1]) < k:
+                    x.bwd["recompute"] += new_f - x.fwd["elementwise"]
+                x.fwd["elementwise"], x.bwd["elementwise"] = new_f, new_b
 
 
 def mesh_candidates(
