@@ -194,6 +194,8 @@ def test_cli_tp_row_and_recommendation(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "strategy: full, tp 2, ep 4 (dp_shard 2, efsdp 1)" in out
+    mesh = make_plan(MOE, H100, Cluster(4, 4), Settings(1, 16, tp=2, ep=4)).to_dict()["mesh"]
+    assert mesh == {"tp": 2, "ep": 4, "dp_shard": 2, "efsdp": 1}
     assert "all_to_all" in out and "tp_all_reduce" in out
     assert "layershard train (the plan's recommendation" in out and "--tp 2 --ep 4" in out
 

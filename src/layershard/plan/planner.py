@@ -154,6 +154,14 @@ class Plan:
             "cluster": {**asdict(self.cluster), "nodes": self.cluster.nodes},
             "settings": asdict(self.settings),
             "strategy": self.strategy_label,
+            "mesh": None
+            if self.mesh is None
+            else {
+                "tp": self.mesh.tp,
+                "ep": self.mesh.ep,
+                "dp_shard": self.mesh.dp_shard,
+                "efsdp": self.mesh.efsdp,
+            },  # fmt: skip
             "memory_bytes": self.memory,
             "budget_bytes": self.budget,
             "host_budget_bytes_per_node": self.host_budget,
