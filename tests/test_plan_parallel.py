@@ -102,9 +102,13 @@ def test_all_to_all_and_tp_all_reduce_bytes():
     # two all-to-alls per MoE layer per pass, 3/4 of each leaving the rank, all over NVLink
     assert p.time.comm_bytes["all_to_all"]["nvlink"] == L * 4 * per_a2a * 3 / 4
     assert p.time.comm_groups["all_to_all"] == "ep 4/node"
-    # TP: two all-reduces per block per pass, one for the embedding and one for the head,
-    # of the block's T d activations; a ring of 2 sends 2 (2 - 1) / 2 of them
-    assert p.time.comm_bytes["tp_all_reduce"]["nvlink"] == (4 * L + 2) * 32 * d * c * 1.0
+    # TP: an all-reduce per block per pass (attention), one for the embedding and one for the
+    # head, of the block's T d activations; a ring of 2 sends 2 (2 - 1) / 2 of them; the MoE's
+    # T/tp outputs (forward) and its inputs' gradients (backward) all-gathered: (2 - 1) / 2
+    assert p.time.comm_bytes["tp_all_reduce"]["nvlink"] == (2 * L + 2) * 32 * d * c * 1.0
+    assert p.time.comm_bytes["tp_all_gather"]["nvlink"] == 2 * L * 32 * d * c * 0.5
+    dense = make_plan(DENSE, H100, cl, replace(s, ep=1))  # a dense block: two all-reduces
+    assert dense.time.comm_bytes["tp_all_reduce"]["nvlink"] == (4 * L + 2) * 32 * d * c * 1.0
     # the experts' collectives over efsdp (2 ranks at stride 4): forward, backward (but the
     # last layer's), reduce-scatter in fp32; half of each leaves the rank
     one_layer = 2 * 3 * d * 32

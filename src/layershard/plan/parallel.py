@@ -16,8 +16,10 @@ shrink with it (heads, MLP, logits); the block's input, norms and residuals are 
 rank (no sequence parallelism). Per block and micro-batch, forward: an all-reduce of the block's
 ``b s d`` activations after attention and one after the MLP; backward: the same two on the
 inputs' gradients (and the forward's again in a checkpointed block's recompute); plus one in the
-embedding's forward and one in the LM head's backward. They run over the TP group (NVLink when it
-lies in a node) and the compute waits for them: they are exposed communication.
+embedding's forward and one in the LM head's backward. A MoE layer is not split by TP (below):
+its ``T/tp`` outputs are all-gathered over the TP group in the forward, the gradients of its
+inputs in the backward, in place of the MLP's all-reduces. They run over the TP group (NVLink
+when it lies in a node) and the compute waits for them: they are exposed communication.
 
 **Experts** (a MoE model): each MoE layer's ``E`` experts split ``ep`` ways, ``E/ep`` per rank,
 a unit of their own per layer (gather and gradient slots of their own, two taken in turn),
@@ -276,9 +278,12 @@ class MeshTime:
         for i, s in enumerate(blocks):
             fwd: list[Transfer] = []
             bwd: list[Transfer] = []
-            if m.tp > 1:
-                fwd += [Transfer("all_reduce", "forward", "tp", m.tp, 1, act)] * 2
-                bwd += [Transfer("all_reduce", "backward", "tp", m.tp, 1, act)] * 2
+            if m.tp > 1:  # after attention; after the MLP, or the MoE's T/tp outputs gathered
+                second = "all_gather" if sh.moe else "all_reduce"
+                fwd += [Transfer("all_reduce", "forward", "tp", m.tp, 1, act),
+                        Transfer(second, "forward", "tp", m.tp, 1, act)]  # fmt: skip
+                bwd += [Transfer("all_reduce", "backward", "tp", m.tp, 1, act),
+                        Transfer(second, "backward", "tp", m.tp, 1, act)]  # fmt: skip
             if sh.moe and m.ep > 1:
                 fwd += [Transfer("all_to_all", "forward", "ep", m.ep, 1, rows * sh.dim * c)] * 2
                 bwd += [Transfer("all_to_all", "backward", "ep", m.ep, 1, rows * sh.dim * c)] * 2
