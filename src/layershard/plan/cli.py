@@ -21,6 +21,7 @@ from layershard.plan.hardware import GPU, GPUS, Cluster, get_gpu
 from layershard.plan.memory import OPTIMIZER_BYTES, STRATEGIES
 from layershard.plan.model import ModelShape, load_model
 from layershard.plan.network import CLUSTERS, get_cluster
+from layershard.plan.parallel import mesh_candidates, train_flags
 from layershard.plan.planner import DEFAULT_HEADROOM, Plan, Settings, Suggestion, make_plan, suggest
 from layershard.plan.qlora import QLoRASettings
 from layershard.plan.qlora import render as render_qlora
@@ -58,6 +59,8 @@ class PlanInput:
     micro_batch: PositiveInt = 1
     grad_accum: PositiveInt = 1
     shard_size: PositiveInt | None = None
+    tp: PositiveInt | None = None
+    ep: PositiveInt | None = None
     loss_chunks: NonNegativeInt = 0
     gpu_memory: PositiveNumber | None = None
     tflops: PositiveNumber | None = None
@@ -131,6 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--reshard-after-forward", type=_ras, default=True, metavar="true|false|K",
                    help="full: K keeps each unit sharded over K ranks for backward (hpZ)")  # fmt: skip
     r.add_argument("--offload", action="store_true", help="ls.CPUOffload(): states in CPU memory")
+    r.add_argument("--tp", type=int, help="tensor-parallel size (default: the suggestion tries "
+                   "1, 2, 4, 8 within a node); --micro-batch is then per TP group")  # fmt: skip
+    r.add_argument("--ep", type=int, help="expert-parallel size (default: the suggestion tries "
+                   "the divisors of the experts up to the GPUs)")  # fmt: skip
     r.add_argument(
         "--no-sync",
         action="store_true",
@@ -305,7 +312,8 @@ def render_suggestion(sug: Suggestion, requested: Settings) -> str:
     if sug.plan is not None:
         sp = sug.plan
         s = sp.settings
-        flags = [f"--strategy {s.strategy}"]
+        flags = [f"--tp {s.tp} --ep {s.ep}"] if sp.mesh is not None else []
+        flags.append(f"--strategy {s.strategy}")
         if s.shard_size:
             flags.append(f"--shard-size {s.shard_size}")
         if s.reshard_after_forward is not True:
@@ -323,6 +331,9 @@ def render_suggestion(sug: Suggestion, requested: Settings) -> str:
             f"  predicted step {sp.time.step_s:.3f} s, MFU {sp.time.mfu * 100:.1f}%"
             + ("" if s == requested else f" (flags: {' '.join(flags)})")
         )
+        if sp.mesh is not None:
+            note = " (train does not take --tp yet: issue 32)" if s.tp > 1 else ""
+            lines.append(f"  layershard train{note}: {train_flags(s)}")
         lines.append(f"  why: {sug.why}")
     if len(sug.ranking) > 1:
         lines += [
@@ -422,6 +433,8 @@ def run(args: argparse.Namespace) -> int:
         loss_chunks=args.loss_chunks,
         loss=args.loss,
         gather_dtype=args.gather_dtype,
+        tp=args.tp or 1,
+        ep=args.ep or 1,
     )
     kw: dict[str, Any] = {
         "latency_s": None if args.latency_us is None else args.latency_us * 1e-6,
@@ -458,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_suggest:
         sug = suggest(
             shape, gpu, cluster, settings, args.headroom, keep_strategy=args.keep_strategy,
-            eff=eff, **kw,
+            meshes=mesh_candidates(shape, cluster, args.tp, args.ep), eff=eff, **kw,
         )  # fmt: skip
         print()
         print(render_suggestion(sug, settings))
@@ -481,6 +494,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.write_config:
         chosen = plan if args.no_suggest or sug.plan is None else sug.plan
+        if chosen.mesh is not None and not (args.tp or args.ep):  # train has no --tp/--ep yet
+            chosen = next((r.plan for r in sug.ranking if r.plan and r.plan.mesh is None), chosen)
         if not chosen.fits:
             print(
                 "layershard plan: error: --write-config: these settings do not fit and no "
@@ -504,6 +519,8 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
     import yaml
 
     s, cl = plan.settings, plan.cluster
+    if plan.mesh is not None:
+        raise ValueError(f"layershard train has no --tp/--ep yet (the plan's: {train_flags(s)})")
     if s.reduce_dtype not in ("fp32", "bf16"):
         raise ValueError(
             f"layershard train reduces gradients in fp32 or bf16, not {s.reduce_dtype}"

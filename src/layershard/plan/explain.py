@@ -30,7 +30,8 @@ LINK_LABELS = {
     "latency": "latency (NCCL ring/tree steps)",
 }
 NOT_MODELLED = (
-    "tensor, pipeline, context and expert parallelism (the engine has none)",
+    "pipeline and context parallelism; TP's sequence parallelism (TP rows: plan/parallel.py)",
+    "an unbalanced router (EP rows route every expert the same share of the tokens)",
     "fp8 matmuls and 8-bit gathers; fp32 compute (planned at the bf16 kernel rates)",
     "torch.compile (its effect on compute enters through --calibrate)",
     "selective (per-op) activation checkpointing: only whole blocks are checkpointed",

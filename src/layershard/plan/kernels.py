@@ -151,7 +151,9 @@ def block_compute(shape: ModelShape, tokens: int, seq: int, peak: float, hbm: fl
         gemm_time(tokens, k, n, peak, hbm, km, c) + gemm_time(n, k, tokens, peak, hbm, km, c)
         for _, n, k in linears(shape)
     )
-    if shape.moe:  # each expert on its balanced share of the routed tokens
+    if (
+        shape.moe and not shape.experts_apart
+    ):  # each expert on its balanced share of the routed tokens
         rows = max(1, tokens * shape.top_k // shape.n_experts)
         for _, n, k in expert_linears(shape):
             g_f += shape.n_experts * gemm_time(rows, n, k, peak, hbm, km, c)

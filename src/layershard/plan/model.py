@@ -46,6 +46,9 @@ class ModelShape:
     n_experts: int = 0
     top_k: int = 0
     moe_ffn_dim: int = 0
+    # expert parallelism (plan/parallel.py): the experts are units of their own, so a block's
+    # unit holds its attention, norms and router only
+    experts_apart: bool = False
 
     @property
     def moe(self) -> bool:
@@ -73,6 +76,8 @@ class ModelShape:
         q, kv = d * self.n_heads * hd, d * self.n_kv_heads * hd
         if self.moe:
             e, fe = self.n_experts, self.moe_ffn_dim
+            if self.experts_apart:
+                return (d, q, kv, kv, q, d, e * d)
             return (d, q, kv, kv, q, d, e * d, e * 2 * fe * d, e * d * fe)
         if self.gpt:  # norm_1 (w, b), Wqkv (w, b), out_proj (w, b), norm_2, up, down
             qkv = (self.n_heads + 2 * self.n_kv_heads) * hd
@@ -170,27 +175,59 @@ class ModelShape:
         ]
         if missing:
             raise ValueError(f"{p}: not a Llama-style config, missing {', '.join(missing)}")
-        if any(raw.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-            raise ValueError(f"{p}: {_NO_EXPERTS}")
         heads = int(raw["num_attention_heads"])
+        experts = _hf_experts(raw, p)
         return cls(
             vocab_size=int(raw["vocab_size"]),
             dim=int(raw["hidden_size"]),
             n_layers=int(raw["num_hidden_layers"]),
             n_heads=heads,
             n_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            ffn_dim=int(raw.get("intermediate_size") or 4 * int(raw["hidden_size"])),
+            ffn_dim=0
+            if experts
+            else int(raw.get("intermediate_size") or 4 * int(raw["hidden_size"])),
             max_seq_len=int(raw.get("max_position_embeddings", 4096)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             head_dim=raw.get("head_dim"),
             name=raw.get("_name_or_path") or p.parent.name or "hf-config",
+            n_experts=experts.get("n_experts", 0),
+            top_k=experts.get("top_k", 0),
+            moe_ffn_dim=experts.get("moe_ffn_dim", 0),
         )
 
 
+def _hf_experts(raw: dict, p: Path) -> dict[str, int]:
+    """A transformers MoE config's experts as ModelShape fields ({} for a dense one): Qwen3-MoE
+    (num_experts or, as transformers 5 writes it, num_local_experts; num_experts_per_tok,
+    moe_intermediate_size; every layer sparse) and Mixtral
+    (num_local_experts, num_experts_per_tok, intermediate_size), planned as the built-in
+    ``moe``'s blocks (routed SwiGLU experts and a router; their saved activations as ours)."""
+    if raw.get("n_routed_experts"):
+        raise ValueError(f"{p}: {_NO_EXPERTS}")
+    n = raw.get("num_experts") or raw.get("num_local_experts")  # transformers 5: the latter
+    if n and raw.get("moe_intermediate_size"):  # Qwen3-MoE
+        sparse = int(raw.get("decoder_sparse_step", 1) or 1)
+        if raw.get("mlp_only_layers") or sparse != 1:
+            raise ValueError(
+                f"{p}: dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step="
+                f"{sparse}) are not modelled: every layer must be a MoE layer"
+            )
+        return _experts(raw, p, int(n), raw["moe_intermediate_size"])
+    if n:  # Mixtral
+        return _experts(raw, p, int(n), raw.get("intermediate_size"))
+    return {}
+
+
+def _experts(raw: dict, p: Path, e: int, fe: Any) -> dict[str, int]:
+    k = raw.get("num_experts_per_tok")
+    if not k or not fe:
+        raise ValueError(f"{p}: a MoE config needs num_experts_per_tok and the experts' size")
+    return {"n_experts": e, "top_k": int(k), "moe_ffn_dim": int(fe)}
+
+
 _NO_EXPERTS = (
-    "layershard plan models the built-in mixture of experts (--model moe) but not yet a "
-    "transformers MoE config (its experts save other activations, and expert parallelism is "
-    "not modelled); plan --model moe, or a dense config of the same active parameters"
+    "layershard plan models Qwen3-MoE and Mixtral configs (routed experts of one size, every "
+    "layer sparse), not DeepSeek's shared experts and dense first layers"
 )
 
 

@@ -16,7 +16,8 @@ divisors (grad_accum scaled up to match) the fewest checkpointed layers that fit
 always faster). The fastest of all those wins; within 0.5% of it (below what the model can
 resolve) the one with the lowest peak. If nothing fits, it reports the smallest GPU count that
 fits with micro-batch 1 and every layer checkpointed (``full``, with or without offload), or that
-none does.
+none does. With TP/EP meshes (``plan/parallel.py``) it also compares ``full`` at each
+(tp, ep), the micro-batch per TP group scaled by tp to keep the global batch.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class Settings:
     loss_chunks: int = 0  # the chunked loss (layershard.loss) in K chunks; 0: the plain loss
     loss: str = "fp32"  # fp32: layershard's loss; fused: a fused cross-entropy (flash-attn's)
     gather_dtype: str | None = None  # weights over the all-gather: fp8, int8 (None: param_dtype)
+    tp: int = 1  # tensor-parallel size (plan/parallel.py); micro_batch is then per TP group
+    ep: int = 1  # expert-parallel size
 
     def strategy_kwargs(self) -> dict[str, Any]:
         return {
@@ -130,7 +133,18 @@ class Plan:
 
     @property
     def strategy_label(self) -> str:
-        return self.time.layout.describe() if self.time.layout else self.settings.strategy
+        label = self.time.layout.describe() if self.time.layout else self.settings.strategy
+        mesh = self.mesh
+        return label if mesh is None else f"{label}, {mesh.describe(self.shape.moe)}"
+
+    @property
+    def mesh(self) -> Any:
+        """The ``parallel.Mesh`` of a TP/EP row, None for a 1-D one."""
+        if self.settings.tp == 1 and self.settings.ep == 1:
+            return None
+        from layershard.plan.parallel import Mesh
+
+        return Mesh(self.cluster.gpus, self.settings.tp, self.settings.ep)
 
     def to_dict(self) -> dict[str, Any]:
         t = self.time
@@ -140,6 +154,14 @@ class Plan:
             "cluster": {**asdict(self.cluster), "nodes": self.cluster.nodes},
             "settings": asdict(self.settings),
             "strategy": self.strategy_label,
+            "mesh": None
+            if self.mesh is None
+            else {
+                "tp": self.mesh.tp,
+                "ep": self.mesh.ep,
+                "dp_shard": self.mesh.dp_shard,
+                "efsdp": self.mesh.efsdp,
+            },  # fmt: skip
             "memory_bytes": self.memory,
             "budget_bytes": self.budget,
             "host_budget_bytes_per_node": self.host_budget,
@@ -185,20 +207,31 @@ def make_plan(
     fragmentation: float = FRAGMENTATION,
 ) -> Plan:
     s = settings
-    layout = resolve_layout(
-        s.strategy, cluster.gpus, s.shard_size, s.reshard_after_forward, cluster.gpus_per_node,
-        s.offload,
-    )  # fmt: skip
-    mem = predict_memory(
-        shape, cluster.gpus, s.param_dtype, s.reduce_dtype, s.optimizer, layout.strategy,
-        s.no_sync, shard_size=layout.shard if layout.strategy == "hybrid" else None,
-        reshard_after_forward=layout.hpz if layout.hpz > 1 else True, offload=s.offload,
-    )  # fmt: skip
-    act = predict_activations(
-        shape, s.micro_batch, s.seq_len, s.checkpoint_layers, s.param_dtype,
-        loss_chunks=s.loss_chunks, loss=s.loss,
-    )  # fmt: skip
-    unit_grads = unit_grad_bytes(shape, layout.shard, s.param_dtype)
+    mesh = None
+    if s.tp != 1 or s.ep != 1:  # a TP/EP row (plan/parallel.py)
+        from layershard.plan.parallel import Mesh, mesh_parts
+
+        mesh = Mesh(cluster.gpus, s.tp, s.ep)
+        layout, mem, act, unit_grads, released = mesh_parts(shape, mesh, s)
+    else:
+        layout = resolve_layout(
+            s.strategy, cluster.gpus, s.shard_size, s.reshard_after_forward,
+            cluster.gpus_per_node, s.offload,
+        )  # fmt: skip
+        mem = predict_memory(
+            shape, cluster.gpus, s.param_dtype, s.reduce_dtype, s.optimizer, layout.strategy,
+            s.no_sync, shard_size=layout.shard if layout.strategy == "hybrid" else None,
+            reshard_after_forward=layout.hpz if layout.hpz > 1 else True, offload=s.offload,
+        )  # fmt: skip
+        act = predict_activations(
+            shape, s.micro_batch, s.seq_len, s.checkpoint_layers, s.param_dtype,
+            loss_chunks=s.loss_chunks, loss=s.loss,
+        )  # fmt: skip
+        unit_grads = unit_grad_bytes(shape, layout.shard, s.param_dtype)
+        released = released_between_passes(
+            shape, cluster.gpus, s.param_dtype, layout.strategy,
+            shard_size=layout.shard if layout.strategy == "hybrid" else None,
+        )  # fmt: skip
     host = sum(mem.get(k, 0) for k in HOST_KEYS) if s.offload else 0
     device = dict(mem)
     if s.offload:
@@ -206,10 +239,6 @@ def make_plan(
             if k in device:
                 device[k] = 0
         device["total"] = sum(v for k, v in device.items() if k != "total")
-    released = released_between_passes(
-        shape, cluster.gpus, s.param_dtype, layout.strategy,
-        shard_size=layout.shard if layout.strategy == "hybrid" else None,
-    )  # fmt: skip
     step_temps = 0 if s.offload else optimizer_step_temporaries(s.optimizer, device)
     peak = peak_bytes(device, act, unit_grads, released, step_temps)
     mem = dict(mem)
@@ -233,6 +262,7 @@ def make_plan(
         s.param_dtype, s.reduce_dtype, s.strategy, s.no_sync, compute_eff, comm_eff, latency_s,
         s.shard_size, s.reshard_after_forward, s.offload, s.optimizer, eff,
         loss_chunks=s.loss_chunks, loss=s.loss, links=links, gather_dtype=s.gather_dtype,
+        mesh=mesh,
     )  # fmt: skip
     return Plan(shape, gpu, cluster, s, mem, t, headroom, fragmentation)
 
@@ -383,14 +413,25 @@ def suggest(
     headroom: float = DEFAULT_HEADROOM,
     max_gpus: int = 1 << 16,
     keep_strategy: bool = False,
+    meshes: list[tuple[int, int]] | None = None,
     **kw: Any,
 ) -> Suggestion:
     """The fastest setting that fits: strategy (unless ``keep_strategy``), CPU offload,
-    micro-batch and activation checkpointing (see the module docstring)."""
-    if keep_strategy:
-        options = [settings.strategy_kwargs()]
-    else:
-        options = strategy_candidates(cluster, settings)
+    micro-batch and activation checkpointing (see the module docstring); with ``meshes``, also
+    ``full`` at each (tp, ep) of them (``plan/parallel.py``), the micro-batch per TP group
+    scaled to keep the global batch (only those when ``settings`` has a TP or EP size)."""
+    options: list[dict[str, Any]] = []
+    if settings.tp == 1 and settings.ep == 1:
+        options = (
+            [settings.strategy_kwargs()]
+            if keep_strategy
+            else strategy_candidates(cluster, settings)
+        )
+    for tp, ep in meshes or []:
+        if (tp, ep) != (1, 1) or not options:
+            mb = settings.micro_batch * tp // settings.tp
+            options.append({"strategy": "full", "shard_size": None, "reshard_after_forward": True,
+                            "offload": False, "tp": tp, "ep": ep, "micro_batch": max(1, mb)})  # fmt: skip
     ranking: list[Ranked] = []
     for opt in options:
         s = replace(settings, **opt)

@@ -179,6 +179,7 @@ def predict_time(
     loss: str = "fp32",
     links: Links | None = None,
     gather_dtype: str | None = None,
+    mesh: Any = None,
 ) -> TimePlan:
     """Step time of one optimizer step (module docstring). Efficiencies: ``eff`` (default: the
     GPU's), ``compute_eff`` (a fraction of peak for every FLOP, instead of the kernel model)
@@ -186,8 +187,15 @@ def predict_time(
     bandwidths and efficiencies (``network.CLUSTERS``) instead of the GPU's defaults.
     ``latency_s``: a flat latency per collective instead of NCCL's ring/tree model.
     ``gather_dtype``: fp8/int8 weights over the all-gathers (their bytes; the quantize and
-    dequantize kernels are not modelled)."""
+    dequantize kernels are not modelled). ``mesh``: a ``parallel.Mesh`` (TP and EP sizes;
+    ``plan/parallel.py``)."""
     shape = ModelShape.from_config(config)
+    full, mt = shape, None
+    if mesh is not None and not mesh.trivial:
+        from layershard.plan.parallel import MeshTime
+
+        mt = MeshTime(shape, mesh)
+        shape = mt.local
     e = eff or gpu.eff
     intra_gbs, inter_gbs = gpu.intra_bw_gbs, gpu.inter_bw_gbs
     if links is not None:
@@ -196,13 +204,24 @@ def predict_time(
         e = replace(e, compute=compute_eff)
     if comm_eff is not None:
         e = replace(e, nvlink=comm_eff, network=comm_eff)
-    layout = resolve_layout(
-        strategy, cluster.gpus, shard_size, reshard_after_forward, cluster.gpus_per_node, offload
+    layout = (
+        mt.layout
+        if mt
+        else resolve_layout(
+            strategy,
+            cluster.gpus,
+            shard_size,
+            reshard_after_forward,
+            cluster.gpus_per_node,
+            offload,
+        )
     )
     c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     stages, root = build_stages(
         shape, layout, micro_batch, seq_len, checkpoint_layers, c, r, loss_chunks, gather_dtype
     )
+    if mt:
+        mt.extend(stages, root, micro_batch, seq_len, checkpoint_layers, c, r)
     intra = intra_gbs * 1e9 * e.nvlink
     inter = inter_gbs * 1e9 * e.network
     pcie = gpu.pcie_gbs * 1e9 * e.pcie
@@ -232,7 +251,8 @@ def predict_time(
     n_reduce = 1 if no_sync else grad_accum
     for s in ([root] if root else []) + stages:
         for ts, times in ((s.gather_fwd, grad_accum), (s.gather_bwd, grad_accum),
-                          (s.reduce, n_reduce)):  # fmt: skip
+                          (s.reduce, n_reduce), (s.blocking_fwd, grad_accum),
+                          (s.blocking_bwd, grad_accum)):  # fmt: skip
             for t in ts:
                 row = comm_bytes.setdefault(t.kind, {"nvlink": 0.0, "network": 0.0, "pcie": 0.0})
                 for link, b in _links(t, cluster).items():
@@ -244,6 +264,11 @@ def predict_time(
     tokens = micro_batch * seq_len
     k = max(0, min(checkpoint_layers, shape.n_layers))
     sc = _compute(shape, stages, gpu, e, tokens, seq_len, k, c, loss, loss_chunks)
+    if mt:
+        mt.add_compute(sc, stages, gpu, e, tokens, k, c)
+    # collectives the compute waits for (TP, EP): windows with nothing to hide them behind
+    block_f = [x for s in stages for x in many(s.blocking_fwd)]
+    block_b = [x for s in stages for x in many(s.blocking_bwd)]
     m = len(stages)
     ag, agb, rs = ([many(s.gather_fwd) for s in stages], [many(s.gather_bwd) for s in stages],
                    [many(s.reduce) for s in stages])  # fmt: skip
@@ -266,16 +291,21 @@ def predict_time(
         w.add(root_copy, root_ag + (ag[0] if ag else []))
         for compute, transfers in forward_windows(cf, ag, own):
             w.add(compute, transfers)
+        if block_f:
+            w.add(0.0, block_f)
         fwd += w.total - before
         before = w.total
         for i in reversed(range(m)):
             w.add(cb[i], (agb[i - 1] if i > 0 else []) + (red[i + 1] if i + 1 < m else []))
         w.add(root_copy_bwd, (red[0] if m else []) + (root_rs if reduce_now else []))
+        if block_b:
+            w.add(0.0, block_b)
         bwd += w.total - before
-        comm += sum(t for q in [root_ag, *ag, *agb, *red] for t, _ in q)
+        comm += sum(t for q in [root_ag, *ag, *agb, *red, block_f, block_b] for t, _ in q)
         comm += sum(t for t, _ in root_rs) if reduce_now else 0.0
 
     opt_elems = sum(u.shard_numel(layout.shard) for u in units(shape))
+    opt_elems += mt.expert_shard_elems if mt else 0
     opt_bytes = opt_elems * OPTIMIZER_STEP_BYTES.get(optimizer.lower(), 28)
     if offload:
         opt = opt_bytes / (gpu.host_bw_gbs * 1e9 / cluster.local * e.host)
@@ -289,7 +319,8 @@ def predict_time(
                 by_kind[kk] = by_kind.get(kk, 0.0) + v * grad_accum
     compute = sum(by_kind.values())
     copy_s = grad_accum * (sum(copies) + sum(copies_bwd) + root_copy + root_copy_bwd)
-    mflops = model_flops(shape, tokens * grad_accum, seq_len)
+    share = 1 / mesh.tp if mt else 1.0  # a TP group's tokens and model FLOPs, shared
+    mflops = model_flops(full, tokens * grad_accum, seq_len) * share
     hflops = grad_accum * sum(s.fwd_flops + s.bwd_flops for s in stages)
     exposed = max(0.0, step - compute - copy_s - opt - w.slowed)
     return TimePlan(
@@ -298,7 +329,8 @@ def predict_time(
         forward_s=fwd, backward_s=bwd, optimizer_s=opt, step_s=step, compute_s=compute,
         copy_s=copy_s, comm_s=comm, exposed_comm_s=exposed, model_flops=mflops,
         hardware_flops=hflops, mfu=mflops / (step * gpu.peak_flops) if step > 0 else 0.0,
-        tokens_per_s_per_gpu=tokens * grad_accum / step if step > 0 else 0.0, layout=layout,
+        tokens_per_s_per_gpu=tokens * grad_accum * share / step if step > 0 else 0.0,
+        layout=layout,
         assumptions={
             "compute_eff": e.compute, "compute_model": "flat" if e.compute is not None
             or not gpu.kernels else f"kernels ({gpu.kernels})", "nvlink_eff": e.nvlink,

@@ -166,24 +166,42 @@ def ring_bytes(
     return {"nvlink": sent * (per_node - 1) / per_node, "network": sent / per_node}
 
 
+def a2a_bytes(
+    full_bytes: int, world_size: int, cluster: Cluster | None = None, stride: int = 1
+) -> dict[str, float]:
+    """Bytes one rank sends in an all-to-all of ``full_bytes`` (its send buffer, a 1/m part
+    to each of the m ranks) by link: (m - 1)/m of it leaves the rank, the parts for the p - 1
+    other ranks of its node over NVLink, the m - p others over the network."""
+    m = world_size
+    if cluster is None or cluster.nodes == 1:
+        return {"nvlink": (m - 1) / m * full_bytes, "network": 0.0}
+    g = cluster.local
+    p = min(m, max(1, g // stride)) if stride <= g else 1
+    return {"nvlink": (p - 1) / m * full_bytes, "network": (m - p) / m * full_bytes}
+
+
 @dataclass(frozen=True)
 class Transfer:
     """One collective or host copy. ``nbytes`` is the full buffer for collectives (as
     ``comm_stats()`` counts them) and the bytes copied for ``h2d`` / ``d2h``."""
 
-    op: str  # all_gather | reduce_scatter | all_reduce | h2d | d2h
+    op: str  # all_gather | reduce_scatter | all_reduce | all_to_all | h2d | d2h
     phase: str  # forward | backward
-    group: str  # shard | hpz | replicate | pcie
+    group: str  # shard | hpz | replicate | pcie; tp | ep | efsdp (plan/parallel.py)
     size: int  # ranks in the group (1 for a copy)
     stride: int
     nbytes: int
 
     @property
     def kind(self) -> str:
-        """The row of the plan's communication table it is tallied under."""
+        """The row of the plan's communication table it is tallied under (a TP group's
+        all-reduces and the experts' collectives apart: plan/parallel.py)."""
+        if self.group == "tp":
+            return "tp_" + self.op
+        kind = self.op
         if self.op == "all_gather":
-            return "all_gather_fwd" if self.phase == "forward" else "all_gather_bwd"
-        return self.op
+            kind = "all_gather_fwd" if self.phase == "forward" else "all_gather_bwd"
+        return "expert_" + kind if self.group == "efsdp" else kind
 
 
 @dataclass
@@ -198,6 +216,9 @@ class Stage:
     local_h2d: int = 0  # bytes over PCIe on the compute stream per forward (no_shard offload)
     local_d2h: int = 0  # ... per backward (offload on one rank: nothing to reduce, a copy)
     own_slot: bool = False  # a small unit out of the alternation (gather_slots.py)
+    # collectives the compute waits for (TP's all-reduces, EP's all-to-alls: plan/parallel.py)
+    blocking_fwd: list[Transfer] = field(default_factory=list)
+    blocking_bwd: list[Transfer] = field(default_factory=list)
 
 
 def gathered_bytes(padded: int, shard: int, k: int, c: int, gather_dtype: str | None) -> int:
@@ -452,5 +473,7 @@ def transfers_by_link(
 def _links(t: Transfer, cluster: Cluster) -> dict[str, float]:
     if t.group == "pcie":
         return {"pcie": float(t.nbytes)}
+    if t.op == "all_to_all":
+        return a2a_bytes(t.nbytes, t.size, cluster, t.stride)
     factor = 2.0 if t.op == "all_reduce" else 1.0
     return ring_bytes(t.nbytes, t.size, cluster, t.stride, factor)
