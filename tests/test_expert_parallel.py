@@ -33,10 +33,11 @@ from _parity import (
     local,
     shard_grad_error,
 )
-from test_moe import STEPS, matches_one_process, tiny_moe
+from test_moe import STEPS, matches_one_process, tiny_moe, tiny_qwen3_moe
 
 import layershard as ls
 from layershard.parallel.expert import ExpertGroup
+from layershard.parallel.mesh import split_experts
 
 checks = RankChecks(world_size=4)
 EP = 2
@@ -119,10 +120,7 @@ def _ep_by_hand(model, data: list[torch.Tensor]) -> tuple[dict, dict]:
     step's gradients and the final weights, whole."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ep_group, same = _groups(rank, world)
-    for layer in model.layers:
-        layer.mlp.experts.split_experts(
-            ExpertGroup(ep_group, layer.mlp.experts.gate_up_proj.shape[0])
-        )
+    assert split_experts(model, ep_group) > 0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = None
     for batch in data:
@@ -157,6 +155,24 @@ def sharded_ep_matches_one_process(rank: int, world: int) -> None:
     full = matches_one_process(tiny_moe(), STEPS, rank, world, shard=_ep2, other=_ep_by_hand)
     if rank == 0:
         assert full["layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)  # all 4 experts
+
+
+@checks.check
+def hf_qwen3_moe_sharded_ep_matches_one_process(rank: int, world: int) -> None:
+    """transformers' Qwen3-MoE with EP 2 x efsdp 2: its stacked experts split
+    (parallel/expert.py ``split_hf_experts``: our all-to-all forward in place of its own), 3
+    AdamW steps against one process as above."""
+    model_holder = {}
+
+    def shard(m):
+        model_holder["m"] = _ep2(m)
+        return model_holder["m"]
+
+    full = matches_one_process(tiny_qwen3_moe(), 3, rank, world, shard=shard, other=_ep_by_hand)
+    experts = [f for f in model_holder["m"].flat_params if f.over == "expert"]
+    assert len(experts) == 2 and all(f.world_size == 2 for f in experts)  # 2 layers
+    if rank == 0:
+        assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
 
 
 @checks.check

@@ -137,6 +137,12 @@ def sharded_moe_matches_one_process(rank: int, world: int) -> None:
 def hf_qwen3_moe_matches_one_process(rank: int, world: int) -> None:
     """transformers' Qwen3-MoE (fused 3-D experts, its own router and load-balancing loss),
     sharded 1-D."""
+    full = matches_one_process(tiny_qwen3_moe(), 3, rank, world)
+    if rank == 0:
+        assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+
+
+def tiny_qwen3_moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
@@ -147,9 +153,7 @@ def hf_qwen3_moe_matches_one_process(rank: int, world: int) -> None:
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    full = matches_one_process(Qwen3MoeForCausalLM(cfg), 3, rank, world)
-    if rank == 0:
-        assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+    return Qwen3MoeForCausalLM(cfg)
 
 
 checks.collect(globals())

@@ -255,7 +255,7 @@ def _wrap_ep(impl: str, model: nn.Module, device: torch.device, bf16: bool, worl
     from layershard.models.moe import Experts
 
     dense, expert = make_meshes(ep=ep, device_type=device.type)
-    split_experts(model, expert)
+    split_experts(model, expert["ep"].get_group())
     model.to(device)
     mp_policy = (
         MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()

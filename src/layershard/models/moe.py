@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layershard.engine.flat import EXPERT_ATTR, ExpertPart
-from layershard.parallel.expert import ExpertGroup, expert_parallel_forward
+from layershard.parallel.expert import ExpertGroup, expert_parallel_forward, keep_local_experts
 
 
 @dataclass
@@ -81,17 +80,10 @@ class Experts(nn.Module):
         self.ep: ExpertGroup | None = None  # expert parallelism: see split_experts
         self.reset_parameters()
 
-    @torch.no_grad()
     def split_experts(self, eg: ExpertGroup) -> None:
         """Keep only this rank's experts of ``eg`` (parallel/expert.py); tokens then reach them
         by all-to-all."""
-        keep = slice(eg.first, eg.first + eg.local)
-        for name in ("gate_up_proj", "down_proj"):
-            whole = getattr(self, name)
-            part = nn.Parameter(whole[keep].clone(), requires_grad=whole.requires_grad)
-            # where the part sits in the whole: checkpoints and full state dicts hold the whole
-            setattr(part, EXPERT_ATTR, ExpertPart(whole.shape, eg.first * whole[0].numel()))
-            setattr(self, name, part)
+        keep_local_experts(self, eg)
         self.ep = eg
 
     def reset_parameters(self) -> None:

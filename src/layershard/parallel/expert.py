@@ -22,10 +22,17 @@ rank's loss is the mean over its own tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from layershard.engine.flat import EXPERT_ATTR, ExpertPart
 
 
 class ExpertGroup:
@@ -59,10 +66,11 @@ def expert_parallel_forward(
     index: torch.Tensor,
     weights: torch.Tensor,
     eg: ExpertGroup,
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> torch.Tensor:
     """The MoE output for this rank's tokens ``x`` [tokens, dim], routed by ``index`` and
     ``weights`` [tokens, top_k], its local experts' ``gate_up`` [local, 2 f, dim] and ``down``
-    [local, dim, f] (the module docstring's four steps)."""
+    [local, dim, f], gated by ``act`` (the module docstring's four steps)."""
     tokens, top_k = index.shape
     expert = index.flatten()
     order = torch.argsort(expert, stable=True)
@@ -79,8 +87,50 @@ def expert_parallel_forward(
     for e in local.unique().tolist():
         (at,) = torch.where(local == e)
         g, u = F.linear(rows[at], gate_up[e]).chunk(2, dim=-1)
-        y = y.index_add(0, at, F.linear(F.silu(g) * u, down[e]))
+        y = y.index_add(0, at, F.linear(act(g) * u, down[e]))
     back = all_to_all_single_autograd(y, send_sizes, recv, eg.group)
     w = weights.flatten()[order, None]
     out = torch.zeros_like(x)
     return out.index_add(0, token, (back * w).to(x.dtype))
+
+
+def keep_local_experts(module: nn.Module, eg: ExpertGroup) -> None:
+    """Replace ``module``'s stacked expert parameters (``gate_up_proj`` [E, 2 f, d],
+    ``down_proj`` [E, d, f]) by this rank's ``eg.local`` experts, each marked with where it sits
+    in the whole (checkpoints and full state dicts hold the whole)."""
+    keep = slice(eg.first, eg.first + eg.local)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            whole = getattr(module, name)
+            part = nn.Parameter(whole[keep].clone(), requires_grad=whole.requires_grad)
+            setattr(part, EXPERT_ATTR, ExpertPart(whole.shape, eg.first * whole[0].numel()))
+            setattr(module, name, part)
+
+
+def _hf_forward(module: Any, eg: ExpertGroup, hidden_states, top_k_index, top_k_weights):
+    return expert_parallel_forward(
+        module.gate_up_proj, module.down_proj, hidden_states, top_k_index, top_k_weights, eg,
+        module.act_fn,
+    )  # fmt: skip
+
+
+def is_hf_experts(module: nn.Module) -> bool:
+    """transformers' stacked experts (Qwen3-MoE's ``Qwen3MoeExperts``, Mixtral's
+    ``MixtralExperts``: ``forward(hidden_states, top_k_index, top_k_weights)`` over 3-D
+    ``gate_up_proj`` and ``down_proj``, gated by ``act_fn``)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
+        and gate_up.dim() == 3 and down.dim() == 3 and hasattr(module, "act_fn")
+        and type(module).__name__.endswith("Experts")
+    )  # fmt: skip
+
+
+def split_hf_experts(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Expert parallelism over the EP ``group`` for transformers' stacked experts
+    (``is_hf_experts``): this rank's experts only, and a forward that sends tokens to their
+    experts' ranks (an instance ``forward``, ahead of transformers' kernel dispatch, which knows
+    nothing of the group)."""
+    eg = ExpertGroup(group, int(getattr(module, "gate_up_proj").shape[0]))  # noqa: B009
+    keep_local_experts(module, eg)
+    module.forward = partial(_hf_forward, module, eg)

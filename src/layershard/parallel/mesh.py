@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from layershard.distributed import default_device
-from layershard.parallel.expert import ExpertGroup
+from layershard.parallel.expert import ExpertGroup, is_hf_experts, split_hf_experts
 
 
 def mesh_sizes(world: int, tp: int = 1, ep: int = 1, dp_replicate: int = 1) -> dict[str, int]:
@@ -58,16 +58,22 @@ def make_meshes(
     return dense, expert
 
 
-def split_experts(model: nn.Module, expert_mesh: DeviceMesh) -> int:
-    """Keep on this rank its ``ep`` share of every expert layer (modules with ``split_experts``:
-    the built-in MoE's ``Experts``); returns how many layers were split."""
-    group = expert_mesh["ep"].get_group()
+def split_experts(model: nn.Module, group: dist.ProcessGroup) -> int:
+    """Keep on this rank its share (over the EP ``group``) of every expert layer: the built-in
+    MoE's ``Experts`` and transformers' stacked experts (Qwen3-MoE, Mixtral); returns how many
+    layers were split."""
     from layershard.models.moe import Experts
 
-    layers = [m for m in model.modules() if isinstance(m, Experts)]
-    for m in layers:
-        m.split_experts(ExpertGroup(group, m.n_experts))
-    return len(layers)
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.split_experts(ExpertGroup(group, m.n_experts))
+        elif is_hf_experts(m):
+            split_hf_experts(m, group)
+        else:
+            continue
+        n += 1
+    return n
 
 
 def parallelize(
@@ -92,9 +98,10 @@ def parallelize(
         )
     dense, expert = make_meshes(tp, ep, dp_replicate)
     if ep > 1:
-        if split_experts(model, expert) == 0:
+        if split_experts(model, expert["ep"].get_group()) == 0:
             raise ValueError(
                 f"parallelize(ep={ep}): the model has no expert layers to split (the built-in "
-                "MoE's Experts); use ep=1 for a dense model"
+                "MoE's Experts, transformers' Qwen3-MoE and Mixtral experts); use ep=1 for a "
+                "dense model"
             )
     return shard(model, mesh=dense, expert_mesh=expert if ep > 1 else None, **shard_options)
