@@ -176,6 +176,57 @@ def hf_qwen3_moe_sharded_ep_matches_one_process(rank: int, world: int) -> None:
 
 
 @checks.check
+def hsdp_with_ep_matches_one_process(rank: int, world: int) -> None:
+    """dp_replicate 2 x dp_shard 2 with EP 2 (efsdp 1): dense units sharded over 2 ranks and
+    replicated over the other 2, each layer's experts held whole by its EP rank and all-reduced
+    over the replicas; 3 AdamW steps against one process."""
+    holder = {}
+
+    def shard(m):
+        holder["m"] = ls.parallelize(m, ep=EP, dp_replicate=2)
+        return holder["m"]
+
+    matches_one_process(tiny_moe(), 3, rank, world, shard=shard, other=_ep_by_hand)
+    model = holder["m"]
+    assert model.sharding.name == "hybrid" and model.sharding.replicas == 2
+    stats = model._schedule.comm.stats.by_group()
+    assert "expert" not in stats.get("all_gather", {}), stats
+    assert stats["all_reduce"]["replicate"] > 0, stats
+
+
+@checks.check
+def bf16_compute_with_ep(rank: int, world: int) -> None:
+    """bf16 compute (fp32 masters and reduction) with EP 2 x efsdp 2 against the same model
+    sharded 1-D in bf16, 4 AdamW steps: the experts compute in bf16 (their gathered weights and
+    the rows they receive), and the losses agree to bf16 rounding. They differ only in where
+    each expert's rows are computed (one matmul over the rows of 2 ranks, or per rank) and in
+    the order of the experts' gradient sums; measured 2026-11-26 (AVX2): 5.0e-5 relative. The
+    bound, 1e-3, is an eighth of bf16's eps (7.8e-3): a step computed in fp32 instead, or
+    weights gathered stale, lands farther."""
+    bf16 = ls.MixedPrecision(torch.bfloat16)
+    base, data = tiny_moe(), batches(4)
+    one_d = ls.shard(clone(base), mixed_precision=bf16)
+    ep = ls.parallelize(clone(base), ep=EP, mixed_precision=bf16)
+    seen: list[torch.dtype] = []
+    experts = ep.module.layers[0].mlp.experts
+    experts.register_forward_hook(lambda m, a, out: seen.append(m.gate_up_proj.dtype))
+    runs = []
+    for model in (one_d, ep):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for batch in data:
+            loss = lm_loss(model, local(batch, rank, world))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(global_mean(loss))
+        runs.append(losses)
+    assert seen == [torch.bfloat16] * len(data), seen
+    worst = max(abs(a - b) / abs(a) for a, b in zip(*runs))
+    assert worst <= 1e-3, runs
+
+
+@checks.check
 def sharded_ep_groups_bytes_and_divisor(rank: int, world: int) -> None:
     """What each rank holds and moves: dense units 1/4 of their weights, experts 1/(efsdp x ep)
     = 1/4 of theirs (each rank 1/2 of its 2 experts); per step and MoE layer one all-gather of
