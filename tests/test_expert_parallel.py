@@ -201,8 +201,7 @@ def bf16_compute_with_ep(rank: int, world: int) -> None:
     the rows they receive), and the losses agree to bf16 rounding. They differ only in where
     each expert's rows are computed (one matmul over the rows of 2 ranks, or per rank) and in
     the order of the experts' gradient sums; measured 2026-11-26 (AVX2): 5.0e-5 relative. The
-    bound, 1e-3, is an eighth of bf16's eps (7.8e-3): a step computed in fp32 instead, or
-    weights gathered stale, lands farther."""
+    bound, 1e-3, is 20x that and an eighth of bf16's eps (7.8e-3)."""
     bf16 = ls.MixedPrecision(torch.bfloat16)
     base, data = tiny_moe(), batches(4)
     one_d = ls.shard(clone(base), mixed_precision=bf16)
