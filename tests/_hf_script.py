@@ -227,6 +227,39 @@ def parity(out: Path) -> dict:
     return res
 
 
+def qwen3_moe() -> T.PreTrainedModel:
+    torch.manual_seed(0)
+    cfg = T.Qwen3MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1,
+        output_router_logits=True, max_position_embeddings=64,
+    )  # fmt: skip
+    return T.Qwen3MoeForCausalLM(cfg)
+
+
+def expert_parallel(out: Path) -> dict:
+    """transformers.Trainer (DDP) against ls.hf.Trainer with ShardingPlugin(ep=2) on Qwen3-MoE:
+    each layer's 4 experts split over the 2 ranks (tokens by all-to-all), the rest sharded."""
+    res: dict = {}
+    finals: dict = {}
+    for impl in ("ddp", "ls"):
+        kw = {"layershard": ls.hf.ShardingPlugin(ep=2)} if impl == "ls" else {}
+        trainer = trainer_class(impl)(
+            model=qwen3_moe(), args=args(out / f"ep-{impl}"), train_dataset=sequences(200), **kw
+        )
+        trainer.train()
+        res[impl] = {"logged": logged(trainer)}
+        finals[impl] = state_of(trainer)
+        if impl == "ls":
+            model = trainer.model_wrapped
+            res[impl]["expert_flats"] = [
+                f.world_size for f in model.flat_params if f.over == "expert"
+            ]
+    res["param_diff"] = max_param_diff(finals["ls"], finals["ddp"])
+    return res
+
+
 def saved_model_check(trainer, path: Path) -> dict:
     """trainer.save_model() output, loaded by from_pretrained, against the sharded model."""
     trainer.save_model(str(path))
@@ -667,7 +700,19 @@ def calibrate(out: Path) -> dict:
 
 
 JOBS = {
-    "main": [parity, lora, sft, dpo, generate, accelerate_loop, resume, precision, flows, misuse],
+    "main": [
+        parity,
+        lora,
+        sft,
+        dpo,
+        generate,
+        accelerate_loop,
+        resume,
+        precision,
+        flows,
+        misuse,
+        expert_parallel,
+    ],  # fmt: skip
     "save4": [save4],
     "single": [parity],
     "calibrate": [calibrate],

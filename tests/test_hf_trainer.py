@@ -46,6 +46,20 @@ def test_trainer_losses_match_ddp(name: str) -> None:
     assert max(g for _, _, g in ddp_log) > MAX_GRAD_NORM
 
 
+def test_trainer_with_expert_parallelism_matches_ddp() -> None:
+    """Qwen3-MoE, ls.hf.Trainer with ShardingPlugin(ep=2) against transformers.Trainer under DDP:
+    20 steps, the same losses, gradient norms and final weights (as the dense runs above; the
+    load-balancing loss is each rank's own under both)."""
+    res = section("main", "expert_parallel")
+    ls_log, ddp_log = res["ls"]["logged"], res["ddp"]["logged"]
+    assert len(ls_log) == 20
+    assert res["ls"]["expert_flats"] == [1, 1]  # efsdp 1: each rank holds its 2 experts whole
+    assert _rel(ls_log, ddp_log, 1) < LOSS_RTOL
+    assert _rel(ls_log, ddp_log, 2) < GRAD_NORM_RTOL
+    assert res["param_diff"] < PARAM_TOL
+    assert ddp_log[-1][1] < 0.8 * ddp_log[0][1]
+
+
 def test_trainer_evaluation_callbacks_and_logging() -> None:
     """evaluate() and predict() on the sharded model, callbacks fired as under DDP, tensorboard
     event files written (offline)."""

@@ -140,7 +140,7 @@ class Accelerator(accelerate.Accelerator):
         if sharded is None:
             refuse_wrapped(model)
             names = list(model.named_parameters(remove_duplicate=False))
-            sharded = ls.shard(model, **self.layershard.shard_kwargs())
+            sharded = self.layershard.shard(model)
             slices = dict(sharded.named_parameters())
             for name, p in names:
                 if name in slices and id(p) not in self._ls_slices:

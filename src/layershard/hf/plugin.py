@@ -46,10 +46,22 @@ class ShardingPlugin:
     mesh: Any = None
     offload: CPUOffload | None = None
     compile: bool | dict = False
+    expert_mesh: Any = None
+    # expert parallelism: each MoE layer's experts split over ep ranks (ls.parallelize)
+    ep: int = 1
 
     def shard_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ls.shard(model, **kwargs)``."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ep"}
+
+    def shard(self, model: nn.Module):
+        """``ls.shard(model, ...)`` with these options, or ``ls.parallelize(model, ep=...)``."""
+        from layershard.parallel.mesh import parallelize
+        from layershard.sharded import shard
+
+        if self.ep > 1:
+            return parallelize(model, ep=self.ep, **self.shard_kwargs())
+        return shard(model, **self.shard_kwargs())
 
     def with_amp(self, mixed_precision: str | None) -> ShardingPlugin:
         """This plugin with accelerate's ``mixed_precision`` ("no", "bf16", "fp16") folded in;

@@ -88,9 +88,11 @@ def parallelize(
 
     if not dist.is_initialized():
         raise RuntimeError("parallelize(): call ls.init_distributed() first")
-    for key in ("mesh", "expert_mesh", "process_group", "shard_size"):
+    decided = ("mesh", "expert_mesh", "process_group", "shard_size")
+    for key in decided:
         if shard_options.get(key) is not None:
             raise ValueError(f"parallelize(): {key}= is decided by tp/ep/dp_replicate")
+    shard_options = {k: v for k, v in shard_options.items() if k not in decided}
     if tp != 1:
         raise NotImplementedError(
             "parallelize(tp=...): apply torch's parallelize_module to the model, then "
