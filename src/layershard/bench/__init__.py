@@ -22,6 +22,7 @@ IMPLS = (
     "layershard-ep",
     "fsdp2",
     "fsdp2-ep",
+    "transformers-ep",
     "fsdp1",
     "ddp",
     "plain",
@@ -31,8 +32,9 @@ IMPLS = (
 MUON_ALTERNATIVE = "layershard-muon-allgather"
 # Expert parallelism (``--ep N``, issue 32): layershard through ``ls.parallelize(model, ep=N)``,
 # and torch FSDP2 with the same expert split, applied as transformers' DistributedConfig applies
-# it (experts fully_shard-ed over efsdp, divided by the whole data-parallel size).
-EP_IMPLS = ("layershard-ep", "fsdp2-ep")
+# it (experts fully_shard-ed over efsdp, divided by the whole data-parallel size), and, for an HF
+# MoE model (--hf-config), transformers' own DistributedConfig(fsdp_size=world, ep_size=N).
+EP_IMPLS = ("layershard-ep", "fsdp2-ep", "transformers-ep")
 STRATEGY_IMPL = {
     "full": "layershard",
     "grad_op": "layershard-grad_op",

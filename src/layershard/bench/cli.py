@@ -22,7 +22,7 @@ from typing import Any
 from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, wire_impl
 from layershard.models import hf as models_hf
 
-TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain", "fsdp2-ep")
+TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain", "fsdp2-ep", "transformers-ep")
 
 # The default bench: the `small` preset, a communication-heavier shape beside it (narrower,
 # shorter sequences, fewer tokens per rank: less compute per byte communicated), and a large

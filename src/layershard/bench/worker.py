@@ -250,9 +250,21 @@ def _wrap_ep(impl: str, model: nn.Module, device: torch.device, bf16: bool, worl
     if impl == "layershard-ep":
         mp = ls.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
         return ls.parallelize(model, ep=ep, mixed_precision=mp, device=device)
+    if impl == "transformers-ep":  # an HF MoE model: transformers applies EP and FSDP2 itself
+        from transformers.distributed import DistributedConfig
+
+        if bf16 or not hasattr(model, "maybe_distribute_model"):
+            raise SystemExit("transformers-ep: an fp32 --hf-config MoE model (Qwen3-MoE, Mixtral)")
+        model.to(device)
+        cls: Any = type(model)  # a transformers PreTrainedModel class
+        config, _, meshes = cls.prepare_distribute_model(
+            DistributedConfig(fsdp_size=world, ep_size=ep)
+        )
+        return cls.maybe_distribute_model(model, config, meshes)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from layershard.models.moe import Experts
+    from layershard.parallel.expert import is_hf_experts
 
     dense, expert = make_meshes(ep=ep, device_type=device.type)
     split_experts(model, expert["ep"].get_group())
@@ -262,7 +274,7 @@ def _wrap_ep(impl: str, model: nn.Module, device: torch.device, bf16: bool, worl
     )
     efsdp = expert["efsdp"]
     for m in model.modules():
-        if isinstance(m, Experts):
+        if isinstance(m, Experts) or is_hf_experts(m):
             fully_shard(m, mesh=efsdp, mp_policy=mp_policy)
             m.set_gradient_divide_factor(float(world))  # type: ignore[operator]
             if efsdp.size() > 1:  # gloo refuses PREMUL_SUM: sum, then divide locally
