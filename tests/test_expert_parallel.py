@@ -13,6 +13,7 @@ data-parallel world (4), not the number of ranks holding an expert (2)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,7 +32,9 @@ from _parity import (
     grads_in_orders,
     lm_loss,
     local,
+    loss_bound,
     shard_grad_error,
+    train_in_orders,
 )
 from test_moe import STEPS, matches_one_process, tiny_moe, tiny_qwen3_moe
 
@@ -192,6 +195,45 @@ def hsdp_with_ep_matches_one_process(rank: int, world: int) -> None:
     stats = model._schedule.comm.stats.by_group()
     assert "expert" not in stats.get("all_gather", {}), stats
     assert stats["all_reduce"]["replicate"] > 0, stats
+
+
+@checks.check
+def no_sync_checkpointing_and_clipping_with_ep(rank: int, world: int) -> None:
+    """EP 2 x efsdp 2 with two micro-batches per step (the first under no_sync), every block
+    recomputed in backward and the gradient norm clipped at 0.05 (so the clip acts), 3 AdamW
+    steps: each step's loss and gradient norm equal one process's on the same 8 micro-batches
+    (tried 2026-11-26: a norm that counts the expert shards twice, and clips them twice, moves
+    the third step's loss by 7.8e-5 relative, against a bound of 1e-5), and the weights equal
+    those of the same EP run without no_sync and checkpointing (what those two change is only
+    when the fp32 sums are reduced and that the forward runs again)."""
+    base, data = tiny_moe(), batches(3)
+    runs = train_in_orders(base, data, 2 * world, exact_parts=True, clip=(0.05, 2.0))
+    results = []
+    for features in (True, False):
+        model = ls.parallelize(clone(base), ep=EP, activation_checkpointing=3 if features else 0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, norms = [], []
+        for batch in data:
+            micro = local(batch, rank, world).chunk(2)
+            total = 0.0
+            for i, x in enumerate(micro):
+                quiet = features and i == 0
+                with model.no_sync() if quiet else contextlib.nullcontext():
+                    loss = lm_loss(model, x) / 2
+                    loss.backward()
+                total += global_mean(loss)
+            norms.append(model.clip_grad_norm_(0.05).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+        results.append((losses, norms, model.full_state_dict(rank0_only=False)))
+        for ours, ref in ((losses, runs[0].losses), (norms, runs[0].norms)):
+            rel = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
+            assert rel <= max(loss_bound(ref, runs[1:]), LOSS_RTOL), (features, ours, ref)
+    assert all(n > 0.05 for n in results[0][1])  # the clip acts
+    (_, _, a), (_, _, b) = results
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-5, worst
 
 
 @checks.check
