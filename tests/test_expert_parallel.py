@@ -356,6 +356,20 @@ def checkpoint_across_layouts(rank: int, world: int) -> None:
     ls.load_checkpoint(root / "1d", model)
     full = model.full_state_dict(rank0_only=False)
     assert all(torch.equal(full[k], reference[k]) for k in reference)
+    # HF export: whole experts, the same files as the 1-D model's
+    ls.export_hf(model, root / "hf-ep")
+    ls.export_hf(one_d, root / "hf-1d")
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        def read(folder: Path) -> dict[str, torch.Tensor]:
+            return {
+                k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()
+            }
+
+        a, b = read(root / "hf-ep"), read(root / "hf-1d")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert any(t.dim() == 3 and t.shape[0] == 4 for t in a.values())  # whole experts
     # load_full_state_dict from rank 0 alone: each EP rank takes its experts
     model = _ep2(tiny_moe(seed=7))
     model.load_full_state_dict(reference if rank == 0 else None)

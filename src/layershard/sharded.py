@@ -423,6 +423,12 @@ class ShardedModule(nn.Module):
         self._schedule.comm.all_gather(out, f.shard, "state_dict", "gather_flat", f.over).wait()
         return out
 
+    def whole_views(self, f: FlatParam, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter of ``f`` whole, from ``buf`` (``gather_flat(f)``): views of it, but
+        an expert-parallel layer's experts, gathered over the EP group (collective: every rank
+        calls it for the same flat)."""
+        return [self._whole(s, v) for s, v in zip(f.slots, f.views(buf))]
+
     def _whole(self, slot: ParamSlot, part: torch.Tensor) -> torch.Tensor:
         """An expert parameter's whole (every EP rank's experts, along dim 0) from this rank's
         ``part``; any other parameter as it is. Collective over the EP group for experts."""
@@ -451,7 +457,7 @@ class ShardedModule(nn.Module):
         for f in self.flat_params:
             if f.packed and not packed:
                 continue
-            views = [self._whole(s, v) for s, v in zip(f.slots, f.views(self.gather_flat(f)))]
+            views = self.whole_views(f, self.gather_flat(f))
             if keep:
                 for slot, t in zip(f.slots, views):
                     full[id(slot)] = t.to("cpu") if cpu else t.clone()

@@ -246,11 +246,12 @@ def export_hf(
 
     err: Exception | None = None  # rank 0's, kept until every unit is gathered
     for f in model.flat_params:
-        buf = model.gather_flat(f)  # over the shard group (each replica holds the same)
+        buf = model.gather_flat(f)  # over its group (each replica holds the same)
+        whole = model.whole_views(f, buf)  # experts: over the EP group too (every rank)
         if rank == 0 and err is None:
             assert writer is not None  # rank 0 created it, or agreed raised
             try:
-                for slot, t in zip(f.slots, f.views(buf)):
+                for slot, t in zip(f.slots, whole):
                     writer.add(rename(slot.name), t.to("cpu", dtype, copy=True))
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 err = e
