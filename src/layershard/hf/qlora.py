@@ -118,7 +118,7 @@ def _unit_tensors(sharded: ShardedModule, u: Unit) -> dict[str, torch.Tensor]:
     """The unit's parameters, whole, by canonical name (packed bytes for 4-bit weights)."""
     out = {}
     for f in u.flats:
-        for slot, t in zip(f.slots, f.views(sharded.gather_flat(f))):
+        for slot, t in zip(f.slots, sharded.whole_views(f, sharded.gather_flat(f))):
             out[slot.name] = t
     return out
 
