@@ -37,6 +37,7 @@ from _parity import (
     train_in_orders,
 )
 from test_moe import STEPS, matches_one_process, tiny_moe, tiny_qwen3_moe
+from test_wire_dtypes import representable
 
 import layershard as ls
 from layershard.parallel.expert import ExpertGroup
@@ -234,6 +235,26 @@ def no_sync_checkpointing_and_clipping_with_ep(rank: int, world: int) -> None:
     (_, _, a), (_, _, b) = results
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-5, worst
+
+
+@checks.check
+def eight_bit_gathers_with_ep(rank: int, world: int) -> None:
+    """Weights gathered in fp8 or int8 (issue 34) with EP 2 x efsdp 2: the experts travel
+    quantized over the efsdp group too, and weights the format represents gather exactly: the
+    same logits as the exact EP model's."""
+    batch = local(batches(1)[0], rank, world)
+    for gd in (torch.float8_e4m3fn, torch.int8):
+        base = tiny_moe()
+        representable(base, gd)
+        exact = _ep2(clone(base))
+        quant = ls.parallelize(
+            clone(base), ep=EP, mixed_precision=ls.MixedPrecision(torch.float32, torch.float32, gd)
+        )
+        quant.comm_stats(reset=True)
+        with torch.no_grad():
+            assert torch.equal(quant(batch).logits, exact(batch).logits), gd
+        by_group = quant._schedule.comm.stats.by_group()
+        assert by_group["all_gather"]["expert"] == len(base.layers), by_group
 
 
 @checks.check

@@ -245,7 +245,7 @@ def no_sync_accumulates_from_the_forwards_weights(rank: int, world: int) -> None
     _first_grads_match(rank, world, [("no_sync", {})], micro=2)
 
 
-def _representable(model: torch.nn.Module, gd: torch.dtype) -> None:
+def representable(model: torch.nn.Module, gd: torch.dtype) -> None:
     """Weights the format carries exactly: e4m3 values times 2**-12 with the amax 448 * 2**-12
     in every parameter (its scale is then 2**-12); integers k * 2**-10, |k| <= 127, with
     +-127 * 2**-10 at every 8th element, where every int8 block of a rank's slice starts
@@ -271,7 +271,7 @@ def representable_weights_gather_exactly(rank: int, world: int) -> None:
     batch = local(batches(1)[0], rank, world)
     for gd in (FP8, torch.int8):
         base = tiny_llama()
-        _representable(base, gd)
+        representable(base, gd)
         model = ls.shard(clone(base), mixed_precision=_wire(gd))
         seen = capture(model)
         model(batch)
