@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layershard.parallel.expert import ExpertGroup, expert_parallel_forward, keep_local_experts
+from layershard.parallel.expert import (
+    ExpertGroup,
+    expert_parallel_forward,
+    keep_local_experts,
+    swiglu_experts,
+)
 
 
 @dataclass
@@ -94,9 +99,8 @@ class Experts(nn.Module):
         """x: [tokens, dim]; each token through its top-k experts, weighted and summed. Experts
         no token chose are skipped (their weights get a zero gradient)."""
         if self.ep is not None:
-            return expert_parallel_forward(
-                self.gate_up_proj, self.down_proj, x, index, weights, self.ep
-            )
+            compute = swiglu_experts(self.gate_up_proj, self.down_proj)
+            return expert_parallel_forward(x, index, weights, self.ep, compute)
         out = torch.zeros_like(x)
         for e in index.unique().tolist():
             token, slot = torch.where(index == e)

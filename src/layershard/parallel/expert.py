@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,18 +58,30 @@ def _exchange_counts(send: torch.Tensor, eg: ExpertGroup) -> list[int]:
     return recv.tolist()
 
 
+Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def swiglu_experts(gate_up: torch.Tensor, down: torch.Tensor) -> Compute:
+    """Step 3 for stacked SwiGLU experts, ``gate_up`` [local, 2 f, dim] and ``down`` [local,
+    dim, f]: each local expert on its rows, one matmul pair per expert."""
+
+    def compute(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros(rows.shape[0], down.shape[1], dtype=rows.dtype, device=rows.device)
+        for e in local.unique().tolist():
+            (at,) = torch.where(local == e)
+            g, u = F.linear(rows[at], gate_up[e]).chunk(2, dim=-1)
+            y = y.index_add(0, at, F.linear(F.silu(g) * u, down[e]))
+        return y
+
+    return compute
+
+
 def expert_parallel_forward(
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    x: torch.Tensor,
-    index: torch.Tensor,
-    weights: torch.Tensor,
-    eg: ExpertGroup,
-    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, eg: ExpertGroup, compute: Compute
 ) -> torch.Tensor:
     """The MoE output for this rank's tokens ``x`` [tokens, dim], routed by ``index`` and
-    ``weights`` [tokens, top_k], its local experts' ``gate_up`` [local, 2 f, dim] and ``down``
-    [local, dim, f], gated by ``act`` (the module docstring's four steps)."""
+    ``weights`` [tokens, top_k]; ``compute(rows, local_ids)`` runs the local experts on the rows
+    received, each row's expert given by its local id (the module docstring's four steps)."""
     tokens, top_k = index.shape
     expert = index.flatten()
     order = torch.argsort(expert, stable=True)
@@ -82,12 +93,7 @@ def expert_parallel_forward(
     rows = all_to_all_single_autograd(x[token], recv, send_sizes, eg.group)
     ids = torch.empty(sum(recv), dtype=expert.dtype, device=expert.device)
     dist.all_to_all_single(ids, expert[order].contiguous(), recv, send_sizes, group=eg.group)
-    local = ids - eg.first
-    y = torch.zeros(rows.shape[0], down.shape[1], dtype=rows.dtype, device=rows.device)
-    for e in local.unique().tolist():
-        (at,) = torch.where(local == e)
-        g, u = F.linear(rows[at], gate_up[e]).chunk(2, dim=-1)
-        y = y.index_add(0, at, F.linear(act(g) * u, down[e]))
+    y = compute(rows, ids - eg.first)
     back = all_to_all_single_autograd(y, send_sizes, recv, eg.group)
     w = weights.flatten()[order, None]
     out = torch.zeros_like(x)
@@ -107,11 +113,14 @@ def keep_local_experts(module: nn.Module, eg: ExpertGroup) -> None:
             setattr(module, name, part)
 
 
-def _hf_forward(module: Any, eg: ExpertGroup, hidden_states, top_k_index, top_k_weights):
-    return expert_parallel_forward(
-        module.gate_up_proj, module.down_proj, hidden_states, top_k_index, top_k_weights, eg,
-        module.act_fn,
-    )  # fmt: skip
+def _hf_forward(own: Callable, eg: ExpertGroup, hidden_states, top_k_index, top_k_weights):
+    def compute(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        # the experts' own forward (transformers' grouped_mm kernel dispatch), top-1 with unit
+        # weights on the rows received: the routing weights are applied on the sender's side
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        return own(rows, local[:, None], ones)
+
+    return expert_parallel_forward(hidden_states, top_k_index, top_k_weights, eg, compute)
 
 
 def is_hf_experts(module: nn.Module) -> bool:
@@ -133,4 +142,6 @@ def split_hf_experts(module: nn.Module, group: dist.ProcessGroup) -> None:
     nothing of the group)."""
     eg = ExpertGroup(group, int(getattr(module, "gate_up_proj").shape[0]))  # noqa: B009
     keep_local_experts(module, eg)
-    module.forward = partial(_hf_forward, module, eg)
+    own = module.forward  # bound before it is replaced: the experts' own forward
+    setattr(module, "num_experts", eg.local)  # noqa: B010 - its own forward's expert count
+    module.forward = partial(_hf_forward, own, eg)
