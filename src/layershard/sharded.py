@@ -40,6 +40,7 @@ from layershard.engine.strategy import CPUOffload, Sharding
 from layershard.engine.strategy import resolve as resolve_strategy
 from layershard.engine.units import Unit, find_units
 from layershard.engine.waits import waiting
+from layershard.parallel import tensor
 
 CLIP = "all-reduce of the gradient norm"
 _sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # their hooks are installed
@@ -375,9 +376,23 @@ class ShardedModule(nn.Module):
         ]
         device = self.flat_params[0].shard.device
         norm_type = float(norm_type)
+        comm = self._schedule.comm  # over the shard group: replicas hold the same slices
+        tp_group = tensor.tp_group(s.tp for f in self.flat_params for s in f.slots)
+        if tp_group is not None:  # TP x DP: sharded parts summed over TP too (parallel/tensor.py)
+            terms = [
+                (s.tp, p.grad)
+                for f in self.flat_params
+                for s, p in zip(f.slots, f.shard_params)
+                if p.grad is not None and p.grad.numel() > 0
+            ]
+            reduce = partial(comm.all_reduce, phase="clip", what=CLIP)
+            total = tensor.grad_norm(terms, norm_type, reduce, tp_group, device)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            if grads:
+                torch._foreach_mul_(grads, coef)
+            return total
         norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
         local = torch.stack(norms) if norms else torch.zeros(1, device=device)
-        comm = self._schedule.comm  # over the shard group: replicas hold the same slices
         if math.isinf(norm_type):
             total = comm.all_reduce(local.max().reshape(1), dist.ReduceOp.MAX, "clip", CLIP)
         else:
@@ -422,13 +437,18 @@ class ShardedModule(nn.Module):
         with their quantization state, as bitsandbytes' own ``state_dict()``; ``packed=False``
         leaves them out (an adapter save: the base is never gathered)."""
         keep = not rank0_only or dist.get_rank(self.process_group) == 0
+        tp_group = tensor.tp_group(s.tp for f in self.flat_params for s in f.slots)
+        if tp_group is not None and rank0_only:  # one TP coordinate keeps the whole tensors
+            keep = keep and dist.get_rank(tp_group) == 0
         full: dict[int, torch.Tensor] = {}
         for f in self.flat_params:
             if f.packed and not packed:
                 continue
             views = f.views(self.gather_flat(f))
-            if keep:
-                for slot, t in zip(f.slots, views):
+            for slot, t in zip(f.slots, views):
+                if slot.tp is not None:  # the whole tensor, over the TP group (collective)
+                    t = tensor.full_tensor(slot.tp, t)
+                if keep:
                     full[id(slot)] = t.to("cpu") if cpu else t.clone()
         if not keep:
             return {}

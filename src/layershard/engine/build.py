@@ -26,6 +26,7 @@ from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import Sharding
 from layershard.engine.units import Unit, UnitSpec, backward_needs_weights
 from layershard.engine.wire import WireGather
+from layershard.parallel import tensor
 
 
 @dataclass
@@ -176,7 +177,7 @@ def _make_flats(
         if group:
             how = [Packed.of(p) if packed else None for p, _ in group]
             numels = [
-                p.numel() if k is None else k.carrier_numel(carrier)
+                tensor.local_shape(p).numel() if k is None else k.carrier_numel(carrier)
                 for (p, _), k in zip(group, how)
             ]
             offsets, _, shard_numel = layout(numels, world)
@@ -187,7 +188,14 @@ def _make_flats(
     flats, placed, start = [], [], 0
     for requires_grad, group, offsets, shard_numel, how, numels in groups:
         slots = [
-            ParamSlot(uses, p.shape if k is None else torch.Size([n]), offset, requires_grad, k)
+            ParamSlot(
+                uses,
+                tensor.local_shape(p) if k is None else torch.Size([n]),
+                offset,
+                requires_grad,
+                k,
+                tp=tensor.info(p),
+            )
             for (p, uses), offset, k, n in zip(group, offsets, how, numels)
         ]
         storage = None if buffer is None else buffer[start : start + shard_numel]

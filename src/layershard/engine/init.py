@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_leaves
 
 from layershard.engine.flat import FlatParam, ParamSlot
 from layershard.engine.units import UnitSpec
+from layershard.parallel import tensor
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def fill_shards(
         for p, _ in spec.params:
             if not p.is_meta:
                 f, slot = slot_of[id(p)]
-                f.copy_from_full(slot, p)
+                f.copy_from_full(slot, tensor.local(p))  # a DTensor: its local shard
 
 
 def _hf_pretrained_class():

@@ -1,0 +1,182 @@
+"""Tensor parallelism under layershard: a model whose blocks torch parallelized
+(``torch.distributed.tensor.parallel.parallelize_module``, parameters ``DTensor`` over a TP mesh)
+sharded by layershard over its data-parallel group (the ranks with the same TP coordinate).
+
+What the engine does with a ``DTensor`` parameter, and where:
+
+- its *local* shard (``to_local()``) is what goes into the unit's flat buffer: ``ParamSlot.shape``
+  is the local shape and ``ParamSlot.tp`` (a ``TPInfo``) keeps the mesh, the placements and the
+  global shape and stride (``build._make_flats``, ``init.fill_shards``). Every member of a
+  data-parallel group has the same TP coordinate, hence the same local shapes: its flat layout is
+  the same on every member, as the engine needs;
+- before the unit runs, each gathered local view is wrapped again (``DTensor.from_local``, no
+  communication: ``wrap``) so that the TP modules' hooks and DTensor ops see the parameter they
+  were given (``Unit.bind``). ``from_local``'s backward hands the engine the gradient of the local
+  view, redistributed to the parameter's placements when it came back in another one: what the
+  reducer reduces is a plain local tensor, as for any parameter;
+- the gradient norm (``grad_norm``): the squares of a TP-sharded parameter's local gradient are
+  summed over the TP group too; a parameter replicated over TP is counted once, not once per TP
+  rank;
+- ``full_state_dict`` assembles the whole tensor over the TP group (``full_tensor``).
+
+``llama_tp_plan`` / ``parallelize_llama``: the Megatron plan for the built-in Llama's blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """What re-wraps a parameter's local shard as the ``DTensor`` it was: its mesh, placements
+    and global shape and stride."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @property
+    def sharded(self) -> bool:
+        """Does each TP rank hold a different part (else every rank holds it whole)?"""
+        return any(isinstance(p, Shard) for p in self.placements)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The TP group (a 1-D mesh)."""
+        return self.mesh.get_group()
+
+
+def info(p: torch.Tensor) -> TPInfo | None:
+    """A ``DTensor`` parameter's ``TPInfo``; None for a plain tensor."""
+    if not isinstance(p, DTensor):
+        return None
+    if p.device_mesh.ndim != 1:
+        raise ValueError(
+            "shard(): a DTensor parameter over a mesh of more than one dimension; layershard is "
+            "the data-parallel axis: pass parameters distributed over the TP mesh only "
+            "(mesh['tp']) and the data-parallel group as ls.shard(process_group=...)"
+        )
+    return TPInfo(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride()))
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """What a parameter contributes to its unit's flat buffer: a ``DTensor``'s local shard."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def local_shape(p: torch.Tensor) -> torch.Size:
+    return local(p).shape
+
+
+def wrap(tp: TPInfo, t: torch.Tensor) -> DTensor:
+    """``t`` (the local shard, e.g. a view of a gathered buffer) as the parameter's ``DTensor``;
+    no communication. Differentiable: the gradient of ``t`` is the local part of the DTensor's
+    gradient in the parameter's placements."""
+    return DTensor.from_local(
+        t, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride
+    )
+
+
+@torch.no_grad()
+def full_tensor(tp: TPInfo, t: torch.Tensor) -> torch.Tensor:
+    """The whole parameter from this rank's local shard ``t``. Collective over the TP group."""
+    return wrap(tp, t).full_tensor()
+
+
+@torch.no_grad()
+def local_of_full(tp: TPInfo, full: torch.Tensor) -> torch.Tensor:
+    """This rank's local shard of the whole parameter ``full`` (no communication)."""
+    return distribute_tensor(full, tp.mesh, tp.placements, src_data_rank=None).to_local()
+
+
+def tp_group(infos: Iterable[TPInfo | None]) -> dist.ProcessGroup | None:
+    """The TP group of a model's ``DTensor`` parameters (None: it has none). One TP mesh only."""
+    groups = {id(t.group): t.group for t in infos if t is not None}
+    if len(groups) > 1:
+        raise ValueError("shard(): DTensor parameters over more than one TP mesh")
+    return next(iter(groups.values()), None)
+
+
+def grad_norm(
+    terms: list[tuple[TPInfo | None, torch.Tensor]],
+    norm_type: float,
+    reduce_dp: Callable[[torch.Tensor, Any], torch.Tensor],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> torch.Tensor:
+    """The norm of the whole gradient of a TP x DP model, from ``(tp, gradient slice)`` of this
+    rank's slices. ``reduce_dp`` reduces over the data-parallel (shard) group; then the
+    TP-sharded parameters' part is reduced over the TP ``group``, and the part replicated over TP
+    (the same on every TP rank) is counted once. Collective over both groups."""
+    inf = math.isinf(norm_type)
+
+    def part(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), device=device)
+        norms = torch.stack(list(torch._foreach_norm(grads, norm_type)))
+        return norms.max() if inf else norms.pow(norm_type).sum()
+
+    sharded = [g for tp, g in terms if tp is not None and tp.sharded]
+    whole = [g for tp, g in terms if tp is None or not tp.sharded]
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    both = reduce_dp(torch.stack([part(sharded), part(whole)]), op)
+    over_tp = both[:1].clone()
+    dist.all_reduce(over_tp, op=op, group=group)
+    total = torch.maximum(over_tp[0], both[1]) if inf else over_tp[0] + both[1]
+    return total if inf else total.pow(1.0 / norm_type)
+
+
+# ---- the built-in Llama ----------------------------------------------------------------------
+
+
+def llama_tp_plan() -> dict[str, ParallelStyle]:
+    """``parallelize_module`` plan for one built-in Llama block (``models/llama.py``'s
+    ``Block``): attention q/k/v and the MLP's gate (w1) and up (w3) projections column-wise, the
+    attention output (wo) and the MLP's down projection (w2) row-wise. Norms stay replicated;
+    activations between the sub-blocks are whole (replicated) on every TP rank."""
+    return {
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(),
+        "mlp.w1": ColwiseParallel(),
+        "mlp.w3": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(),
+    }
+
+
+def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Apply ``llama_tp_plan`` to every block of a built-in Llama (``LlamaForCausalLM``) over the
+    1-D ``tp_mesh``, and give each attention its local head counts (the column-parallel q/k/v
+    produce ``heads / tp`` heads per rank). The embedding, final norm and head stay replicated.
+    Returns ``model``."""
+    tp = tp_mesh.size()
+    for block in model.layers:  # type: ignore[union-attr]
+        attn = block.attn
+        if attn.n_heads % tp or attn.n_kv_heads % tp:
+            raise ValueError(
+                f"parallelize_llama: n_heads={attn.n_heads} and n_kv_heads={attn.n_kv_heads} "
+                f"must be divisible by the TP size {tp}"
+            )
+        if not hasattr(block.mlp, "w1"):
+            raise ValueError("parallelize_llama: a mixture-of-experts block has no TP plan here")
+        parallelize_module(block, tp_mesh, llama_tp_plan())
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
+    return model
