@@ -114,6 +114,12 @@ def tp_group(infos: Iterable[TPInfo | None]) -> dist.ProcessGroup | None:
     return next(iter(groups.values()), None)
 
 
+def split_over_tp(tp: TPInfo | None) -> bool:
+    """Does each TP rank hold a different part of the parameter (its gradient's squares summed
+    over the TP group), or every TP rank the same (counted once)?"""
+    return tp is not None and tp.sharded
+
+
 def grad_norm(
     terms: list[tuple[TPInfo | None, torch.Tensor]],
     norm_type: float,
@@ -133,8 +139,8 @@ def grad_norm(
         norms = torch.stack(list(torch._foreach_norm(grads, norm_type)))
         return norms.max() if inf else norms.pow(norm_type).sum()
 
-    sharded = [g for tp, g in terms if tp is not None and tp.sharded]
-    whole = [g for tp, g in terms if tp is None or not tp.sharded]
+    sharded = [g for tp, g in terms if split_over_tp(tp)]
+    whole = [g for tp, g in terms if not split_over_tp(tp)]
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     both = reduce_dp(torch.stack([part(sharded), part(whole)]), op)
     over_tp = both[:1].clone()

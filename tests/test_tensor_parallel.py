@@ -1,0 +1,239 @@
+"""Tensor parallelism under layershard (parallel/tensor.py, issue 32): the built-in Llama's blocks
+parallelized by torch (``parallelize_module``, ``parallelize_llama``) over a TP mesh, layershard
+sharding each unit's local TP shards over the data-parallel group (the ranks with the same TP
+coordinate). At 2 ranks TP 2 alone (dp_shard 1), at 4 ranks TP 2 x dp_shard 2, against one
+process on the same global batch: each step's loss and clipped gradient norm, every gradient
+after the first backward, the weights after the optimizer steps (AdamW, clipped), and
+``full_state_dict`` (the reference's names and whole shapes); the bytes each rank holds; bf16
+compute once; and negative controls the checks catch (a parameter replicated over TP counted
+once per TP rank in the norm; the DTensor not re-wrapped at bind)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import RankChecks
+from _parity import (
+    EPS,
+    LOSS_RTOL,
+    LR,
+    batches,
+    clone,
+    grad_error,
+    lm_loss,
+    local,
+    relative_bound,
+    relative_distance,
+    tiny_llama,
+    train_in_orders,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import layershard as ls
+from layershard.parallel import tensor
+from layershard.parallel.tensor import parallelize_llama
+
+TP = 2
+STEPS = 4
+RTOL = 1e-5  # the issue's tolerance: transformers' TP x FSDP2 lands within 6.4e-7 in fp32
+CLIP = 0.5  # below the tiny Llama's gradient norm (~0.8): every step clips
+# The weights after STEPS AdamW steps: TP sums each row-parallel matmul in TP partial sums (then
+# all-reduces them), an order of the sums that the reference's other legitimate orders
+# (_parity.train_in_orders: the DP orders) do not sample, and AdamW turns last-bit differences of
+# near-zero gradients into lr-sized steps. Measured 2026-11-26, torch 2.13, `relative_distance`
+# against the in-run bound (`relative_bound`), ratio: AVX-512 ws2 8.18e-6 / 4.24e-6 (1.93), ws4
+# 6.54e-6 / 5.37e-6 (1.22); AVX2 9.15e-6 / 3.63e-6 (2.52), 7.32e-6 / 7.02e-6 (1.04); default
+# 9.58e-6 / 8.81e-6 (1.09), 9.20e-6 / 1.61e-5 (0.57). Allowed: TP_ORDERS x the bound, at least
+# 2 x RTOL. The first step's gradients (before AdamW) are held to RTOL itself.
+TP_ORDERS = 4.0
+
+checks2 = RankChecks(world_size=2, suffix="_tp2")
+checks4 = RankChecks(world_size=4, suffix="_tp2_dp2")
+
+
+def _mesh(world: int):
+    """(dp_shard, tp) mesh: TP over consecutive ranks; the data-parallel group, its rank."""
+    mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
+    dp = mesh["dp_shard"]
+    return mesh["tp"], dp.get_group(), dp.get_local_rank(), dp.size()
+
+
+def _tp_model(base, world: int, **options):
+    tp_mesh, dp_group, dp_rank, dp = _mesh(world)
+    model = ls.shard(parallelize_llama(clone(base), tp_mesh), process_group=dp_group, **options)
+    return model, dp_group, dp_rank, dp
+
+
+def full_grads(model, dp_group) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's whole gradient (gathered over DP, then assembled over TP)."""
+    out = {}
+    for f in model.flat_params:
+        if not f.requires_grad:
+            continue
+        assert f.grad is not None
+        parts = [torch.empty_like(f.grad) for _ in range(dist.get_world_size(dp_group))]
+        dist.all_gather(parts, f.grad, group=dp_group)
+        for slot, g in zip(f.slots, f.views(torch.cat(parts))):
+            out[slot.name] = g if slot.tp is None else tensor.full_tensor(slot.tp, g)
+    return out
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def _parity(rank: int, world: int, strategy: str) -> None:
+    base = tiny_llama()
+    reference = clone(base)
+    model, dp_group, dp_rank, dp = _tp_model(base, world, strategy=strategy)
+    # the blocks' projections are DTensors over TP; bound views are DTensors again in forward
+    names = {s.name: s for f in model.flat_params for s in f.slots}
+    wq = names["layers.0.attn.wq.weight"]
+    assert wq.tp is not None and wq.shape == (16, 32) and wq.tp.shape == (32, 32)
+    assert names["embed.weight"].tp is None and names["layers.0.attn_norm.weight"].tp is None
+    seen = []
+    hook = model.module.layers[0].attn.wq.register_forward_pre_hook(
+        lambda m, args: seen.append(type(m.weight))
+    )
+
+    # Before training: full_state_dict is the reference's, names, shapes and values, exactly.
+    full = model.full_state_dict()
+    if rank == 0:
+        assert list(full) == list(reference.state_dict())
+        for k, v in reference.state_dict().items():
+            assert full[k].shape == v.shape and torch.equal(full[k], v), k
+    else:
+        assert full == {}
+
+    # Bytes held: each rank 1/(dp x tp) of the TP-sharded weights, 1/dp of the replicated ones.
+    held = {s.name: p.numel() for f in model.flat_params for s, p in zip(f.slots, f.shard_params)}
+    counts = torch.tensor([held[k] for k in sorted(held)])
+    dist.all_reduce(counts)
+    for k, n in zip(sorted(held), counts.tolist()):
+        expect = reference.get_parameter(k).numel() * (1 if names[k].tp is not None else TP)
+        assert n == expect, (k, n, expect)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for step, batch in enumerate(batches(STEPS)):
+        loss = lm_loss(model, local(batch, dp_rank, dp))
+        loss.backward()
+        ref_loss = lm_loss(reference, batch)
+        ref_loss.backward()
+        ours = loss.detach().clone()
+        dist.all_reduce(ours, group=dp_group)
+        assert _rel(ours.item() / dp, ref_loss.item()) <= LOSS_RTOL, (step, ours, ref_loss)
+        if step == 0:
+            grads = full_grads(model, dp_group)
+            ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+            assert set(grads) == set(ref_grads)
+            err = grad_error(grads, ref_grads)
+            assert err <= RTOL, f"first gradient {err:.2e} from the reference's (relative)"
+        norm = model.clip_grad_norm_(CLIP)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        assert _rel(norm.item(), ref_norm.item()) <= RTOL, (step, norm.item(), ref_norm.item())
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    hook.remove()
+    assert seen and all(t is DTensor for t in seen), seen
+
+    full = model.full_state_dict()
+    if rank == 0:
+        assert list(full) == list(reference.state_dict())
+        assert all(full[k].shape == v.shape for k, v in reference.state_dict().items())
+        d = relative_distance(full, reference, base)
+        runs = train_in_orders(base, batches(STEPS), world, clip=(CLIP, 2.0))
+        bound = relative_bound(reference, base, *runs)
+        print(f"world {world} {strategy}: weights {d:.2e}, in-run spread bound {bound:.2e}")
+        assert d <= max(2 * RTOL, TP_ORDERS * bound), (
+            f"weights {d:.2e} from the reference's (relative to the distance they moved)"
+        )
+
+
+def _full(rank: int, world: int) -> None:
+    """strategy full (ZeRO-3) over the DP group, fp32: matches one process."""
+    _parity(rank, world, "full")
+
+
+def _grad_op(rank: int, world: int) -> None:
+    """strategy grad_op (ZeRO-2) over the DP group, fp32: matches one process."""
+    _parity(rank, world, "grad_op")
+
+
+def _bf16(rank: int, world: int) -> None:
+    """bf16 compute (MixedPrecision): the first step's loss and gradients as close to the fp32
+    reference as layershard's bf16 without TP is (TP moves bf16 roundings around, no more)."""
+    base = tiny_llama()
+    batch = batches(1)[0]
+    precision = ls.MixedPrecision(param_dtype=torch.bfloat16)
+    reference = clone(base)
+    ref_loss = lm_loss(reference, batch)
+    ref_loss.backward()
+    ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+    model, dp_group, dp_rank, dp = _tp_model(base, world, mixed_precision=precision)
+    loss = lm_loss(model, local(batch, dp_rank, dp))
+    loss.backward()
+    ours = loss.detach().float()
+    dist.all_reduce(ours, group=dp_group)
+    err = grad_error(full_grads(model, dp_group), ref_grads)
+    # layershard bf16 without TP (over the whole world) on the same batch
+    plain = ls.shard(clone(base), mixed_precision=precision)
+    plain_loss = lm_loss(plain, local(batch, rank, world))
+    plain_loss.backward()
+    mine = plain_loss.detach().float()
+    dist.all_reduce(mine)
+    plain_err = grad_error(full_grads(plain, dist.group.WORLD), ref_grads)
+    loss_err = _rel(ours.item() / dp, ref_loss.item())
+    plain_loss_err = _rel(mine.item() / world, ref_loss.item())
+    if rank == 0:
+        print(f"bf16 world {world}: grads {err:.2e} (no TP {plain_err:.2e}), loss {loss_err:.2e} "
+              f"(no TP {plain_loss_err:.2e})", flush=True)  # fmt: skip
+    assert err <= 2 * plain_err + EPS, (err, plain_err)
+    assert loss_err <= 4 * plain_loss_err + 1e-3, (loss_err, plain_loss_err)
+
+
+def _norm_control(rank: int, world: int) -> None:
+    """Negative control: a parameter replicated over TP (norms, embedding, head) counted once
+    per TP rank in the clip norm is caught by the norm check at RTOL."""
+    base = tiny_llama()
+    batch = batches(1)[0]
+    reference = clone(base)
+    lm_loss(reference, batch).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item()
+    model, _, dp_rank, dp = _tp_model(base, world)
+    lm_loss(model, local(batch, dp_rank, dp)).backward()
+    split = tensor.split_over_tp
+    try:
+        tensor.split_over_tp = lambda tp: True
+        wrong = model.clip_grad_norm_(1e9).item()
+    finally:
+        tensor.split_over_tp = split
+    assert _rel(wrong, ref_norm) > 100 * RTOL, (wrong, ref_norm)
+    assert _rel(model.clip_grad_norm_(1e9).item(), ref_norm) <= RTOL
+
+
+def _rewrap_control(rank: int, world: int) -> None:
+    """Negative control: without the re-wrap at bind (plain local views where the TP modules
+    expect their DTensor weights), the forward fails; it is never a silent wrong number."""
+    base = tiny_llama()
+    model, _, dp_rank, dp = _tp_model(base, world)
+    wrap = tensor.wrap
+    try:
+        tensor.wrap = lambda tp, t: t  # type: ignore[assignment]
+        with pytest.raises(RuntimeError, match="DTensor"):
+            lm_loss(model, local(batches(1)[0], dp_rank, dp))
+    finally:
+        tensor.wrap = wrap
+
+
+for _checks in (checks2, checks4):
+    _checks.check(_full, "full_matches_one_process")
+    _checks.check(_grad_op, "grad_op_matches_one_process")
+    _checks.check(_bf16, "bf16_as_close_as_without_tp")
+    _checks.check(_norm_control, "replicated_counted_tp_times_is_caught")
+    _checks.check(_rewrap_control, "missing_rewrap_is_caught")
+    _checks.collect(globals())
