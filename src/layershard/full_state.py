@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from layershard.engine.agreement import agreed
 from layershard.engine.waits import waiting
+from layershard.parallel import tensor
 
 
 def load_full_state_dict(
@@ -51,7 +52,7 @@ def load_full_state_dict(
         if everyone:
             assert state_dict is not None
             for slot in loaded:
-                value = state_dict[by_slot[id(slot)]]
+                value = _local(slot, state_dict[by_slot[id(slot)]])
                 dtype = torch.float32 if slot.packed is None else value.dtype  # bytes
                 f.copy_from_full(slot, value.to(f.shard.device, dtype))
             continue
@@ -59,7 +60,7 @@ def load_full_state_dict(
         if state_dict is not None:  # rank 0
             for slot, view in zip(f.slots, f.views(buf)):
                 if id(slot) in by_slot:
-                    view.copy_(state_dict[by_slot[id(slot)]])
+                    view.copy_(_local(slot, state_dict[by_slot[id(slot)]]))
         comm.broadcast(buf, "state_dict")
         for slot, view in zip(f.slots, f.views(buf)):
             if id(slot) in by_slot:
@@ -71,6 +72,11 @@ def load_full_state_dict(
             b.copy_(state_dict[key])
         if not everyone and world > 1:
             comm.broadcast(b, "state_dict")
+
+
+def _local(slot, value: torch.Tensor) -> torch.Tensor:
+    """What of the whole ``value`` this rank's slot holds: a DTensor parameter's local shard."""
+    return value if slot.tp is None else tensor.local_of_full(slot.tp, value)
 
 
 def _validate(model, sd: dict, strict: bool) -> str:
@@ -95,8 +101,8 @@ def _validate(model, sd: dict, strict: bool) -> str:
                 )
             continue
         if kind == "param":
-            packed = ref[1].packed
-            shape = ref[1].shape if packed is None else packed.shape
+            packed, tp = ref[1].packed, ref[1].tp
+            shape = packed.shape if packed is not None else tp.shape if tp else ref[1].shape
         else:
             shape = getattr(ref[0], ref[1]).shape
         if tuple(sd[key].shape) != tuple(shape):

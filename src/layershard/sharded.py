@@ -123,6 +123,7 @@ def shard(
         check_shared_modules(model, specs)
         check_dtypes(specs)
         check_quantized(specs)
+        tensor.check_groups((p for spec in specs for p, _ in spec.params), group)
     disable_cpu_repacking(model)
     shard_options = dict(
         strategy=strategy, shard_size=shard_size, reshard_after_forward=reshard_after_forward,

@@ -78,6 +78,11 @@ def fill_shards(
     """
     del device  # the shards already live there; init always runs on the CPU (see above)
     if any(t.is_meta for m in model.modules() for t in _own_tensors(m)):
+        if any(tensor.info(p) is not None for spec in specs for p, _ in spec.params):
+            raise NotImplementedError(
+                "shard(): a tensor-parallel model (DTensor parameters) on the meta device is "
+                "not supported yet: materialize it (to_empty, then init) before ls.shard()"
+            )
         _Materializer(model, specs, slot_of, param_init_fn).run()
     for spec in specs:
         for p, _ in spec.params:

@@ -106,6 +106,31 @@ def local_of_full(tp: TPInfo, full: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, tp.mesh, tp.placements, src_data_rank=None).to_local()
 
 
+def check_groups(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Refuse DTensor parameters whose TP mesh shares a rank other than this one with the
+    data-parallel ``group``: the members of a data-parallel group must hold the same part of each
+    parameter (the same TP coordinate), or the gathered flat buffer would mix different parts."""
+    group_of = tp_group(info(p) for p in params)
+    if group_of is None:
+        return
+    both = set(dist.get_process_group_ranks(group_of)) & set(dist.get_process_group_ranks(group))
+    if len(both) > 1:
+        raise ValueError(
+            f"shard(): ranks {sorted(both)} are in the TP mesh of the DTensor parameters and in "
+            "the data-parallel process_group; pass the group of the ranks with this rank's TP "
+            "coordinate (mesh['dp_shard'].get_group(), or the flattened dp dims of the mesh)"
+        )
+
+
+def refuse(model, what: str) -> None:
+    """Raise (one line) where a sharded model with DTensor parameters is not supported yet."""
+    if any(s.tp is not None for f in model.flat_params for s in f.slots):
+        raise NotImplementedError(
+            f"{what}: not supported yet for a tensor-parallel model (DTensor parameters); "
+            "use model.full_state_dict() (whole tensors) and load_full_state_dict() instead"
+        )
+
+
 def tp_group(infos: Iterable[TPInfo | None]) -> dist.ProcessGroup | None:
     """The TP group of a model's ``DTensor`` parameters (None: it has none). One TP mesh only."""
     groups = {id(t.group): t.group for t in infos if t is not None}
