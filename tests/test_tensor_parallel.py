@@ -28,8 +28,10 @@ from _parity import (
     tiny_llama,
     train_in_orders,
 )
+from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import layershard as ls
 from layershard.parallel import tensor
@@ -197,6 +199,44 @@ def _round_trip(rank: int, world: int) -> None:
         torch.testing.assert_close(w.full_tensor(), full["layers.0.attn.wq.weight"])
 
 
+def _large_head(rank: int, world: int) -> None:
+    """A TP-sharded unit larger than a block (the LM head column-parallel over a vocabulary of
+    1024: 32k elements against ~9k for a block) is gathered into storage of its own, handed on
+    after its forward (buffers.py, "Units larger than a block"): its backward must read the
+    weights it saves again from this backward's gather, not from the storage of the forward."""
+    base = tiny_llama(vocab_size=1024)
+    batch = batches(1, vocab=1024)[0]
+    reference = clone(base)
+    lm_loss(reference, batch).backward()
+    ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+    mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
+    dp_group = mesh["dp_shard"].get_group()
+    model = parallelize_llama(clone(base), mesh["tp"])
+    parallelize_module(model.lm_head, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
+    model = ls.shard(model, process_group=dp_group)
+    head = next(u for u in model.units if u.name == "lm_head")
+    assert head.slot.transient and head.param_slots[0].tp is not None
+    dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    held = []  # DTensors over a unit's gathered weights that reach the outer hooks
+
+    def pack(t):
+        if isinstance(t, DTensor):
+            inner = t.detach().to_local().untyped_storage().data_ptr()
+            slots = [u.slot.alias for u in model.units if u.slot.alias is not None]
+            if any(inner == a.untyped_storage().data_ptr() for a in slots):
+                held.append(t)
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        loss = lm_loss(model, local(batch, dp_rank, dp))
+    # the engine saves them as places in the unit's buffer (backward.py, WeightView), so that
+    # a unit's storage is not held from its forward to its backward
+    assert not held, f"{len(held)} DTensor weights saved as tensors"
+    loss.backward()
+    err = grad_error(full_grads(model, dp_group), ref_grads)
+    assert err <= RTOL, f"first gradient {err:.2e} from the reference's (relative)"
+
+
 def _refusals(rank: int, world: int) -> None:
     """What is not supported yet says so in one line: checkpoints and HF export of a TP model,
     a TP model on the meta device; and a data-parallel group that crosses the TP mesh (its
@@ -291,6 +331,7 @@ for _checks in (checks2, checks4):
     _checks.check(_norm_control, "replicated_counted_tp_times_is_caught")
     _checks.check(_rewrap_control, "missing_rewrap_is_caught")
 checks2.check(_refusals, "unsupported_is_refused")
+checks4.check(_large_head, "tp_unit_larger_than_a_block")
 checks4.check(_hybrid, "hybrid_matches_one_process")
 checks4.check(_round_trip, "full_state_dict_round_trip")
 checks2.collect(globals())

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,16 @@ def info(p: torch.Tensor) -> TPInfo | None:
             "(mesh['tp']) and the data-parallel group as ls.shard(process_group=...)"
         )
     return TPInfo(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride()))
+
+
+def split_dtensor(t: torch.Tensor) -> tuple[torch.Tensor, TPInfo] | None:
+    """A ``DTensor``'s local tensor (no autograd) and what wraps it again; None for another
+    tensor. The saved-tensor hooks (engine/backward.py) save a DTensor over a unit's gathered
+    weights as where in the unit's buffer, as they save a plain weight view."""
+    if not isinstance(t, DTensor):
+        return None
+    spec = TPInfo(t.device_mesh, tuple(t.placements), t.shape, tuple(t.stride()))
+    return cast(DTensor, t.detach()).to_local(), spec  # detached: no autograd node, an alias
 
 
 def local(p: torch.Tensor) -> torch.Tensor:
@@ -133,7 +143,8 @@ def refuse(model, what: str) -> None:
 
 def tp_group(infos: Iterable[TPInfo | None]) -> dist.ProcessGroup | None:
     """The TP group of a model's ``DTensor`` parameters (None: it has none). One TP mesh only."""
-    groups = {id(t.group): t.group for t in infos if t is not None}
+    ranks = dist.get_process_group_ranks
+    groups = {tuple(ranks(t.group)): t.group for t in infos if t is not None}
     if len(groups) > 1:
         raise ValueError("shard(): DTensor parameters over more than one TP mesh")
     return next(iter(groups.values()), None)
