@@ -10,6 +10,8 @@ once per TP rank in the norm; the DTensor not re-wrapped at bind)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,7 +66,9 @@ def _tp_model(base, world: int, hybrid: bool = False, **options):
         mesh = init_device_mesh("cpu", (world // TP, 1, TP), mesh_dim_names=names)
         dp_mesh = mesh["dp_replicate", "dp_shard"]
         options.update(strategy="hybrid", mesh=dp_mesh)
-        dp_group = dp_mesh._flatten().get_group()
+        # the ranks of this TP coordinate (public API: every rank makes every group)
+        groups = [dist.new_group(list(range(j, world, TP))) for j in range(TP)]
+        dp_group = groups[dist.get_rank() % TP]
     else:
         mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
         dp_group = mesh["dp_shard"].get_group()
@@ -91,13 +95,20 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def _parity(rank: int, world: int, strategy: str) -> None:
+@functools.cache
+def _orders(world: int):
+    """The reference trained in the other legitimate orders of the DP sums (once per spawn)."""
+    return train_in_orders(tiny_llama(), batches(STEPS), world, clip=(CLIP, 2.0))
+
+
+def _parity(rank: int, world: int, strategy: str, **options) -> None:
     base = tiny_llama()
     reference = clone(base)
     hybrid = strategy == "hybrid"
-    options = {} if hybrid else {"strategy": strategy}
+    if not hybrid:
+        options["strategy"] = strategy
     model, dp_group, dp_rank, dp = _tp_model(base, world, hybrid, **options)
-    replicas = dp if hybrid else 1  # every replica holds the same slices
+    replicas = dp if hybrid or strategy == "no_shard" else 1  # replicas hold the same slices
     # the blocks' projections are DTensors over TP; bound views are DTensors again in forward
     names = {s.name: s for f in model.flat_params for s in f.slots}
     wq = names["layers.0.attn.wq.weight"]
@@ -157,8 +168,7 @@ def _parity(rank: int, world: int, strategy: str) -> None:
         assert list(full) == list(reference.state_dict())
         assert all(full[k].shape == v.shape for k, v in reference.state_dict().items())
         d = relative_distance(full, reference, base)
-        runs = train_in_orders(base, batches(STEPS), world, clip=(CLIP, 2.0))
-        bound = relative_bound(reference, base, *runs)
+        bound = relative_bound(reference, base, *_orders(world))
         print(f"world {world} {strategy}: weights {d:.2e}, in-run spread bound {bound:.2e}")
         assert d <= max(2 * RTOL, TP_ORDERS * bound), (
             f"weights {d:.2e} from the reference's (relative to the distance they moved)"
@@ -176,8 +186,14 @@ def _grad_op(rank: int, world: int) -> None:
 
 
 def _hybrid(rank: int, world: int) -> None:
-    """HSDP x TP: (dp_replicate 2, dp_shard 1, tp 2), strategy hybrid over the dp dims' mesh."""
-    _parity(rank, world, "hybrid")
+    """HSDP x TP: (dp_replicate 2, dp_shard 1, tp 2), strategy hybrid over the dp dims' mesh,
+    every block checkpointed (recomputed in backward)."""
+    _parity(rank, world, "hybrid", activation_checkpointing=3)
+
+
+def _no_shard(rank: int, world: int) -> None:
+    """strategy no_shard (DDP-like) over the DP group, fp32: matches one process."""
+    _parity(rank, world, "no_shard")
 
 
 def _round_trip(rank: int, world: int) -> None:
@@ -332,7 +348,8 @@ for _checks in (checks2, checks4):
     _checks.check(_rewrap_control, "missing_rewrap_is_caught")
 checks2.check(_refusals, "unsupported_is_refused")
 checks4.check(_large_head, "tp_unit_larger_than_a_block")
-checks4.check(_hybrid, "hybrid_matches_one_process")
+checks4.check(_no_shard, "no_shard_matches_one_process")
+checks4.check(_hybrid, "hybrid_checkpointed_matches_one_process")
 checks4.check(_round_trip, "full_state_dict_round_trip")
 checks2.collect(globals())
 checks4.collect(globals())
