@@ -140,8 +140,11 @@ def _parity(rank: int, world: int, strategy: str, **options) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     for step, batch in enumerate(batches(STEPS)):
+        model.comm_stats(reset=True)
         loss = lm_loss(model, local(batch, dp_rank, dp))
         loss.backward()
+        if strategy == "full":
+            _check_collectives(model, model.comm_stats())
         ref_loss = lm_loss(reference, batch)
         ref_loss.backward()
         ours = loss.detach().clone()
@@ -173,6 +176,23 @@ def _parity(rank: int, world: int, strategy: str, **options) -> None:
         assert d <= max(2 * RTOL, TP_ORDERS * bound), (
             f"weights {d:.2e} from the reference's (relative to the distance they moved)"
         )
+
+
+def _check_collectives(model, stats: dict) -> None:
+    """The data-parallel group's collectives of a step, as without TP (test_parity.py): one
+    all-gather per unit in forward and one per unit in backward but the three still gathered or
+    not needed (head, final norm, embedding), one reduce-scatter per unit, of the local TP
+    shards' bytes; the agreement's all-reduce. A one-rank group issues none. (The TP group's
+    collectives are torch's: DTensor's.)"""
+    if not model._schedule.comm.active:
+        assert stats == {}, stats
+        return
+    n, padded = len(model.units), sum(f.padded_numel for f in model.flat_params)
+    gathers = stats["all_gather"]
+    assert (gathers["count"], gathers["forward"], gathers["backward"]) == (2 * n - 3, n, n - 3)
+    assert stats["reduce_scatter"] == {"count": n, "bytes": 4 * padded, "backward": n}
+    assert stats["all_reduce"] == {"count": 1, "bytes": 24 * n, "backward": 1}
+    assert set(stats) == {"all_gather", "reduce_scatter", "all_reduce"}, stats
 
 
 def _full(rank: int, world: int) -> None:
