@@ -273,6 +273,23 @@ def _large_head(rank: int, world: int) -> None:
     assert err <= RTOL, f"first gradient {err:.2e} from the reference's (relative)"
 
 
+def _no_sync(rank: int, world: int) -> None:
+    """Gradient accumulation: two micro-batches per rank, the first under no_sync; the summed
+    gradient is the reference's on the global batch."""
+    base = tiny_llama()
+    batch = batches(1)[0]
+    reference = clone(base)
+    lm_loss(reference, batch).backward()
+    model, dp_group, dp_rank, dp = _tp_model(base, world)
+    first, second = local(batch, dp_rank, dp).chunk(2)
+    with model.no_sync():
+        (lm_loss(model, first) / 2).backward()
+    (lm_loss(model, second) / 2).backward()
+    ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+    err = grad_error(full_grads(model, dp_group), ref_grads)
+    assert err <= RTOL, f"accumulated gradient {err:.2e} from the reference's (relative)"
+
+
 def _refusals(rank: int, world: int) -> None:
     """What is not supported yet says so in one line: checkpoints and HF export of a TP model,
     a TP model on the meta device; and a data-parallel group that crosses the TP mesh (its
@@ -371,5 +388,6 @@ checks4.check(_large_head, "tp_unit_larger_than_a_block")
 checks4.check(_no_shard, "no_shard_matches_one_process")
 checks4.check(_hybrid, "hybrid_checkpointed_matches_one_process")
 checks4.check(_round_trip, "full_state_dict_round_trip")
+checks4.check(_no_sync, "no_sync_accumulates")
 checks2.collect(globals())
 checks4.collect(globals())
