@@ -377,7 +377,6 @@ class ShardedModule(nn.Module):
         ]
         device = self.flat_params[0].shard.device
         norm_type = float(norm_type)
-        comm = self._schedule.comm  # over the shard group: replicas hold the same slices
         tp_group = tensor.tp_group(s.tp for f in self.flat_params for s in f.slots)
         if tp_group is not None:  # TP x DP: sharded parts summed over TP too (parallel/tensor.py)
             terms = [
@@ -386,7 +385,7 @@ class ShardedModule(nn.Module):
                 for s, p in zip(f.slots, f.shard_params)
                 if p.grad is not None and p.grad.numel() > 0
             ]
-            reduce = partial(comm.all_reduce, phase="clip", what=CLIP)
+            reduce = partial(self._schedule.comm.all_reduce, phase="clip", what=CLIP)
             total = tensor.grad_norm(terms, norm_type, reduce, tp_group, device)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             if grads:
@@ -394,6 +393,7 @@ class ShardedModule(nn.Module):
             return total
         norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
         local = torch.stack(norms) if norms else torch.zeros(1, device=device)
+        comm = self._schedule.comm  # over the shard group: replicas hold the same slices
         if math.isinf(norm_type):
             total = comm.all_reduce(local.max().reshape(1), dist.ReduceOp.MAX, "clip", CLIP)
         else:
