@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 import layershard as ls
 from layershard.parallel import tensor
-from layershard.parallel.tensor import parallelize_llama
+from layershard.parallel.tensor import parallelize_hf, parallelize_llama
 
 TP = 2
 STEPS = 4
@@ -57,7 +57,7 @@ checks2 = RankChecks(world_size=2, suffix="_tp2")
 checks4 = RankChecks(world_size=4, suffix="_tp2_dp2")
 
 
-def _tp_model(base, world: int, hybrid: bool = False, **options):
+def _tp_model(base, world: int, hybrid: bool = False, parallelize=parallelize_llama, **options):
     """``base`` parallelized over TP (consecutive ranks) and sharded over the data-parallel
     group: (dp_shard, tp), or with ``hybrid`` (dp_replicate, dp_shard 1, tp) and HSDP over the
     (replicate, shard) mesh. Returns the model, the data-parallel group, rank and size."""
@@ -72,7 +72,7 @@ def _tp_model(base, world: int, hybrid: bool = False, **options):
     else:
         mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
         dp_group = mesh["dp_shard"].get_group()
-    model = parallelize_llama(clone(base), mesh["tp"])
+    model = parallelize(clone(base), mesh["tp"])
     model = ls.shard(model, process_group=dp_group, **options)
     return model, dp_group, dist.get_rank(dp_group), dist.get_world_size(dp_group)
 
@@ -95,27 +95,48 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+def hf_llama():
+    """A tiny transformers Llama (untied), the built-in tiny Llama's shape."""
+    import transformers
+
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)
+
+
+MODELS = {  # base model, its TP, the first block's q projection and an untouched parameter
+    "ours": (tiny_llama, parallelize_llama, "layers.0.attn.wq", "layers.0.attn_norm.weight"),
+    "hf": (hf_llama, parallelize_hf, "model.layers.0.self_attn.q_proj",
+           "model.layers.0.input_layernorm.weight"),
+}  # fmt: skip
+
+
 @functools.cache
-def _orders(world: int):
+def _orders(world: int, kind: str = "ours"):
     """The reference trained in the other legitimate orders of the DP sums (once per spawn)."""
-    return train_in_orders(tiny_llama(), batches(STEPS), world, clip=(CLIP, 2.0))
+    return train_in_orders(MODELS[kind][0](), batches(STEPS), world, clip=(CLIP, 2.0))
 
 
-def _parity(rank: int, world: int, strategy: str, **options) -> None:
-    base = tiny_llama()
+def _parity(rank: int, world: int, strategy: str, kind: str = "ours", **options) -> None:
+    make, parallelize, q_proj, plain = MODELS[kind]
+    base = make()
     reference = clone(base)
     hybrid = strategy == "hybrid"
     if not hybrid:
         options["strategy"] = strategy
-    model, dp_group, dp_rank, dp = _tp_model(base, world, hybrid, **options)
+    model, dp_group, dp_rank, dp = _tp_model(base, world, hybrid, parallelize, **options)
     replicas = dp if hybrid or strategy == "no_shard" else 1  # replicas hold the same slices
     # the blocks' projections are DTensors over TP; bound views are DTensors again in forward
     names = {s.name: s for f in model.flat_params for s in f.slots}
-    wq = names["layers.0.attn.wq.weight"]
+    wq = names[f"{q_proj}.weight"]
     assert wq.tp is not None and wq.shape == (16, 32) and wq.tp.shape == (32, 32)
-    assert names["embed.weight"].tp is None and names["layers.0.attn_norm.weight"].tp is None
+    assert names[plain].tp is None
     seen = []
-    hook = model.module.layers[0].attn.wq.register_forward_pre_hook(
+    hook = model.module.get_submodule(q_proj).register_forward_pre_hook(
         lambda m, args: seen.append(type(m.weight))
     )
 
@@ -171,8 +192,8 @@ def _parity(rank: int, world: int, strategy: str, **options) -> None:
         assert list(full) == list(reference.state_dict())
         assert all(full[k].shape == v.shape for k, v in reference.state_dict().items())
         d = relative_distance(full, reference, base)
-        bound = relative_bound(reference, base, *_orders(world))
-        print(f"world {world} {strategy}: weights {d:.2e}, in-run spread bound {bound:.2e}")
+        bound = relative_bound(reference, base, *_orders(world, kind))
+        print(f"world {world} {kind} {strategy}: weights {d:.2e}, in-run spread bound {bound:.2e}")
         assert d <= max(2 * RTOL, TP_ORDERS * bound), (
             f"weights {d:.2e} from the reference's (relative to the distance they moved)"
         )
@@ -209,6 +230,12 @@ def _hybrid(rank: int, world: int) -> None:
     """HSDP x TP: (dp_replicate 2, dp_shard 1, tp 2), strategy hybrid over the dp dims' mesh,
     every block checkpointed (recomputed in backward)."""
     _parity(rank, world, "hybrid", activation_checkpointing=3)
+
+
+def _hf(rank: int, world: int) -> None:
+    """A transformers Llama parallelized by its own base_model_tp_plan (torch's
+    parallelize_module, ``parallelize_hf``), strategy full: matches one process."""
+    _parity(rank, world, "full", "hf")
 
 
 def _no_shard(rank: int, world: int) -> None:
@@ -385,9 +412,22 @@ for _checks in (checks2, checks4):
     _checks.check(_rewrap_control, "missing_rewrap_is_caught")
 checks2.check(_refusals, "unsupported_is_refused")
 checks4.check(_large_head, "tp_unit_larger_than_a_block")
+checks4.check(_hf, "hf_llama_matches_one_process")
 checks4.check(_no_shard, "no_shard_matches_one_process")
 checks4.check(_hybrid, "hybrid_checkpointed_matches_one_process")
 checks4.check(_round_trip, "full_state_dict_round_trip")
 checks4.check(_no_sync, "no_sync_accumulates")
 checks2.collect(globals())
 checks4.collect(globals())
+
+
+def test_hf_plan_styles():
+    """transformers' plain TP styles become torch's; one that needs transformers' own hooks
+    (Qwen3's q/k norms, replicated with their gradients all-reduced over TP) is refused."""
+    import transformers
+
+    plan = tensor.hf_tp_plan(transformers.LlamaConfig())
+    assert isinstance(plan["layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert type(plan["layers.*.mlp.down_proj"]).__name__ == "RowwiseParallel"
+    with pytest.raises(NotImplementedError, match="replicated_with_grad_allreduce"):
+        tensor.hf_tp_plan(transformers.Qwen3Config())

@@ -222,3 +222,45 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         parallelize_module(block, tp_mesh, llama_tp_plan())
         attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
     return model
+
+
+# ---- Hugging Face models ---------------------------------------------------------------------
+
+_HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+}
+
+
+def hf_tp_plan(config) -> dict[str, ParallelStyle]:
+    """A transformers config's ``base_model_tp_plan`` (``{"layers.*.self_attn.q_proj":
+    "colwise", ...}``) as a ``parallelize_module`` plan for the model's ``base_model``. Only the
+    plain column- and row-wise styles (Llama's, Mistral's): a style that needs transformers' own
+    hooks (Qwen3's ``replicated_with_grad_allreduce`` norms, a ``gather`` or a packed
+    ``local_*``) is refused in one line."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan:
+        raise ValueError("hf_tp_plan: the config has no base_model_tp_plan")
+    odd = sorted({style for style in plan.values() if style not in _HF_STYLES})
+    if odd:
+        raise NotImplementedError(
+            f"hf_tp_plan: the styles {odd} of {type(config).__name__}'s base_model_tp_plan are "
+            "not supported (only 'colwise' and 'rowwise'); pass your own parallelize_module plan"
+        )
+    return {name: _HF_STYLES[style]() for name, style in plan.items()}
+
+
+def parallelize_hf(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Apply the model's own ``base_model_tp_plan`` (``hf_tp_plan``) to a transformers model's
+    ``base_model`` over the 1-D ``tp_mesh`` with torch's ``parallelize_module`` (transformers'
+    attention reshapes to ``-1`` heads, so each rank runs its local heads). Returns ``model``."""
+    config = model.config
+    tp = tp_mesh.size()
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(config, key, None)
+        if n is not None and n % tp:
+            raise ValueError(f"parallelize_hf: {key}={n} must be divisible by the TP size {tp}")
+    base = model.base_model
+    assert isinstance(base, nn.Module), "parallelize_hf: a transformers model was expected"
+    parallelize_module(base, tp_mesh, hf_tp_plan(config))
+    return model
