@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 import layershard as ls
 from layershard.parallel import tensor
-from layershard.parallel.tensor import parallelize_hf, parallelize_llama
+from layershard.parallel.tensor import data_parallel, parallelize_hf, parallelize_llama
 
 TP = 2
 STEPS = 4
@@ -64,16 +64,13 @@ def _tp_model(base, world: int, hybrid: bool = False, parallelize=parallelize_ll
     if hybrid:
         names = ("dp_replicate", "dp_shard", "tp")
         mesh = init_device_mesh("cpu", (world // TP, 1, TP), mesh_dim_names=names)
-        dp_mesh = mesh["dp_replicate", "dp_shard"]
-        options.update(strategy="hybrid", mesh=dp_mesh)
-        # the ranks of this TP coordinate (public API: every rank makes every group)
-        groups = [dist.new_group(list(range(j, world, TP))) for j in range(TP)]
-        dp_group = groups[dist.get_rank() % TP]
     else:
         mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
-        dp_group = mesh["dp_shard"].get_group()
+    dp_options = data_parallel(mesh)
+    assert dp_options.get("strategy") == ("hybrid" if hybrid else None)
+    dp_group = dp_options["process_group"]
     model = parallelize(clone(base), mesh["tp"])
-    model = ls.shard(model, process_group=dp_group, **options)
+    model = ls.shard(model, **dp_options, **options)
     return model, dp_group, dist.get_rank(dp_group), dist.get_world_size(dp_group)
 
 
@@ -125,7 +122,7 @@ def _parity(rank: int, world: int, strategy: str, kind: str = "ours", **options)
     make, parallelize, q_proj, plain = MODELS[kind]
     base = make()
     reference = clone(base)
-    hybrid = strategy == "hybrid"
+    hybrid = strategy == "hybrid"  # data_parallel(mesh) chooses it
     if not hybrid:
         options["strategy"] = strategy
     model, dp_group, dp_rank, dp = _tp_model(base, world, hybrid, parallelize, **options)

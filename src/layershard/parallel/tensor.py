@@ -185,6 +185,33 @@ def grad_norm(
     return total if inf else total.pow(1.0 / norm_type)
 
 
+def data_parallel(mesh: DeviceMesh) -> dict[str, Any]:
+    """``ls.shard`` options that make layershard the data-parallel axis of ``mesh``, a
+    ``DeviceMesh`` with named dims ``("dp_shard", "tp")`` or ``("dp_replicate", "dp_shard",
+    "tp")`` (transformers' and torchtitan's names): ``process_group``, the ranks with this rank's
+    TP coordinate, and with ``dp_replicate`` > 1 ``strategy="hybrid"`` over the (replicate,
+    shard) mesh. Use: ``ls.shard(model, **data_parallel(mesh))`` after parallelizing the model
+    over ``mesh["tp"]``. Collective (makes one group per TP coordinate with more than one
+    data-parallel dim)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in (("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp")):
+        raise ValueError(
+            f"data_parallel(mesh): dims {names} given; ('dp_shard', 'tp') or "
+            "('dp_replicate', 'dp_shard', 'tp') expected"
+        )
+    if len(names) == 2 or mesh["dp_replicate"].size() == 1:
+        return {"process_group": mesh["dp_shard"].get_group()}
+    dp_mesh = mesh["dp_replicate", "dp_shard"]
+    ranks = mesh.mesh.reshape(-1, mesh["tp"].size())  # a column per TP coordinate
+    mine = None
+    for column in ranks.t().tolist():  # every rank makes every group, in the same order
+        group = dist.new_group(column)
+        if dist.get_rank() in column:
+            mine = group
+    assert mine is not None, "data_parallel(mesh): this rank is not in the mesh"
+    return {"process_group": mine, "strategy": "hybrid", "mesh": dp_mesh}
+
+
 # ---- the built-in Llama ----------------------------------------------------------------------
 
 
