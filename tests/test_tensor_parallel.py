@@ -243,10 +243,13 @@ def _no_shard(rank: int, world: int) -> None:
 def _round_trip(rank: int, world: int) -> None:
     """load_full_state_dict (the dp group's rank 0 passes the whole tensors; each rank keeps its
     TP part of its slices) into a differently initialized TP model: full_state_dict and the
-    outputs are the original's, exactly; full_weights binds the whole DTensors."""
+    outputs are the original's, exactly; full_weights binds the whole DTensors. A dict on global
+    rank 0 alone (the other TP coordinate's group has none) raises on every rank."""
     model, dp_group, dp_rank, dp = _tp_model(tiny_llama(), world)
     full = model.full_state_dict(rank0_only=False)
     other, *_ = _tp_model(tiny_llama(seed=7), world)
+    with pytest.raises(ValueError, match="of every TP coordinate"):  # on every rank
+        other.load_full_state_dict(full if rank == 0 else None)
     other.load_full_state_dict(full if dp_rank == 0 else None)
     again = other.full_state_dict(rank0_only=False)
     assert list(again) == list(full) and all(torch.equal(again[k], full[k]) for k in full)

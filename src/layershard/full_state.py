@@ -25,6 +25,15 @@ def load_full_state_dict(
         has = [False] * world
         with waiting("agreement on which ranks pass a state dict"):
             dist.all_gather_object(has, state_dict is not None, group=group)
+    tp_group = tensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
+    if tp_group is not None:  # each TP coordinate's group loads alone: all or none of them
+        flag = torch.tensor([int(has[0])], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp_group)
+        if not flag.item():
+            raise ValueError(
+                "load_full_state_dict(): a tensor-parallel model: rank 0 of the data-parallel "
+                "group of every TP coordinate must pass the state dict (or every rank does)"
+            )
     if not has[0]:  # every rank sees rank 0's flag: every rank raises
         raise ValueError(
             "load_full_state_dict(): rank 0 must pass a state dict (the other ranks may "
