@@ -17,9 +17,14 @@ What the engine does with a ``DTensor`` parameter, and where:
 - the gradient norm (``grad_norm``): the squares of a TP-sharded parameter's local gradient are
   summed over the TP group too; a parameter replicated over TP is counted once, not once per TP
   rank;
-- ``full_state_dict`` assembles the whole tensor over the TP group (``full_tensor``).
+- a DTensor weight that a unit's forward saves for its backward is kept as its place in the
+  unit's buffer, as a plain weight view is (``split_dtensor``; ``backward.SavedDTensor``);
+- ``full_state_dict`` assembles the whole tensor over the TP group (``full_tensor``), and
+  ``load_full_state_dict`` keeps each rank's part of it (``local_of_full``).
 
-``llama_tp_plan`` / ``parallelize_llama``: the Megatron plan for the built-in Llama's blocks.
+``data_parallel(mesh)``: ``ls.shard`` options from a mesh of named dims. ``llama_tp_plan`` /
+``parallelize_llama``: the Megatron plan for the built-in Llama's blocks; ``hf_tp_plan`` /
+``parallelize_hf``: a transformers model's own ``base_model_tp_plan`` as torch's styles.
 """
 
 from __future__ import annotations
@@ -128,7 +133,7 @@ def check_groups(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> No
         raise ValueError(
             f"shard(): ranks {sorted(both)} are in the TP mesh of the DTensor parameters and in "
             "the data-parallel process_group; pass the group of the ranks with this rank's TP "
-            "coordinate (mesh['dp_shard'].get_group(), or the flattened dp dims of the mesh)"
+            "coordinate (ls.shard(model, **layershard.parallel.tensor.data_parallel(mesh)))"
         )
 
 
