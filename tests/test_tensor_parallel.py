@@ -317,6 +317,26 @@ def _no_sync(rank: int, world: int) -> None:
     assert err <= RTOL, f"accumulated gradient {err:.2e} from the reference's (relative)"
 
 
+def _frozen_offload(rank: int, world: int) -> None:
+    """Frozen TP weights (the attention's projections: a frozen flat group of DTensor slots)
+    under CPU offload: the trainable gradients are the reference's."""
+    base = tiny_llama()
+    for block in base.layers:
+        block.attn.requires_grad_(False)
+    batch = batches(1)[0]
+    reference = clone(base)
+    lm_loss(reference, batch).backward()
+    ref_grads = {k: p.grad for k, p in reference.named_parameters() if p.requires_grad}
+    model, dp_group, dp_rank, dp = _tp_model(base, world, offload=ls.CPUOffload())
+    frozen = [s for f in model.flat_params if not f.requires_grad for s in f.slots]
+    assert frozen and all(s.tp is not None for s in frozen)
+    lm_loss(model, local(batch, dp_rank, dp)).backward()
+    grads = full_grads(model, dp_group)
+    assert set(grads) == set(ref_grads)
+    err = grad_error(grads, ref_grads)
+    assert err <= RTOL, f"first gradient {err:.2e} from the reference's (relative)"
+
+
 def _refusals(rank: int, world: int) -> None:
     """What is not supported yet says so in one line: checkpoints and HF export of a TP model,
     a TP model on the meta device; and a data-parallel group that crosses the TP mesh (its
@@ -417,6 +437,7 @@ checks4.check(_no_shard, "no_shard_matches_one_process")
 checks4.check(_hybrid, "hybrid_checkpointed_matches_one_process")
 checks4.check(_round_trip, "full_state_dict_round_trip")
 checks4.check(_no_sync, "no_sync_accumulates")
+checks4.check(_frozen_offload, "frozen_tp_weights_with_offload")
 checks2.collect(globals())
 checks4.collect(globals())
 
