@@ -312,6 +312,30 @@ def _large_head(rank: int, world: int) -> None:
     assert _rel(model.clip_grad_norm_(1e9).item(), ref_norm) <= RTOL
 
 
+def _tp_collectives(rank: int, world: int) -> None:
+    """layershard adds no TP collective: a step's DTensor collectives (torch's functional
+    all-reduces: 2 per block forward, wo's and w2's outputs; 5 backward, the gradients of the
+    inputs of q/k/v and w1/w3) are those of the same TP model without layershard."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def functional(mode) -> dict[str, int]:
+        counts = mode.get_comm_counts()
+        return {str(op): n for op, n in counts.items() if "c10d_functional" in str(op)}
+
+    base = tiny_llama()
+    mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
+    x = local(batches(1)[0], mesh["dp_shard"].get_local_rank(), world // TP)
+    plain = parallelize_llama(clone(base), mesh["tp"])
+    with CommDebugMode() as alone:
+        lm_loss(plain, x).backward()
+    model, *_ = _tp_model(base, world)
+    with CommDebugMode() as sharded:
+        lm_loss(model, x).backward()
+    blocks = len(base.layers)
+    assert functional(alone) == {"c10d_functional.all_reduce": 7 * blocks}, functional(alone)
+    assert functional(sharded) == functional(alone), (functional(sharded), functional(alone))
+
+
 def _no_sync(rank: int, world: int) -> None:
     """Gradient accumulation: two micro-batches per rank, the first under no_sync; the summed
     gradient is the reference's on the global batch."""
@@ -448,6 +472,7 @@ checks4.check(_hf, "hf_llama_matches_one_process")
 checks4.check(_no_shard, "no_shard_matches_one_process")
 checks4.check(_hybrid, "hybrid_checkpointed_matches_one_process")
 checks4.check(_round_trip, "full_state_dict_round_trip")
+checks4.check(_tp_collectives, "tp_collectives_unchanged")
 checks4.check(_no_sync, "no_sync_accumulates")
 checks4.check(_frozen_offload, "frozen_tp_weights_with_offload")
 checks4.check(_large_head, "tp_unit_larger_than_a_block")
