@@ -70,11 +70,10 @@ def _tp_model(base, world: int, hybrid: bool = False, parallelize=parallelize_ll
         mesh = init_device_mesh("cpu", (world // TP, 1, TP), mesh_dim_names=names)
     else:
         mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
-    dp_options = data_parallel(mesh)
-    assert dp_options.get("strategy") == ("hybrid" if hybrid else None)
-    dp_group = dp_options["process_group"]
     model = parallelize(clone(base), mesh["tp"])
-    model = ls.shard(model, **dp_options, **options)
+    model = ls.shard(model, mesh=mesh, **options)  # the data-parallel dims: data_parallel(mesh)
+    assert (model.sharding.name == "hybrid") == hybrid
+    dp_group = model.process_group
     return model, dp_group, dist.get_rank(dp_group), dist.get_world_size(dp_group)
 
 
@@ -328,7 +327,7 @@ def _tp_collectives(rank: int, world: int) -> None:
     plain = parallelize_llama(clone(base), mesh["tp"])
     with CommDebugMode() as alone:
         lm_loss(plain, x).backward()
-    model, *_ = _tp_model(base, world)
+    model = ls.shard(parallelize_llama(clone(base), mesh["tp"]), **data_parallel(mesh))
     with CommDebugMode() as sharded:
         lm_loss(model, x).backward()
     blocks = len(base.layers)
@@ -387,6 +386,10 @@ def _refusals(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with pytest.raises(ValueError, match="in the TP mesh of the DTensor parameters"):
         ls.shard(parallelize_llama(tiny_llama(), mesh), process_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="pass no process_group"):
+        ls.shard(tiny_llama(), mesh=mesh, process_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"\('dp_shard', 'tp'\) or"):
+        ls.shard(tiny_llama(), mesh=mesh)  # no data-parallel dim
     alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     with torch.device("meta"):
         meta = tiny_llama()

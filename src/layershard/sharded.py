@@ -75,6 +75,9 @@ def shard(
         strategy: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2), ``"no_shard"`` (DDP-like) or
             ``"hybrid"`` (HSDP: sharded within groups of ``shard_size`` ranks, default the ranks
             of a node, replicated across groups; or pass a 2-D ``mesh`` (replicate, shard)).
+            A mesh with named dims ``(dp_shard, tp)`` or ``(dp_replicate, dp_shard, tp)``, of a
+            model parallelized over ``mesh["tp"]``: layershard is its data-parallel axis
+            (``layershard.parallel.tensor``).
             See ``layershard.engine.strategy``.
         reshard_after_forward: for ``"full"``: ``True``; ``False`` is ``"grad_op"``; an int K
             keeps each unit sharded over K ranks (a node) from its forward to its backward, so
@@ -102,6 +105,7 @@ def shard(
         )
     if not dist.is_initialized():
         raise RuntimeError("shard(): call ls.init_distributed() first (it works without torchrun)")
+    process_group, strategy, mesh = tensor.from_mesh(mesh, process_group, strategy)  # TP x DP
     group = process_group or dist.group.WORLD
     assert group is not None
     precision = mixed_precision or FULL_PRECISION

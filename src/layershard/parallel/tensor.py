@@ -217,6 +217,29 @@ def data_parallel(mesh: DeviceMesh) -> dict[str, Any]:
     return {"process_group": mine, "strategy": "hybrid", "mesh": dp_mesh}
 
 
+def from_mesh(
+    mesh: DeviceMesh | None, process_group: dist.ProcessGroup | None, strategy: str
+) -> tuple[dist.ProcessGroup | None, str, DeviceMesh | None]:
+    """``shard(mesh=...)`` with a ``tp`` dim (``data_parallel``'s names): the data-parallel group,
+    the strategy (``hybrid`` when ``dp_replicate`` > 1) and the (replicate, shard) mesh it gives;
+    any other mesh (HSDP's 2-D one) passes through unchanged."""
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return process_group, strategy, mesh
+    if process_group is not None:
+        raise ValueError(
+            "shard(mesh=...): a mesh with a 'tp' dim gives the data-parallel group itself; "
+            "pass no process_group"
+        )
+    options = data_parallel(mesh)
+    if "strategy" in options:
+        if strategy not in ("full", "hybrid"):
+            raise ValueError(
+                f"shard(mesh=...): dp_replicate > 1 is HSDP (strategy='hybrid'), not {strategy!r}"
+            )
+        strategy = "hybrid"
+    return options["process_group"], strategy, options.get("mesh")
+
+
 # ---- the built-in Llama ----------------------------------------------------------------------
 
 
