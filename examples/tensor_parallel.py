@@ -25,7 +25,7 @@ cfg = LlamaConfig(
     vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32
 )
 model = parallelize_llama(LlamaForCausalLM(cfg), mesh["tp"])  # q/k/v, w1/w3 colwise; wo, w2 rowwise
-model = ls.shard(model, process_group=mesh["dp_shard"].get_group())
+model = ls.shard(model, mesh=mesh)  # layershard: the data-parallel axis (the dp_shard group)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 dp_rank = mesh["dp_shard"].get_local_rank()
