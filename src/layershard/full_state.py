@@ -1,6 +1,8 @@
-"""Loading unsharded weights into a sharded model (``ShardedModule.load_full_state_dict``): every
-rank agrees on the dict's validity before any data moves, then each rank copies its slice of each
-parameter (from its own copy of the dict, or from rank 0's by broadcast)."""
+"""Unsharded weights in and out of a sharded model. ``full_state_dict``: every flat gathered in
+turn, each parameter whole (an expert-parallel layer's experts over the EP group, a
+tensor-parallel one over the TP group: ``whole``). ``load_full_state_dict``: every rank agrees on
+the dict's validity before any data moves, then each rank copies its slice of each parameter
+(from its own copy of the dict, or from rank 0's by broadcast)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch.distributed as dist
 
 from layershard.engine.agreement import agreed
 from layershard.engine.waits import waiting
+from layershard.parallel import tensor
 
 
 def load_full_state_dict(
@@ -24,6 +27,15 @@ def load_full_state_dict(
         has = [False] * world
         with waiting("agreement on which ranks pass a state dict"):
             dist.all_gather_object(has, state_dict is not None, group=group)
+    tp_group = tensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
+    if tp_group is not None:  # each TP coordinate's group loads alone: all or none of them
+        flag = torch.tensor([int(has[0])], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp_group)
+        if not flag.item():
+            raise ValueError(
+                "load_full_state_dict(): a tensor-parallel model: rank 0 of the data-parallel "
+                "group of every TP coordinate must pass the state dict (or every rank does)"
+            )
     if not has[0]:  # every rank sees rank 0's flag: every rank raises
         raise ValueError(
             "load_full_state_dict(): rank 0 must pass a state dict (the other ranks may "
@@ -51,7 +63,7 @@ def load_full_state_dict(
         if everyone:
             assert state_dict is not None
             for slot in loaded:
-                value = slot.part_of(state_dict[by_slot[id(slot)]])  # experts: this rank's
+                value = _local(slot, slot.part_of(state_dict[by_slot[id(slot)]]))  # this rank's
                 dtype = torch.float32 if slot.packed is None else value.dtype  # bytes
                 f.copy_from_full(slot, value.to(f.shard.device, dtype))
             continue
@@ -67,7 +79,7 @@ def load_full_state_dict(
         if state_dict is not None:  # rank 0
             for slot, view in zip(f.slots, f.views(buf)):
                 if id(slot) in by_slot:
-                    view.copy_(state_dict[by_slot[id(slot)]])
+                    view.copy_(_local(slot, state_dict[by_slot[id(slot)]]))
         comm.broadcast(buf, "state_dict")
         for slot, view in zip(f.slots, f.views(buf)):
             if id(slot) in by_slot:
@@ -79,6 +91,11 @@ def load_full_state_dict(
             b.copy_(state_dict[key])
         if not everyone and world > 1:
             comm.broadcast(b, "state_dict")
+
+
+def _local(slot, value: torch.Tensor) -> torch.Tensor:
+    """What of the whole ``value`` this rank's slot holds: a DTensor parameter's local shard."""
+    return value if slot.tp is None else tensor.local_of_full(slot.tp, value)
 
 
 def _validate(model, sd: dict, strict: bool) -> str:
@@ -103,8 +120,8 @@ def _validate(model, sd: dict, strict: bool) -> str:
                 )
             continue
         if kind == "param":
-            packed = ref[1].packed
-            shape = ref[1].whole_shape if packed is None else packed.shape
+            packed, tp = ref[1].packed, ref[1].tp
+            shape = packed.shape if packed is not None else tp.shape if tp else ref[1].whole_shape
         else:
             shape = getattr(ref[0], ref[1]).shape
         if tuple(sd[key].shape) != tuple(shape):
@@ -113,3 +130,51 @@ def _validate(model, sd: dict, strict: bool) -> str:
                 f"the model expects {tuple(shape)}"
             )
     return ""
+
+
+def whole(model, slot, part: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole from this rank's ``part``: an expert-parallel layer's (every EP
+    rank's experts, along dim 0; collective over the EP group), a tensor-parallel one's (over the
+    TP group), any other as it is."""
+    if slot.tp is not None:
+        return tensor.full_tensor(slot.tp, part)
+    if slot.expert is None:
+        return part
+    sharding = model.sharding
+    parts = [torch.empty_like(part) for _ in range(sharding.ep_size)]
+    with waiting("all-gather of experts (full_state_dict)"):
+        dist.all_gather(parts, part.contiguous(), group=sharding.ep_group)
+    out = torch.cat(parts)
+    assert out.shape == slot.whole_shape, (out.shape, slot.whole_shape)
+    return out
+
+
+def full_state_dict(model, rank0_only: bool, cpu: bool, packed: bool) -> dict[str, torch.Tensor]:
+    """``ShardedModule.full_state_dict`` (its docstring says what)."""
+    keep = not rank0_only or dist.get_rank(model.process_group) == 0
+    tp_group = tensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
+    if tp_group is not None and rank0_only:  # one TP coordinate keeps the whole tensors
+        keep = keep and dist.get_rank(tp_group) == 0
+    full: dict[int, torch.Tensor] = {}
+    for f in model.flat_params:
+        if f.packed and not packed:
+            continue
+        views = model.whole_views(f, model.gather_flat(f))
+        if keep:
+            for slot, t in zip(f.slots, views):
+                full[id(slot)] = t.to("cpu") if cpu else t.clone()
+    if not keep:
+        return {}
+    out = {}
+    for key, kind, ref in model._entries:
+        if kind == "param":
+            if id(ref[1]) in full:
+                out[key] = full[id(ref[1])]
+        elif kind == "quant_state":
+            if packed:
+                out[key] = ref.to("cpu", copy=True) if cpu else ref.clone()
+        else:
+            b = getattr(ref[0], ref[1])
+            # a copy, also on CPU: the live buffer changes as training goes on
+            out[key] = b.detach().to("cpu", copy=True) if cpu else b.detach().clone()
+    return out

@@ -25,7 +25,7 @@ from layershard.distributed import default_device
 from layershard.engine.agreement import agreed
 from layershard.engine.buffers import nbytes
 from layershard.engine.build import build_schedule, make_storage
-from layershard.engine.flat import FlatParam, ParamSlot
+from layershard.engine.flat import FlatParam
 from layershard.engine.init import fill_shards
 from layershard.engine.model_checks import (
     check_dtypes,
@@ -41,6 +41,7 @@ from layershard.engine.strategy import CPUOffload, Sharding
 from layershard.engine.strategy import resolve as resolve_strategy
 from layershard.engine.units import Unit, find_units
 from layershard.engine.waits import waiting
+from layershard.parallel import tensor
 
 CLIP = "all-reduce of the gradient norm"
 _sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # their hooks are installed
@@ -76,6 +77,9 @@ def shard(
         strategy: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2), ``"no_shard"`` (DDP-like) or
             ``"hybrid"`` (HSDP: sharded within groups of ``shard_size`` ranks, default the ranks
             of a node, replicated across groups; or pass a 2-D ``mesh`` (replicate, shard)).
+            A mesh with named dims ``(dp_shard, tp)`` or ``(dp_replicate, dp_shard, tp)``, of a
+            model parallelized over ``mesh["tp"]``: layershard is its data-parallel axis
+            (``layershard.parallel.tensor``).
             See ``layershard.engine.strategy``.
         mesh: a DeviceMesh with named dimensions ``dp_shard`` (and optionally
             ``dp_replicate``, ``tp``): units are sharded over ``dp_shard``, replicated over
@@ -109,6 +113,8 @@ def shard(
         )
     if not dist.is_initialized():
         raise RuntimeError("shard(): call ls.init_distributed() first (it works without torchrun)")
+    if expert_mesh is None:  # a TP x DP mesh: its data-parallel group (parallel/tensor.py)
+        process_group, strategy, mesh = tensor.from_mesh(mesh, process_group, strategy)
     group = process_group or dist.group.WORLD
     assert group is not None
     precision = mixed_precision or FULL_PRECISION
@@ -133,6 +139,7 @@ def shard(
         check_shared_modules(model, specs)
         check_dtypes(specs)
         check_quantized(specs)
+        tensor.check_groups((p for spec in specs for p, _ in spec.params), group)
     disable_cpu_repacking(model)
     shard_options = dict(
         strategy=strategy, shard_size=shard_size, reshard_after_forward=reshard_after_forward,
@@ -387,6 +394,20 @@ class ShardedModule(nn.Module):
         ]
         device = self.flat_params[0].shard.device
         norm_type = float(norm_type)
+        tp_group = tensor.tp_group(s.tp for f in self.flat_params for s in f.slots)
+        if tp_group is not None:  # TP x DP: sharded parts summed over TP too (parallel/tensor.py)
+            terms = [
+                (s.tp, p.grad)
+                for f in self.flat_params
+                for s, p in zip(f.slots, f.shard_params)
+                if p.grad is not None and p.grad.numel() > 0
+            ]
+            reduce = partial(self._schedule.comm.all_reduce, phase="clip", what=CLIP)
+            total = tensor.grad_norm(terms, norm_type, reduce, tp_group, device)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            if grads:
+                torch._foreach_mul_(grads, coef)
+            return total
         norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
         local = torch.stack(norms) if norms else torch.zeros(1, device=device)
         comm = self._schedule.comm  # over the shard group: replicas hold the same slices
@@ -427,20 +448,7 @@ class ShardedModule(nn.Module):
         """Each parameter of ``f`` whole, from ``buf`` (``gather_flat(f)``): views of it, but
         an expert-parallel layer's experts, gathered over the EP group (collective: every rank
         calls it for the same flat)."""
-        return [self._whole(s, v) for s, v in zip(f.slots, f.views(buf))]
-
-    def _whole(self, slot: ParamSlot, part: torch.Tensor) -> torch.Tensor:
-        """An expert parameter's whole (every EP rank's experts, along dim 0) from this rank's
-        ``part``; any other parameter as it is. Collective over the EP group for experts."""
-        if slot.expert is None:
-            return part
-        group = self.sharding.ep_group
-        parts = [torch.empty_like(part) for _ in range(self.sharding.ep_size)]
-        with waiting("all-gather of experts (full_state_dict)"):
-            dist.all_gather(parts, part.contiguous(), group=group)
-        whole = torch.cat(parts)
-        assert whole.shape == slot.whole_shape, (whole.shape, slot.whole_shape)
-        return whole
+        return [full_state.whole(self, s, v) for s, v in zip(f.slots, f.views(buf))]
 
     @torch.no_grad()
     @waiting("full_state_dict")
@@ -452,31 +460,7 @@ class ShardedModule(nn.Module):
         With ``rank0_only`` other ranks get ``{}``. 4-bit weights come as their packed bytes
         with their quantization state, as bitsandbytes' own ``state_dict()``; ``packed=False``
         leaves them out (an adapter save: the base is never gathered)."""
-        keep = not rank0_only or dist.get_rank(self.process_group) == 0
-        full: dict[int, torch.Tensor] = {}
-        for f in self.flat_params:
-            if f.packed and not packed:
-                continue
-            views = self.whole_views(f, self.gather_flat(f))
-            if keep:
-                for slot, t in zip(f.slots, views):
-                    full[id(slot)] = t.to("cpu") if cpu else t.clone()
-        if not keep:
-            return {}
-        out = {}
-        for key, kind, ref in self._entries:
-            if kind == "param":
-                if id(ref[1]) in full:
-                    out[key] = full[id(ref[1])]
-            elif kind == "quant_state":
-                if not packed:
-                    continue
-                out[key] = ref.to("cpu", copy=True) if cpu else ref.clone()
-            else:
-                b = getattr(ref[0], ref[1])
-                # a copy, also on CPU: the live buffer changes as training goes on
-                out[key] = b.detach().to("cpu", copy=True) if cpu else b.detach().clone()
-        return out
+        return full_state.full_state_dict(self, rank0_only, cpu, packed)
 
     @contextlib.contextmanager
     def full_weights(self, writeback: bool = False) -> Iterator[nn.Module]:

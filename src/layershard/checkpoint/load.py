@@ -29,6 +29,7 @@ from layershard.checkpoint.safe_read import dcp_load
 from layershard.checkpoint.shards import buffers, dtype_from_name, params, sharded_1d
 from layershard.checkpoint.validate import check_files, open_checkpoint
 from layershard.engine.waits import waiting
+from layershard.parallel import tensor
 
 log = logging.getLogger("layershard")
 
@@ -70,6 +71,7 @@ def load_checkpoint(
     Returns ``{"step", "extra", "run_config", "world_size" (saved), "path", "rng_restored",
     "model_config", "layershard_version"}``.
     """
+    tensor.refuse(model, "load_checkpoint()")  # per-parameter 1-D shards of whole tensors only
     t0 = time.perf_counter()
     ph = Phases(model.process_group)
     rank, world = ph.rank, ph.world

@@ -44,6 +44,7 @@ from layershard.checkpoint.manifest import Collected, collect
 from layershard.checkpoint.phases import Phases
 from layershard.checkpoint.shards import Shard1D, jsonable
 from layershard.engine.waits import waiting
+from layershard.parallel import tensor
 
 log = logging.getLogger("layershard")
 
@@ -350,6 +351,7 @@ def save_checkpoint(
     publication follow, with the same crash safety. One save per model is in flight: a new save
     (either kind) waits for it.
     """
+    tensor.refuse(model, "save_checkpoint()")  # per-parameter 1-D shards of whole tensors only
     t0 = time.perf_counter()
     final = Path(path).absolute()
     if keep_last is not None and keep_last < 1:

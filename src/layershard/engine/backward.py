@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from layershard.parallel import tensor
+
 if TYPE_CHECKING:
     from layershard.engine.units import Unit
 
@@ -110,6 +112,17 @@ class WeightView:
         if self.index >= 0 and views is not None:
             return views[self.index]
         return buffer.as_strided(self.shape, self.stride, self.offset)
+
+
+class SavedDTensor:
+    """A ``DTensor`` over a view of a unit's gathered weights that its forward saved (a
+    tensor-parallel weight, parallel/tensor.py): the view as a ``WeightView``, and what wraps
+    it again (``TPInfo``)."""
+
+    __slots__ = ("view", "spec")
+
+    def __init__(self, view: WeightView, spec: tensor.TPInfo):
+        self.view, self.spec = view, spec
 
 
 @dataclass
@@ -218,6 +231,14 @@ def weight_saving_hooks(
         if lo <= p < hi and t.dtype == dtype:
             key = ((p - lo) // size, t.shape, t.stride())
             return WeightView(*key, keys.get(key, -1))
+        # a DTensor (a subclass: no data of its own) is a weight's when its local tensor is a
+        # view of them
+        if type(t) is not torch.Tensor and (split := tensor.split_dtensor(t)) is not None:
+            inner, spec = split
+            q = inner.data_ptr()
+            if lo <= q < hi and inner.dtype == dtype:
+                key = ((q - lo) // size, inner.shape, inner.stride())
+                return SavedDTensor(WeightView(*key, keys.get(key, -1)), spec)
         # Never ``t`` itself: when ``t`` is an output of the op that saves it, its grad_fn is
         # that op's node, which would then hold itself through this object, and a graph no
         # backward runs (or one kept with retain_graph) would never be freed. Autograd puts
@@ -228,6 +249,8 @@ def weight_saving_hooks(
         begin()
         if type(x) is WeightView:
             return x.of(*backward_weights())
+        if type(x) is SavedDTensor:
+            return tensor.wrap(x.spec, x.view.of(*backward_weights()))
         return x if outer_unpack is None else outer_unpack(x)
 
     return saved_tensors_hooks(pack, unpack)

@@ -26,6 +26,7 @@ from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import Sharding
 from layershard.engine.units import Unit, UnitSpec, backward_needs_weights
 from layershard.engine.wire import WireGather
+from layershard.parallel import tensor
 
 
 @dataclass
@@ -192,7 +193,7 @@ def _make_flats(
             world = experts[0] if expert else shard[0]
             how = [Packed.of(p) if packed else None for p, _ in group]
             numels = [
-                p.numel() if k is None else k.carrier_numel(carrier)
+                tensor.local_shape(p).numel() if k is None else k.carrier_numel(carrier)
                 for (p, _), k in zip(group, how)
             ]
             offsets, _, shard_numel = layout(numels, world)
@@ -205,11 +206,12 @@ def _make_flats(
         slots = [
             ParamSlot(
                 uses,
-                p.shape if k is None else torch.Size([n]),
+                tensor.local_shape(p) if k is None else torch.Size([n]),
                 offset,
                 requires_grad,
                 k,
                 expert_part(p),
+                tp=tensor.info(p),
             )  # fmt: skip
             for (p, uses), offset, k, n in zip(group, offsets, how, numels)
         ]

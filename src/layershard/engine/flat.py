@@ -23,11 +23,15 @@ the weights and in the gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from layershard.engine.quantized import Packed
+
+if TYPE_CHECKING:
+    from layershard.parallel.tensor import TPInfo
 
 ALIGN = 8  # elements: 16 bytes of bf16/fp16, 32 bytes of fp32
 
@@ -73,6 +77,7 @@ class ParamSlot:
     requires_grad: bool
     packed: Packed | None = None  # a 4-bit weight: ``shape`` is its carrier elements
     expert: ExpertPart | None = None  # this rank's experts of a larger parameter
+    tp: TPInfo | None = None  # a DTensor (parallel/tensor.py): ``shape`` is its local shard's
 
     @property
     def name(self) -> str:

@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_leaves
 
 from layershard.engine.flat import FlatParam, ParamSlot
 from layershard.engine.units import UnitSpec
+from layershard.parallel import tensor
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,17 @@ def fill_shards(
     """
     del device  # the shards already live there; init always runs on the CPU (see above)
     if any(t.is_meta for m in model.modules() for t in _own_tensors(m)):
+        if any(tensor.info(p) is not None for spec in specs for p, _ in spec.params):
+            raise NotImplementedError(
+                "shard(): a tensor-parallel model (DTensor parameters) on the meta device is "
+                "not supported yet: materialize it (to_empty, then init) before ls.shard()"
+            )
         _Materializer(model, specs, slot_of, param_init_fn).run()
     for spec in specs:
         for p, _ in spec.params:
             if not p.is_meta:
                 f, slot = slot_of[id(p)]
-                f.copy_from_full(slot, p)
+                f.copy_from_full(slot, tensor.local(p))  # a DTensor: its local shard
 
 
 def _hf_pretrained_class():

@@ -23,6 +23,7 @@ from torch.profiler import record_function
 from layershard.engine.buffers import GatherSlot
 from layershard.engine.flat import FlatParam, ParamSlot, ParamUse, view_keys
 from layershard.engine.quantized import attach_state
+from layershard.parallel import tensor
 
 
 @dataclass
@@ -242,6 +243,8 @@ class Unit:
         for slot, t in zip(self.param_slots, tensors):
             if slot.packed is not None:  # Linear4bit.forward reads weight.quant_state
                 attach_state(t, slot.packed)
+            if slot.tp is not None:  # the DTensor over the local shard (parallel/tensor.py)
+                t = tensor.wrap(slot.tp, t)
             for use in slot.uses:
                 use.module.__dict__[use.attr] = t
         self.bound = True

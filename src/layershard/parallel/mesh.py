@@ -79,10 +79,12 @@ def split_experts(model: nn.Module, group: dist.ProcessGroup) -> int:
 def parallelize(
     model: nn.Module, *, tp: int = 1, ep: int = 1, dp_replicate: int = 1, **shard_options: Any
 ):
-    """Shard ``model`` over every rank with expert parallelism ``ep`` (its experts split over
-    ``ep`` ranks, tokens exchanged by all-to-all), replicas ``dp_replicate`` (HSDP) and the rest
-    data-parallel sharding; returns ``ls.shard``'s ``ShardedModule``. Every rank passes the same
-    (unsplit) model. ``shard_options`` go to ``ls.shard`` (``mixed_precision=``,
+    """Shard ``model`` over every rank with tensor parallelism ``tp`` (torch's
+    ``parallelize_module`` with the built-in Llama's plan or a transformers model's
+    ``base_model_tp_plan``: parallel/tensor.py) or expert parallelism ``ep`` (its experts split
+    over ``ep`` ranks, tokens exchanged by all-to-all), replicas ``dp_replicate`` (HSDP) and
+    the rest data-parallel sharding; returns ``ls.shard``'s ``ShardedModule``. Every rank passes
+    the same (unsplit) model. ``shard_options`` go to ``ls.shard`` (``mixed_precision=``,
     ``activation_checkpointing=``...)."""
     from layershard.sharded import shard  # the engine imports nothing from here
 
@@ -93,12 +95,20 @@ def parallelize(
         if shard_options.get(key) is not None:
             raise ValueError(f"parallelize(): {key}= is decided by tp/ep/dp_replicate")
     shard_options = {k: v for k, v in shard_options.items() if k not in decided}
-    if tp != 1:
+    if tp > 1 and ep > 1:
         raise NotImplementedError(
-            "parallelize(tp=...): apply torch's parallelize_module to the model, then "
-            "ls.shard(model, mesh=...) with the mesh's dp_shard dimension"
+            "parallelize(tp=..., ep=...): tensor and expert parallelism together are not "
+            "supported yet (the ranks of a TP group share a batch, which EP would compute "
+            "twice); use one of them"
         )
     dense, expert = make_meshes(tp, ep, dp_replicate)
+    if tp > 1:  # torch's parallelize_module with the model's plan, over the TP dim
+        from layershard.models.llama import LlamaForCausalLM
+        from layershard.parallel.tensor import parallelize_hf, parallelize_llama
+
+        apply = parallelize_llama if isinstance(model, LlamaForCausalLM) else parallelize_hf
+        apply(model, dense["tp"])
+        return shard(model, mesh=dense, **shard_options)
     if ep > 1:
         if split_experts(model, expert["ep"].get_group()) == 0:
             raise ValueError(
