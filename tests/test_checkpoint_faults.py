@@ -44,8 +44,9 @@ def _step(model, opt, rank: int, seed: int = 1) -> None:
     opt.zero_grad()
 
 
-def _old_sharded_1d(model, local, numel, ranges, save):
+def _old_sharded_1d(model, f, slot, local, save):
     """The code path layershard 0.1.0 saved with: a ShardedTensor from local shards."""
+    numel, ranges = slot.whole_shape.numel(), f.param_ranges(slot)
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (

@@ -449,7 +449,12 @@ def _shard_writers_quiesce(rank: int, world: int) -> None:
 @checks.check
 def _async_save_group_is_destroyed(rank: int, world: int) -> None:
     """The gloo group made for asynchronous saves goes when its model goes (it was never
-    destroyed: its sockets and threads outlived every model that saved asynchronously)."""
+    destroyed: its sockets and threads outlived every model that saved asynchronously). The
+    save thread destroys it (a finalizer never waits: checkpoint/save.py ``_stop``), so it goes
+    soon after the model, not at once: the check waits for it, up to 60 s (it failed under
+    load when it looked at once)."""
+    import time
+
     from _dist import shared_tmp
     from torch.distributed.distributed_c10d import _world
 
@@ -460,6 +465,9 @@ def _async_save_group_is_destroyed(rank: int, world: int) -> None:
     assert len(_world.pg_map) == groups + 1
     del model
     gc.collect()
+    deadline = time.monotonic() + 60
+    while len(_world.pg_map) != groups and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(_world.pg_map) == groups, "the async-save group outlived its model"
 
 
