@@ -249,10 +249,10 @@ def _head_reduction_waited_only_when_needed(rank: int, world: int) -> None:
     waited_by: list[str] = []
     reduce_now, wait = reducer.Reducer._reduce_now, collectives.Pending.wait
 
-    def tracked_reduce(self, u, pairs):
+    def tracked_reduce(self, u, f, pairs):
         reducing.append(u.name)
         try:
-            reduce_now(self, u, pairs)
+            reduce_now(self, u, f, pairs)
         finally:
             reducing.pop()
 
