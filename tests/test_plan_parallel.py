@@ -201,7 +201,9 @@ def test_cli_tp_row_and_recommendation(capsys):
     mesh = make_plan(MOE, H100, Cluster(4, 4), Settings(1, 16, tp=2, ep=4)).to_dict()["mesh"]
     assert mesh == {"tp": 2, "ep": 4, "dp_shard": 2, "efsdp": 1}
     assert "all_to_all" in out and "tp_all_reduce" in out
-    assert "layershard train (the plan's recommendation" in out and "--tp 2 --ep 4" in out
+    # train's own flags; it takes --ep, not --tp yet (said so)
+    assert "layershard train (train does not take --tp yet: issue 32): --tp 2 --ep 4" in out
+    assert "--activation-checkpointing" in out
 
 
 def test_qwen3_moe_and_mixtral_configs(tmp_path):
