@@ -180,6 +180,27 @@ def hf_qwen3_moe_sharded_ep_matches_one_process(rank: int, world: int) -> None:
 
 
 @checks.check
+def hf_mixtral_sharded_ep_matches_one_process(rank: int, world: int) -> None:
+    """transformers' Mixtral with EP 2 x efsdp 2 (its ``MixtralExperts``, split as Qwen3-MoE's),
+    2 AdamW steps against one process as above."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, router_aux_loss_coef=0.1, output_router_logits=True,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    full = matches_one_process(
+        MixtralForCausalLM(cfg), 2, rank, world, shard=_ep2, other=_ep_by_hand
+    )
+    if rank == 0:
+        assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+
+
+@checks.check
 def hsdp_with_ep_matches_one_process(rank: int, world: int) -> None:
     """dp_replicate 2 x dp_shard 2 with EP 2 (efsdp 1): dense units sharded over 2 ranks and
     replicated over the other 2, each layer's experts held whole by its EP rank and all-reduced
