@@ -230,14 +230,21 @@ def test_write_config_with_tp_ep(capsys, tmp_path):
     out = tmp_path / "run.yaml"
     base = ["plan", "--model", "moe", "--gpus", "4", "--gpus-per-node", "4", "--seq-len", "256",
             "--write-config", str(out)]  # fmt: skip
-    # given --tp/--ep: layershard train cannot take them yet, so nothing is written
+    # given --tp: layershard train cannot take it yet, so nothing is written
     assert main([*base, "--tp", "2", "--ep", "4"]) == 2
-    assert "layershard train has no --tp/--ep yet" in capsys.readouterr().err
+    assert "layershard train has no --tp yet" in capsys.readouterr().err
     assert not out.exists()
-    # searched: the fastest row without TP/EP is written
+    # given --ep alone: train takes it (ls.parallelize), and the config loads as train's
+    assert main([*base, "--ep", "4"]) == 0
+    cfg = yaml.safe_load(out.read_text())
+    assert cfg["model"] == "moe" and cfg["ep"] == 4 and "tp" not in cfg
+    from layershard.train.config import TrainConfig
+
+    assert TrainConfig(**{k: v for k, v in cfg.items() if k != "plan"}).ep == 4
+    # searched: the fastest row without TP is written
     assert main(base) == 0
     cfg = yaml.safe_load(out.read_text())
-    assert cfg["model"] == "moe" and "tp" not in cfg and "ep" not in cfg
+    assert cfg["model"] == "moe" and "tp" not in cfg
 
 
 @pytest.mark.parametrize("ckpt", [0, 1])

@@ -494,8 +494,10 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.write_config:
         chosen = plan if args.no_suggest or sug.plan is None else sug.plan
-        if chosen.mesh is not None and not (args.tp or args.ep):  # train has no --tp/--ep yet
-            chosen = next((r.plan for r in sug.ranking if r.plan and r.plan.mesh is None), chosen)
+        if chosen.mesh is not None and chosen.settings.tp > 1 and not args.tp:  # no train --tp
+            chosen = next(
+                (r.plan for r in sug.ranking if r.plan and r.plan.settings.tp == 1), chosen
+            )
         if not chosen.fits:
             print(
                 "layershard plan: error: --write-config: these settings do not fit and no "
@@ -519,8 +521,8 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
     import yaml
 
     s, cl = plan.settings, plan.cluster
-    if plan.mesh is not None:
-        raise ValueError(f"layershard train has no --tp/--ep yet (the plan's: {train_flags(s)})")
+    if s.tp > 1:
+        raise ValueError(f"layershard train has no --tp yet (the plan's: {train_flags(s)})")
     if s.reduce_dtype not in ("fp32", "bf16"):
         raise ValueError(
             f"layershard train reduces gradients in fp32 or bf16, not {s.reduce_dtype}"
@@ -541,6 +543,8 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
         offload=s.offload,
         loss_chunks=s.loss_chunks,
     )
+    if s.ep > 1:  # expert parallelism (ls.parallelize)
+        cfg["ep"] = s.ep
     if s.reduce_dtype != "fp32":
         cfg["reduce_dtype"] = s.reduce_dtype
     if s.gather_dtype is not None:
