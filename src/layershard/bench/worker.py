@@ -186,21 +186,9 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
         return model, no_autocast, notes
     if impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         model.to(device)
-        mesh = init_device_mesh(device.type, (world,))
-        mp_policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if bf16
-            else MixedPrecisionPolicy()
-        )
-        for block in block_list(model):
-            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-        tail = final_norm_and_head(model)
-        if tail:
-            fully_shard(tail, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        tail = _fully_shard(model, init_device_mesh(device.type, (world,)), bf16)
         notes["groups"] = f"{len(block_list(model))} blocks, {len(tail)}-module tail, root"
         return model, no_autocast, notes
     if impl == "fsdp1":
@@ -261,7 +249,7 @@ def _wrap_ep(impl: str, model: nn.Module, device: torch.device, bf16: bool, worl
             DistributedConfig(fsdp_size=world, ep_size=ep)
         )
         return cls.maybe_distribute_model(model, config, meshes)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     from layershard.models.moe import Experts
     from layershard.parallel.expert import is_hf_experts
@@ -269,24 +257,38 @@ def _wrap_ep(impl: str, model: nn.Module, device: torch.device, bf16: bool, worl
     dense, expert = make_meshes(ep=ep, device_type=device.type)
     split_experts(model, expert["ep"].get_group())
     model.to(device)
-    mp_policy = (
-        MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
-    )
     efsdp = expert["efsdp"]
     for m in model.modules():
         if isinstance(m, Experts) or is_hf_experts(m):
-            fully_shard(m, mesh=efsdp, mp_policy=mp_policy)
+            fully_shard(m, mesh=efsdp, mp_policy=_fsdp2_precision(bf16))
             m.set_gradient_divide_factor(float(world))  # type: ignore[operator]
             if efsdp.size() > 1:  # gloo refuses PREMUL_SUM: sum, then divide locally
                 m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-    mesh = dense["dp_shard"]
+    _fully_shard(model, dense["dp_shard"], bf16)
+    return model
+
+
+def _fsdp2_precision(bf16: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _fully_shard(model: nn.Module, mesh, bf16: bool) -> list[nn.Module]:
+    """FSDP2 as the bench applies it: each block, then the final norm and head together, then
+    the root, over ``mesh``; returns that tail."""
+    from torch.distributed.fsdp import fully_shard
+
+    mp_policy = _fsdp2_precision(bf16)
     for block in block_list(model):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     tail = final_norm_and_head(model)
     if tail:
         fully_shard(tail, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    return model
+    return tail
 
 
 @contextlib.contextmanager

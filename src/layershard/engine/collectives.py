@@ -245,6 +245,14 @@ class Comm:
         self.rank, self.world_size = sharding.shard_rank, sharding.shard_size
         # False: a one-rank group copies instead of communicating (unless forced, for tests)
         self.active = self.group is not None and (self.world_size > 1 or force_comm())
+        # each group's (group, this rank, size), asked for at every gather and reduction
+        self._members = {
+            name: (None, 0, 1) if g is None else (g, dist.get_rank(g), dist.get_world_size(g))
+            for name, g in (
+                ("shard", self.group), ("hpz", self.hpz), ("replicate", self.replicate),
+                ("expert", self.expert),
+            )
+        }  # fmt: skip
         self.stats = CommStats()
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.backend = dist.get_backend(full_group)
@@ -270,18 +278,10 @@ class Comm:
         return numel if self.gloo_workaround else shard_numel
 
     def members(self, over: str) -> tuple[dist.ProcessGroup | None, int, int]:
-        g = {
-            "shard": self.group, "hpz": self.hpz, "replicate": self.replicate,
-            "expert": self.expert,
-        }[over]  # fmt: skip
-        if g is None:
-            return None, 0, 1
-        return g, dist.get_rank(g), dist.get_world_size(g)
+        return self._members[over]
 
     def communicates(self, over: str) -> bool:
         """Does group ``over`` move data (not a group of one; forced for tests)?"""
-        if over == "shard":
-            return self.active
         group, _, world = self.members(over)
         return group is not None and (world > 1 or force_comm())
 
