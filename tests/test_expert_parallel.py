@@ -33,6 +33,7 @@ from _parity import (
     lm_loss,
     local,
     loss_bound,
+    relative_distance,
     shard_grad_error,
     train_in_orders,
 )
@@ -67,7 +68,7 @@ def _ep_grads(model, ep_group, same, world: int) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         g = p.grad.clone()
-        if "experts" in name:
+        if ".experts." in name:  # routed experts; DeepSeek's shared_experts are dense
             dist.all_reduce(g, group=same)
             g /= world
             parts = [torch.empty_like(g) for _ in range(EP)]
@@ -133,7 +134,7 @@ def _ep_by_hand(model, data: list[torch.Tensor]) -> tuple[dict, dict]:
         first = first or grads
         for name, p in model.named_parameters():
             g = grads[name]
-            if "experts" in name:  # this rank's experts of the whole
+            if ".experts." in name:  # this rank's experts of the whole
                 e, j = p.shape[0], dist.get_rank(ep_group)
                 g = g[j * e : (j + 1) * e]
             p.grad = g
@@ -142,7 +143,7 @@ def _ep_by_hand(model, data: list[torch.Tensor]) -> tuple[dict, dict]:
     out = {}
     for name, p in model.named_parameters():
         t = p.detach().clone()
-        if "experts" in name:
+        if ".experts." in name:
             parts = [torch.empty_like(t) for _ in range(EP)]
             dist.all_gather(parts, t, group=ep_group)
             t = torch.cat(parts)
@@ -198,6 +199,43 @@ def hf_mixtral_sharded_ep_matches_one_process(rank: int, world: int) -> None:
     )
     if rank == 0:
         assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+
+
+def tiny_deepseek_v3():
+    """transformers' DeepSeek-V3, tiny: MLA attention, a dense first layer
+    (``first_k_dense_replace``), then a MoE layer of 4 routed experts (top-2, its sigmoid router
+    with a correction bias) beside a shared expert (a dense MLP every token goes through)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(5)
+    cfg = DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, max_position_embeddings=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    return DeepseekV3ForCausalLM(cfg)
+
+
+@checks.check
+def hf_deepseek_v3_sharded_ep_matches_one_process(rank: int, world: int) -> None:
+    """DeepSeek-V3 (shared experts, a dense layer before the MoE ones) at EP 2 x efsdp 2: only the
+    routed experts are split and sharded over efsdp; the shared expert and the dense layer's MLP
+    are dense parameters sharded over dp_shard. Against one process, as above."""
+    model_holder = {}
+
+    def shard(m):
+        model_holder["m"] = _ep2(m)
+        return model_holder["m"]
+
+    full = matches_one_process(tiny_deepseek_v3(), 2, rank, world, shard=shard, other=_ep_by_hand)
+    over = {s.name: f.over for f in model_holder["m"].flat_params for s in f.slots}
+    assert over["model.layers.1.mlp.experts.gate_up_proj"] == "expert"
+    assert over["model.layers.1.mlp.shared_experts.gate_proj.weight"] == "shard"
+    assert over["model.layers.0.mlp.gate_proj.weight"] == "shard"
+    if rank == 0:
+        assert full["model.layers.1.mlp.experts.down_proj"].shape == (4, 32, 16)
 
 
 @checks.check
@@ -420,6 +458,99 @@ def checkpoint_across_layouts(rank: int, world: int) -> None:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root)
+
+
+# ---- TP x EP: ls.parallelize(model, tp=2, ep=2) -------------------------------------------------
+
+TP_RTOL = 1e-5  # the issue's tolerance (transformers' TP x EP lands within 6.4e-7 in fp32)
+
+
+def _whole_grads(model) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's whole gradient on every rank: each flat's gradient gathered
+    over the group it is sharded over, then a TP shard assembled over TP and an EP rank's
+    experts concatenated over the EP group (in rank order: rank j holds experts j L..)."""
+    from layershard.parallel import tensor
+
+    sh, out = model.sharding, {}
+    for f in model.flat_params:
+        if not f.requires_grad:
+            continue
+        group = sh.expert_group if f.over == "expert" else sh.shard_group
+        n = 1 if group is None else dist.get_world_size(group)
+        parts = [torch.empty_like(f.grad) for _ in range(n)]
+        dist.all_gather(parts, f.grad, group=group) if n > 1 else parts.__setitem__(0, f.grad)
+        for slot, g in zip(f.slots, f.views(torch.cat(parts))):
+            if slot.tp is not None:
+                g = tensor.full_tensor(slot.tp, g)
+            if slot.expert is not None:
+                pieces = [torch.empty_like(g) for _ in range(sh.ep_size)]
+                dist.all_gather(pieces, g.contiguous(), group=sh.ep_group)
+                g = torch.cat(pieces)
+            out[slot.name] = g
+    return out
+
+
+def _tp_ep(model, tp_slicing: bool = True):
+    model = ls.parallelize(model, tp=2, ep=EP)
+    if not tp_slicing:  # the negative control: every TP rank sends all of its (shared) tokens
+        for m in model.module.modules():
+            if getattr(m, "ep", None) is not None:
+                m.ep.tp = None
+    return model
+
+
+@checks.check
+def tp2_ep2_matches_one_process(rank: int, world: int) -> None:
+    """TP 2 x EP 2 at 4 ranks (dense mesh dp_shard 2 x tp 2, expert mesh efsdp 2 x ep 2): the
+    attention is TP (torch's styles), each TP pair shares a micro-batch and sends half of its
+    tokens to the experts (parallel/expert.py). Against one process on the same 2 micro-batches:
+    bytes held (TP-sharded weights and experts 1/4 per rank, replicated ones 1/2), the first
+    gradients and the clipped norm at TP_RTOL, every loss, the weights after 3 AdamW steps.
+    Negative control: without the token split the experts see every token twice (the output is
+    the same: only their gradients double), caught by the gradient check."""
+    base, data = tiny_moe(), batches(3)
+    dp_rank, dp = rank // 2, world // 2  # tp is the innermost mesh dim: TP pairs {0,1}, {2,3}
+    ref_grads, orders = grads_in_orders(base, data[0], dp, exact_parts=True)
+    runs = train_in_orders(base, data, dp, exact_parts=True, clip=(1e9, 2.0))
+    model = _tp_ep(clone(base))
+    names = {s.name: s for f in model.flat_params for s in f.slots}
+    assert names["layers.0.attn.wq.weight"].tp is not None
+    assert names["layers.0.mlp.experts.gate_up_proj"].expert is not None
+    held = {s.name: p.numel() for f in model.flat_params for s, p in zip(f.slots, f.shard_params)}
+    counts = torch.tensor([held[k] for k in sorted(held)])
+    dist.all_reduce(counts)
+    for k, n in zip(sorted(held), counts.tolist()):
+        split = names[k].tp is not None or names[k].expert is not None
+        assert n == base.get_parameter(k).numel() * (1 if split else 2), (k, n)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step, batch in enumerate(data):
+        loss = lm_loss(model, local(batch, dp_rank, dp))
+        loss.backward()
+        if step == 0:
+            err = grad_error(_whole_grads(model), ref_grads)
+            assert err <= max(TP_RTOL, grad_bound(ref_grads, orders)), err
+        norm, ref_norm = model.clip_grad_norm_(1e9).item(), runs[0].norms[step]
+        assert abs(norm - ref_norm) / ref_norm <= TP_RTOL, (step, norm, ref_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+    rel = max(abs(x - r) / abs(r) for x, r in zip(losses, runs[0].losses))
+    assert rel <= max(loss_bound(runs[0].losses, runs[1:]) if runs[1:] else 0, LOSS_RTOL), rel
+    full = model.full_state_dict()
+    if rank == 0:
+        assert list(full) == list(base.state_dict())
+        d = relative_distance(full, runs[0], base)
+        print(f"TP 2 x EP 2: weights {d:.2e} from the reference (relative to their movement)")
+        assert d <= 2 * TP_RTOL, d
+
+    wrong = _tp_ep(clone(base), tp_slicing=False)
+    lm_loss(wrong, local(data[0], dp_rank, dp)).backward()
+    bad = _whole_grads(wrong)
+    assert grad_error(bad, ref_grads) > 0.5
+    dense = {k: g for k, g in bad.items() if "experts" not in k}
+    assert grad_error(dense, {k: ref_grads[k] for k in dense}) <= TP_RTOL
 
 
 checks2 = RankChecks(world_size=2, suffix="_ws2")

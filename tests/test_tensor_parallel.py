@@ -467,7 +467,7 @@ def _rewrap_control(rank: int, world: int) -> None:
 def _parallelize(rank: int, world: int) -> None:
     """``ls.parallelize(model, tp=2)`` builds the meshes, applies the built-in Llama's TP plan
     and shards over dp_shard: the same run, bit for bit, as the mesh spelled out by hand
-    (``parallelize_llama`` + ``ls.shard(mesh=...)``), 2 AdamW steps; tp with ep is refused."""
+    (``parallelize_llama`` + ``ls.shard(mesh=...)``), 2 AdamW steps; ep on a model without experts is refused."""
     base, data = tiny_llama(), batches(2)
     by_hand, *_ = _tp_model(base, world)
     built = ls.parallelize(clone(base), tp=TP)
@@ -484,12 +484,12 @@ def _parallelize(rank: int, world: int) -> None:
         runs.append((losses, model.full_state_dict(rank0_only=False)))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
-    try:
+    try:  # TP x EP itself: test_expert_parallel.py
         ls.parallelize(clone(base), tp=TP, ep=2)
-    except NotImplementedError as e:
-        assert "tensor and expert parallelism together" in str(e)
+    except ValueError as e:
+        assert "no expert layers to split" in str(e)
     else:
-        raise AssertionError("tp with ep was not refused")
+        raise AssertionError("ep on a dense model was not refused")
 
 
 checks2.check(_full, "full_matches_one_process")

@@ -139,7 +139,8 @@ def shard(
         check_shared_modules(model, specs)
         check_dtypes(specs)
         check_quantized(specs)
-        tensor.check_groups((p for spec in specs for p, _ in spec.params), group)
+        if expert_mesh is None:  # else the meshes give every group (engine/strategy.py)
+            tensor.check_groups((p for spec in specs for p, _ in spec.params), group)
     disable_cpu_repacking(model)
     shard_options = dict(
         strategy=strategy, shard_size=shard_size, reshard_after_forward=reshard_after_forward,
@@ -397,7 +398,7 @@ class ShardedModule(nn.Module):
         tp_group = tensor.tp_group(s.tp for f in self.flat_params for s in f.slots)
         if tp_group is not None:  # TP x DP: sharded parts summed over TP too (parallel/tensor.py)
             terms = [
-                (s.tp, p.grad)
+                (s, p.grad)
                 for f in self.flat_params
                 for s, p in zip(f.slots, f.shard_params)
                 if p.grad is not None and p.grad.numel() > 0

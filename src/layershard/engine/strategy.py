@@ -276,12 +276,6 @@ def from_meshes(
             "including 'dp_shard' (ls.parallelize builds both)"
         )
     world = dist.get_world_size(group)
-    if _size(mesh, "tp") > 1:
-        raise NotImplementedError(
-            "shard(mesh=..., expert_mesh=...): tensor and expert parallelism together are not "
-            "supported yet (the ranks of a TP group share a batch, which EP would compute twice); "
-            "use tp or ep"
-        )
     if mesh.size() != world:
         raise ValueError(
             f"shard(mesh=...): the mesh has {mesh.size()} ranks, the process group {world}"

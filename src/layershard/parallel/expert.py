@@ -18,6 +18,17 @@ What this gives a sharded model: a rank's expert gradients sum the contributions
 group's tokens (the all-to-all's backward brought them back). Data parallelism over the ranks that
 hold the same experts then sums the rest; the divisor is still the whole data-parallel world (each
 rank's loss is the mean over its own tokens).
+
+With tensor parallelism too (``ExpertGroup.tp``), the ranks of a TP group hold the same tokens
+(the activations between TP layers are replicated): each TP rank sends only its share of them
+(``tensor_split`` over the TP group) through the four steps, and the MoE output is gathered back
+whole over the TP group, as transformers' ``AllToAllEP`` does. Every token then reaches its
+experts once, so the expert gradients and the divisor stay as above.
+
+Note: the gradient arriving at a replicated activation is whole (and the same) on every TP rank:
+torch's TP styles all-reduce it, as DDP-free replicated math needs. So the gather's backward keeps
+this rank's share of it (not a reduce-scatter, which would add the TP ranks' identical copies),
+and the share's backward gathers the shares' gradients back into a whole one (``_TPShare``).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from layershard.engine.collectives import _all_gather
 from layershard.engine.flat import EXPERT_ATTR, ExpertPart
 
 
@@ -38,8 +50,12 @@ class ExpertGroup:
     """Where a layer's experts live: ``group`` (the EP group), this rank's place in it, and the
     experts it owns (``first`` .. ``first + local - 1`` of ``n_experts``)."""
 
-    def __init__(self, group: dist.ProcessGroup, n_experts: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, n_experts: int, tp: dist.ProcessGroup | None = None
+    ) -> None:
         self.group = group
+        # the TP group whose ranks hold the same tokens (None: no TP)
+        self.tp = tp if tp is not None and dist.get_world_size(tp) > 1 else None
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if n_experts % self.size:
@@ -50,6 +66,52 @@ class ExpertGroup:
         self.n_experts = n_experts
         self.local = n_experts // self.size
         self.first = self.rank * self.local
+
+
+def _shares(rows: int, group: dist.ProcessGroup) -> tuple[list[int], int]:
+    """Each TP rank's number of rows (``tensor_split``'s) and where this rank's share starts."""
+    sizes = [len(c) for c in torch.arange(rows).tensor_split(dist.get_world_size(group))]
+    return sizes, sum(sizes[: dist.get_rank(group)])
+
+
+def _gather_shares(share: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Every TP rank's share (``sizes`` rows each, in rank order) concatenated, on every rank: one
+    flat all-gather of shares padded to the largest."""
+    most = max(sizes)
+    padded = share.new_zeros((most, *share.shape[1:]))
+    padded[: share.shape[0]] = share
+    out = share.new_empty((len(sizes) * most, *share.shape[1:]))
+    _all_gather(out, padded, group=group)
+    return torch.cat([out[i * most : i * most + n] for i, n in enumerate(sizes)])
+
+
+class _TPShare(torch.autograd.Function):
+    """This TP rank's share of replicated rows; the backward gathers the shares' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.sizes, start = _shares(x.shape[0], group)
+        ctx.group = group
+        return x[start : start + ctx.sizes[dist.get_rank(group)]]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_shares(grad.contiguous(), ctx.sizes, ctx.group), None
+
+
+class _TPWhole(torch.autograd.Function):
+    """The TP ranks' shares of ``rows`` rows gathered whole; the backward keeps this rank's share
+    (module Note)."""
+
+    @staticmethod
+    def forward(ctx, share: torch.Tensor, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
+        sizes, ctx.start = _shares(rows, group)
+        ctx.n = share.shape[0]
+        return _gather_shares(share.contiguous(), sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.start : ctx.start + ctx.n], None, None
 
 
 def _exchange_counts(send: torch.Tensor, eg: ExpertGroup) -> list[int]:
@@ -81,7 +143,22 @@ def expert_parallel_forward(
 ) -> torch.Tensor:
     """The MoE output for this rank's tokens ``x`` [tokens, dim], routed by ``index`` and
     ``weights`` [tokens, top_k]; ``compute(rows, local_ids)`` runs the local experts on the rows
-    received, each row's expert given by its local id (the module docstring's four steps)."""
+    received, each row's expert given by its local id (the module docstring's four steps). With
+    ``eg.tp``, ``x``, ``index`` and ``weights`` are the same on every TP rank: each sends its share
+    of the tokens, and the output is gathered whole."""
+    if eg.tp is None:
+        return _dispatch(x, index, weights, eg, compute)
+    sizes, start = _shares(x.shape[0], eg.tp)
+    mine = slice(start, start + sizes[dist.get_rank(eg.tp)])
+    share = _dispatch(
+        _TPShare.apply(x, eg.tp), index[mine], _TPShare.apply(weights, eg.tp), eg, compute
+    )
+    return _TPWhole.apply(share, x.shape[0], eg.tp)
+
+
+def _dispatch(
+    x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, eg: ExpertGroup, compute: Compute
+) -> torch.Tensor:
     tokens, top_k = index.shape
     expert = index.flatten()
     order = torch.argsort(expert, stable=True)
@@ -135,12 +212,14 @@ def is_hf_experts(module: nn.Module) -> bool:
     )  # fmt: skip
 
 
-def split_hf_experts(module: nn.Module, group: dist.ProcessGroup) -> None:
+def split_hf_experts(
+    module: nn.Module, group: dist.ProcessGroup, tp: dist.ProcessGroup | None = None
+) -> None:
     """Expert parallelism over the EP ``group`` for transformers' stacked experts
     (``is_hf_experts``): this rank's experts only, and a forward that sends tokens to their
     experts' ranks (an instance ``forward``, ahead of transformers' kernel dispatch, which knows
     nothing of the group)."""
-    eg = ExpertGroup(group, int(getattr(module, "gate_up_proj").shape[0]))  # noqa: B009
+    eg = ExpertGroup(group, int(getattr(module, "gate_up_proj").shape[0]), tp)  # noqa: B009
     keep_local_experts(module, eg)
     own = module.forward  # bound before it is replaced: the experts' own forward
     setattr(module, "num_experts", eg.local)  # noqa: B010 - its own forward's expert count

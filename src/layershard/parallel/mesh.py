@@ -58,18 +58,21 @@ def make_meshes(
     return dense, expert
 
 
-def split_experts(model: nn.Module, group: dist.ProcessGroup) -> int:
+def split_experts(
+    model: nn.Module, group: dist.ProcessGroup, tp: dist.ProcessGroup | None = None
+) -> int:
     """Keep on this rank its share (over the EP ``group``) of every expert layer: the built-in
     MoE's ``Experts`` and transformers' stacked experts (Qwen3-MoE, Mixtral); returns how many
-    layers were split."""
+    layers were split. ``tp``: the TP group whose ranks hold the same tokens (each sends its
+    share: parallel/expert.py)."""
     from layershard.models.moe import Experts
 
     n = 0
     for m in model.modules():
         if isinstance(m, Experts):
-            m.split_experts(ExpertGroup(group, m.n_experts))
+            m.split_experts(ExpertGroup(group, m.n_experts, tp))
         elif is_hf_experts(m):
-            split_hf_experts(m, group)
+            split_hf_experts(m, group, tp)
         else:
             continue
         n += 1
@@ -95,12 +98,6 @@ def parallelize(
         if shard_options.get(key) is not None:
             raise ValueError(f"parallelize(): {key}= is decided by tp/ep/dp_replicate")
     shard_options = {k: v for k, v in shard_options.items() if k not in decided}
-    if tp > 1 and ep > 1:
-        raise NotImplementedError(
-            "parallelize(tp=..., ep=...): tensor and expert parallelism together are not "
-            "supported yet (the ranks of a TP group share a batch, which EP would compute "
-            "twice); use one of them"
-        )
     dense, expert = make_meshes(tp, ep, dp_replicate)
     if tp > 1:  # torch's parallelize_module with the model's plan, over the TP dim
         from layershard.models.llama import LlamaForCausalLM
@@ -108,9 +105,11 @@ def parallelize(
 
         apply = parallelize_llama if isinstance(model, LlamaForCausalLM) else parallelize_hf
         apply(model, dense["tp"])
-        return shard(model, mesh=dense, **shard_options)
+        if ep == 1:
+            return shard(model, mesh=dense, **shard_options)
     if ep > 1:
-        if split_experts(model, expert["ep"].get_group()) == 0:
+        tp_group = dense["tp"].get_group() if tp > 1 else None
+        if split_experts(model, expert["ep"].get_group(), tp_group) == 0:
             raise ValueError(
                 f"parallelize(ep={ep}): the model has no expert layers to split (the built-in "
                 "MoE's Experts, transformers' Qwen3-MoE and Mixtral experts); use ep=1 for a "

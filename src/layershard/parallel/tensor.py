@@ -155,21 +155,23 @@ def tp_group(infos: Iterable[TPInfo | None]) -> dist.ProcessGroup | None:
     return next(iter(groups.values()), None)
 
 
-def split_over_tp(tp: TPInfo | None) -> bool:
-    """Does each TP rank hold a different part of the parameter (its gradient's squares summed
-    over the TP group), or every TP rank the same (counted once)?"""
-    return tp is not None and tp.sharded
+def split_over_tp(slot) -> bool:
+    """Does each TP rank hold a different part of the parameter of ``slot`` (a ``ParamSlot``;
+    its gradient's squares summed over the TP group), or every TP rank the same (counted once)?
+    Split: a TP-sharded DTensor's, and experts split by expert parallelism (with TP, the ranks of
+    a replica hold different experts or different shards of them)."""
+    return slot.expert is not None or (slot.tp is not None and slot.tp.sharded)
 
 
 def grad_norm(
-    terms: list[tuple[TPInfo | None, torch.Tensor]],
+    terms: list[tuple[Any, torch.Tensor]],
     norm_type: float,
     reduce_dp: Callable[[torch.Tensor, Any], torch.Tensor],
     group: dist.ProcessGroup,
     device: torch.device,
 ) -> torch.Tensor:
-    """The norm of the whole gradient of a TP x DP model, from ``(tp, gradient slice)`` of this
-    rank's slices. ``reduce_dp`` reduces over the data-parallel (shard) group; then the
+    """The norm of the whole gradient of a TP x DP model, from ``(ParamSlot, gradient slice)`` of
+    this rank's slices. ``reduce_dp`` reduces over the data-parallel (shard) group; then the
     TP-sharded parameters' part is reduced over the TP ``group``, and the part replicated over TP
     (the same on every TP rank) is counted once. Collective over both groups."""
     inf = math.isinf(norm_type)
@@ -180,8 +182,8 @@ def grad_norm(
         norms = torch.stack(list(torch._foreach_norm(grads, norm_type)))
         return norms.max() if inf else norms.pow(norm_type).sum()
 
-    sharded = [g for tp, g in terms if split_over_tp(tp)]
-    whole = [g for tp, g in terms if not split_over_tp(tp)]
+    sharded = [g for slot, g in terms if split_over_tp(slot)]
+    whole = [g for slot, g in terms if not split_over_tp(slot)]
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     both = reduce_dp(torch.stack([part(sharded), part(whole)]), op)
     over_tp = both[:1].clone()
@@ -247,7 +249,9 @@ def llama_tp_plan() -> dict[str, ParallelStyle]:
     """``parallelize_module`` plan for one built-in Llama block (``models/llama.py``'s
     ``Block``): attention q/k/v and the MLP's gate (w1) and up (w3) projections column-wise, the
     attention output (wo) and the MLP's down projection (w2) row-wise. Norms stay replicated;
-    activations between the sub-blocks are whole (replicated) on every TP rank."""
+    activations between the sub-blocks are whole (replicated) on every TP rank. A
+    mixture-of-experts block takes the attention part only: its router stays replicated and its
+    experts are split by expert parallelism (``ls.parallelize(tp=, ep=)``) or replicated."""
     return {
         "attn.wq": ColwiseParallel(),
         "attn.wk": ColwiseParallel(),
@@ -272,9 +276,10 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
                 f"parallelize_llama: n_heads={attn.n_heads} and n_kv_heads={attn.n_kv_heads} "
                 f"must be divisible by the TP size {tp}"
             )
-        if not hasattr(block.mlp, "w1"):
-            raise ValueError("parallelize_llama: a mixture-of-experts block has no TP plan here")
-        parallelize_module(block, tp_mesh, llama_tp_plan())
+        plan = llama_tp_plan()
+        if not hasattr(block.mlp, "w1"):  # a MoE block: its experts go to EP (or stay whole)
+            plan = {name: style for name, style in plan.items() if name.startswith("attn.")}
+        parallelize_module(block, tp_mesh, plan)
         attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
     return model
 
