@@ -22,7 +22,7 @@ from _parity import LOSS_RTOL, LR, batches, global_mean, lm_loss, local, tiny_ll
 from test_tensor_parallel import _tp_model
 
 import layershard as ls
-from layershard.checkpoint import boxes, checkpoint_info
+from layershard.checkpoint import boxes, checkpoint_info, export_checkpoint
 from layershard.checkpoint.safe_read import read_dcp_metadata
 
 checks4 = RankChecks(world_size=4, suffix="_tp_ckpt4")
@@ -120,7 +120,7 @@ def _across(rank: int, world: int, tp_model, saved_layouts) -> None:
     _same(_whole(back, opt2), saved, "1-D -> TP")
     ls.export_hf(back, root / "hf-tp", dtype=torch.float32)
     if rank == 0:  # and the offline readers of the TP checkpoint (N-D and 1-D parameters)
-        ls.export_checkpoint(root / "tp", root / "hf-offline", dtype=torch.float32)
+        export_checkpoint(root / "tp", root / "hf-offline", dtype=torch.float32)
         info = checkpoint_info(root / "tp")
         assert info["ok"] and info["numel"] == sum(p.numel() for p in tiny_llama().parameters())
         a, b = _files(root / "hf-tp"), _files(root / "hf-1d")
@@ -205,5 +205,5 @@ def test_covers_finds_gaps_and_overlaps():
 
     tiles = [chunk((0, 0), (4, 3)), chunk((0, 3), (1, 3)), chunk((1, 3), (3, 3))]
     assert boxes.covers(tiles, (4, 6)) == ""
-    assert "hold 15 of 24" in boxes.covers(tiles[:2] + [chunk((1, 3), (3, 1))], (4, 6))
+    assert "hold 18 of 24" in boxes.covers(tiles[:2] + [chunk((1, 3), (3, 1))], (4, 6))
     assert "overlap" in boxes.covers([chunk((0, 0), (2, 2)), chunk((0, 1), (2, 2))], (2, 4))
