@@ -1,6 +1,6 @@
 """Checkpoints and HF files of a tensor-parallel model (issue 32; checkpoint/boxes.py): saved at one
 layout, loaded at another, bit for bit. At 4 ranks TP 2 x dp_shard 2, 1-D over 4 ranks and HSDP x
-TP (dp_replicate 2, dp_shard 1, tp 2); at 2 ranks TP 2 alone and 1-D over 2. The built-in Llama's
+TP (dp_replicate 2, dp_shard 1, tp 2); at 2 ranks TP 2 alone and 1-D over 2; from 4 ranks to 2. The built-in Llama's
 TP plan has row-parallel weights (attn.wo, mlp.w2: ``Shard(1)``, a rank's part not contiguous in
 the flattened weight), stored N-D, and column-parallel ones (``Shard(0)``), stored 1-D as before.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _dist import RankChecks, shared_tmp
+from _dist import RankChecks, run_ranks, shared_tmp
 from _parity import LOSS_RTOL, LR, batches, global_mean, lm_loss, local, tiny_llama
 from test_tensor_parallel import _tp_model
 
@@ -162,6 +162,35 @@ def _tp2_dp2(rank: int, world: int) -> None:
 def _tp2_alone(rank: int, world: int) -> None:
     """TP 2 alone (dp_shard 1) -> 1-D over 2 ranks -> TP 2."""
     _across(rank, world, lambda m: _tp_model(m, world)[0], [])
+
+
+def _save_at_4(rank: int, world: int, root: str) -> None:
+    model = _tp_model(tiny_llama(), world)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for batch in batches(2):
+        _step(model, opt, batch)
+    ls.save_checkpoint(Path(root) / "tp4", model, opt, step=2)
+    saved = _whole(model, opt)
+    if rank == 0:
+        torch.save(saved, Path(root) / "saved.pt")
+
+
+def _load_at_2(rank: int, world: int, root: str) -> None:
+    saved = torch.load(Path(root) / "saved.pt", weights_only=True)
+    for make in (lambda m: _tp_model(m, world)[0], ls.shard):  # TP 2 alone, 1-D over 2
+        model = make(tiny_llama(seed=7))
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        meta = ls.load_checkpoint(Path(root) / "tp4", model, opt)
+        assert meta["world_size"] == 4 and not meta["rng_restored"]
+        _same(_whole(model, opt), saved, "TP 2 x dp_shard 2 at 4 ranks -> 2 ranks")
+
+
+def test_tp_checkpoint_across_world_sizes(tmp_path):
+    """Saved at TP 2 x dp_shard 2 (4 ranks), loaded at 2 ranks into TP 2 alone and into 1-D:
+    weights and AdamW state bit for bit (two spawns: a TP model checkpoints over every rank of
+    the world, so each world size is a launch of its own)."""
+    run_ranks(_save_at_4, 4, str(tmp_path))
+    run_ranks(_load_at_2, 2, str(tmp_path))
 
 
 checks4.check(_tp2_dp2, "tp_dp_checkpoint_across_layouts")
