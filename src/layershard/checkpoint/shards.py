@@ -33,7 +33,7 @@ class Chunked(torch.Tensor):
     ``local`` a view into the flat parameter or the optimizer state of the shape of the chunk
     (DCP reads into it in place). A rank's slice of a parameter is one chunk of a 1-D tensor,
     or, for a parameter stored N-D (a row-parallel weight: ``boxes.stored_size``), a few N-D
-    boxes of it.
+    boxes of it (a 1-D checkpoint loaded into a row-parallel layout: a 1-D run per row).
 
     It speaks DCP's public checkpoint protocol (``__create_write_items__``, ``__create_chunk_list__``,
     ``__get_tensor_shard__``, as DTensor does), so DCP saves and reshards uneven slices without
