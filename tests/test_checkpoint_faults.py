@@ -113,12 +113,12 @@ def _old_format(rank: int, world: int, root: str) -> None:
     model = ls.shard(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, opt, rank)
-    original = ckmanifest.sharded_1d
-    ckmanifest.sharded_1d = _old_sharded_1d  # parameters, optimizer state (manifest.collect)
+    original = ckmanifest.sharded
+    ckmanifest.sharded = _old_sharded_1d  # parameters, optimizer state (manifest.collect)
     try:
         ls.save_checkpoint(root / "old", model, opt, step=1)
     finally:
-        ckmanifest.sharded_1d = original
+        ckmanifest.sharded = original
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ls.save_checkpoint(root / "new", model, opt, step=1)

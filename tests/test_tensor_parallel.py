@@ -8,7 +8,8 @@ steps (AdamW, clipped), ``full_state_dict`` (the reference's names and whole sha
 data-parallel group's collectives and the bytes each rank holds; strategies full, grad_op,
 no_shard, hybrid (checkpointed); a transformers Llama by its own ``base_model_tp_plan``; bf16
 compute; no_sync; frozen TP weights under CPU offload; vocabulary-parallel embedding and head
-(units larger than a block); ``load_full_state_dict``; what is refused; and negative controls the
+(units larger than a block); ``load_full_state_dict``; what is refused (checkpoints:
+test_tp_checkpoint.py); and negative controls the
 checks catch (a parameter replicated over TP counted once per TP rank in the norm; the DTensor not
 re-wrapped at bind)."""
 
@@ -373,16 +374,13 @@ def _frozen_offload(rank: int, world: int) -> None:
 
 
 def _refusals(rank: int, world: int) -> None:
-    """What is not supported yet says so in one line: checkpoints and HF export of a TP model,
-    a TP model on the meta device; and a data-parallel group that crosses the TP mesh (its
-    gathers would mix different TP parts) is refused."""
+    """What is not supported yet says so in one line: an asynchronous checkpoint save of a TP
+    model (test_tp_checkpoint.py: the synchronous ones), a TP model on the meta device; and a
+    data-parallel group that crosses the TP mesh (its gathers would mix different TP parts) is
+    refused."""
     model, *_ = _tp_model(tiny_llama(), world)
-    for call, what in (
-        (lambda: ls.save_checkpoint(shared_tmp("ckpt"), model), "save_checkpoint"),
-        (lambda: ls.load_checkpoint(shared_tmp("ckpt"), model), "load_checkpoint"),
-    ):
-        with pytest.raises(NotImplementedError, match=f"{what}.*tensor-parallel"):
-            call()
+    with pytest.raises(NotImplementedError, match=r"async_save=True.*tensor-parallel"):
+        ls.save_checkpoint(shared_tmp("ckpt"), model, async_save=True)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with pytest.raises(ValueError, match="in the TP mesh of the DTensor parameters"):
         ls.shard(parallelize_llama(tiny_llama(), mesh), process_group=dist.group.WORLD)

@@ -7,9 +7,12 @@ Llama's names map to HF ``LlamaForCausalLM``'s (both use the ``rotate_half`` RoP
 need no permutation); a transformers model keeps its names. A tied parameter is written once,
 under its first name (``lm_head.weight`` is absent when tied, as in ``save_pretrained``).
 
-``load_hf`` opens the files with ``safetensors.safe_open`` and reads, per parameter, only the rows
-that cover the slice the rank holds (``get_slice``): a 70B model loads without being materialized
-on any rank. The model can come from the meta device (``ls.shard(meta_model)``).
+``load_hf`` opens the files with ``safetensors.safe_open`` and reads, per parameter, only the slice
+the rank holds, as a few N-D boxes of the whole tensor (``get_slice``; checkpoint/boxes.py: also an
+expert-parallel rank's experts, a tensor-parallel rank's shard): a 70B model loads without being
+materialized on any rank. The model can come from the meta device (``ls.shard(meta_model)``). A
+tensor-parallel model exports and loads over every rank: its export writes, byte for byte, what a
+1-D model with the same weights writes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from layershard.checkpoint import boxes
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import (
     CheckpointCorruptError,
@@ -32,7 +36,7 @@ from layershard.checkpoint.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from layershard.checkpoint.manifest import check_tensor, model_config, model_kind
+from layershard.checkpoint.manifest import check_tensor, model_config, model_kind, stored
 from layershard.checkpoint.safe_read import dcp_load
 from layershard.checkpoint.shards import buffers, dtype_from_name, params
 from layershard.checkpoint.validate import open_checkpoint
@@ -222,13 +226,13 @@ def export_hf(
     ``out_dir`` (rank 0 writes; collective). Streams one flat group at a time. Loadable by
     ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` for our Llama and for
     transformers models. Returns ``out_dir`` on rank 0, None elsewhere."""
-    tensor.refuse(model, "export_hf()")
+    everyone = tensor.checkpoint_group(model, "export_hf()")  # every rank of a TP model
     if any(f.packed for f in model.flat_params):  # every rank sees the same flats
         raise ValueError(
             "export_hf: this model has 4-bit (bitsandbytes) weights; ls.hf.export_merged writes "
             "it dequantized with its LoRA adapters merged, ls.hf.save_adapter the adapters alone"
         )
-    group = model.process_group
+    group = everyone  # one rank writes; every failure is every rank's
     rank = dist.get_rank(group)
     out = Path(out_dir)
     module = model.module
@@ -249,7 +253,7 @@ def export_hf(
     err: Exception | None = None  # rank 0's, kept until every unit is gathered
     for f in model.flat_params:
         buf = model.gather_flat(f)  # over its group (each replica holds the same)
-        whole = model.whole_views(f, buf)  # experts: over the EP group too (every rank)
+        whole = model.whole_views(f, buf)  # experts, TP shards: over the EP, TP group too
         if rank == 0 and err is None:
             assert writer is not None  # rank 0 created it, or agreed raised
             try:
@@ -330,16 +334,12 @@ def _export_tensors(folder: Path, info: dict, md, writer, rename, dtype: torch.d
     def run(batch):
         sd = {}
         for name, shape, dt in batch:
-            numel = math.prod(shape)
-            is_param = name in info["params"]
-            msg = check_tensor(
-                md, f"model/{name}", [numel] if is_param else list(shape), dt, folder, is_param
-            )
+            key, is_param = f"model/{name}", name in info["params"]
+            size = stored(md, key, shape) if is_param else list(shape)  # 1-D or N-D
+            msg = check_tensor(md, key, size, dt, folder, is_param)
             if msg:
                 raise CheckpointCorruptError(msg)
-            sd[f"model/{name}"] = torch.empty(
-                [numel] if is_param else shape, dtype=dtype_from_name(dt, f"{folder}: {name}")
-            )
+            sd[key] = torch.empty(size, dtype=dtype_from_name(dt, f"{folder}: {name}"))
         dcp_load(sd, folder, no_dist=True)
         for name, shape, _ in batch:
             t = sd[f"model/{name}"].view(shape)
@@ -393,8 +393,7 @@ def load_hf(model, src_dir: str | os.PathLike, strict: bool = True) -> None:
     and file) before anything is copied; a truncated or corrupt file raises naming the file."""
     from safetensors import safe_open
 
-    tensor.refuse(model, "load_hf()")
-    group = model.process_group
+    group = tensor.checkpoint_group(model, "load_hf()")  # every rank of a TP model
     src = Path(src_dir)
     kind = model_kind(model.module)
     rename = _namer(kind)
@@ -474,27 +473,26 @@ def _plan_load(model, src: Path, strict: bool, rename, handle, plan: list, bufs:
 
 
 def _read_slices(src: Path, handle, plan: list, bufs: list) -> None:
-    """Copy into each shard the rows of the files that cover it (this rank's part only)."""
+    """Copy into each shard the parts of the files that cover it (this rank's part only): its
+    slice of the parameter as boxes of the file's (whole) tensor (boxes.py: an expert-parallel
+    rank's experts, a tensor-parallel shard)."""
     for f, slot, key, fname in plan:
         a, b = f.local_param_range(slot)
         if b <= a:
             continue
-        lo = slot.offset + a - f.shard_start
-        a, b = a + slot.whole_offset, b + slot.whole_offset  # in the file's (whole) tensor
+        at = slot.offset - f.shard_start  # where the parameter's slice starts in the shard
         try:
             sl = handle(fname).get_slice(key)
-            shape = slot.whole_shape
-            if len(shape) == 0:
-                part = handle(fname).get_tensor(key).reshape(-1)
-            else:
-                row = shape.numel() // shape[0] if shape[0] else 1
-                r0, r1 = a // row, -(-b // row)
-                part = sl[r0:r1].reshape(-1)[a - r0 * row : b - r0 * row]
+            for (offsets, sizes), start in boxes.pieces(slot, a, b):
+                if len(slot.whole_shape) == 0:
+                    part = handle(fname).get_tensor(key).reshape(-1)
+                else:
+                    part = sl[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1)
+                f.shard[at + start : at + start + part.numel()].copy_(part)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorruptError(f"{src / fname}: reading {key} failed ({e})") from None
-        f.shard[lo : lo + b - a].copy_(part)
     for buf, key, fname in bufs:
         buf.copy_(handle(fname).get_tensor(key))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from layershard.checkpoint.errors import (
     CheckpointCorruptError,
@@ -26,7 +27,7 @@ from layershard.checkpoint.manifest import (
 )
 from layershard.checkpoint.phases import Phases
 from layershard.checkpoint.safe_read import dcp_load
-from layershard.checkpoint.shards import buffers, dtype_from_name, params, sharded_1d
+from layershard.checkpoint.shards import buffers, dtype_from_name, params, sharded
 from layershard.checkpoint.validate import check_files, open_checkpoint
 from layershard.engine.waits import waiting
 from layershard.parallel import tensor
@@ -34,19 +35,28 @@ from layershard.parallel import tensor
 log = logging.getLogger("layershard")
 
 
-def _check_on_rank0(path, model, optimizer, strict: bool, verify: bool) -> tuple[str, dict]:
-    """Rank 0: find the checkpoint, read its manifest, check everything that needs no data."""
+def _check_on_rank0(
+    path, model, optimizer, strict: bool, verify: bool
+) -> tuple[str, dict, dict[str, list[int]]]:
+    """Rank 0: find the checkpoint, read its manifest, check everything that needs no data.
+    Returns its folder, manifest and the size each parameter and optimizer state is stored with
+    (1-D or N-D: ``boxes.stored_size``)."""
     try:
         # manifest, file sizes (hashes below, a share per rank), metadata, storage paths
         folder, manifest, md = open_checkpoint(path, digest=False, sizes=verify)
         validate(model, optimizer, folder, manifest, md, strict)
+        sizes = {
+            key: list(item.size)
+            for key, item in md.state_dict_metadata.items()
+            if key.startswith(("model/", "optim/")) and isinstance(item, TensorStorageMetadata)
+        }
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError) as e:  # a manifest of the wrong structure
         raise CheckpointCorruptError(
             f"{path}: malformed manifest ({type(e).__name__}: {e})"
         ) from None
-    return str(folder), manifest
+    return str(folder), manifest, sizes
 
 
 @torch.no_grad()
@@ -71,13 +81,12 @@ def load_checkpoint(
     Returns ``{"step", "extra", "run_config", "world_size" (saved), "path", "rng_restored",
     "model_config", "layershard_version"}``.
     """
-    tensor.refuse(model, "load_checkpoint()")  # per-parameter 1-D shards of whole tensors only
     t0 = time.perf_counter()
-    ph = Phases(model.process_group)
+    ph = Phases(tensor.checkpoint_group(model, "load_checkpoint()"))  # every rank of a TP model
     rank, world = ph.rank, ph.world
     model.quiesce()  # no gather in flight still reads a shard this overwrites
     # read: rank 0 finds the checkpoint, reads its manifest and checks what needs no data
-    where, manifest = ph.rank0(
+    where, manifest, sizes = ph.rank0(
         "reading", lambda: _check_on_rank0(path, model, optimizer, strict, verify)
     )
     folder = Path(where)
@@ -88,7 +97,7 @@ def load_checkpoint(
     saved_world = manifest["world_size"]
     restore = restore_rng and saved_world == world
     state, new_state, rng = ph.each(
-        "allocating", lambda: _targets(model, optimizer, folder, manifest, restore, rank)
+        "allocating", lambda: _targets(model, optimizer, folder, manifest, sizes, restore, rank)
     )
     ph.each("reading the tensors of", lambda: dcp_load(state, folder, process_group=ph.group))
     info = manifest.get("optimizer") if optimizer is not None else None
@@ -116,13 +125,15 @@ def load_checkpoint(
     }
 
 
-def _targets(model, optimizer, folder: Path, manifest: dict, restore: bool, rank: int):
+def _targets(model, optimizer, folder: Path, manifest: dict, sizes: dict, restore: bool, rank: int):
     """What DCP reads into: the model's slices and buffers (in place), the optimizer's state
     (its current tensors where they fit, else new ones, installed by ``_place``) and this rank's
-    RNG states (``restore``). Changes nothing."""
+    RNG states (``restore``), each described with the size the checkpoint stores it with
+    (``sizes``). Changes nothing."""
     state: dict[str, Any] = {}
     for f, slot, p in params(model):
-        state[f"model/{slot.name}"] = sharded_1d(model, f, slot, p.detach(), save=False)
+        key = f"model/{slot.name}"
+        state[key] = sharded(model, f, slot, p.detach(), save=False, size=sizes.get(key))
     for key, b in buffers(model):
         if key in manifest["model"]["buffers"]:
             state[f"model/{key}"] = b
@@ -151,7 +162,8 @@ def _targets(model, optimizer, folder: Path, manifest: dict, restore: bool, rank
                             and old.dtype == dtype
                             else torch.empty_like(p, dtype=dtype)
                         )
-                        state[f"optim/{slot.name}/{k}"] = sharded_1d(model, f, slot, t, save=False)
+                        key = f"optim/{slot.name}/{k}"
+                        state[key] = sharded(model, f, slot, t, save=False, size=sizes.get(key))
                     else:
                         device = p.device if fused else torch.device("cpu")
                         t = (

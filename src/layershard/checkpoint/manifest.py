@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
 )
 
+from layershard.checkpoint import boxes
 from layershard.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -31,7 +31,7 @@ from layershard.checkpoint.shards import (
     dtype_name,
     jsonable,
     params,
-    sharded_1d,
+    sharded,
 )
 
 # ---- what a save writes ------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def model_config(module: torch.nn.Module) -> dict | None:
 @dataclasses.dataclass
 class Collected:
     """What a save writes, gathered in one walk of the model and the optimizer: the tensors by
-    DCP key (views of the live state; ``Shard1D`` where each rank holds a slice) and the
+    DCP key (views of the live state; ``Chunked`` where each rank holds a slice) and the
     manifest's parts that describe them."""
 
     tensors: dict[str, Any]
@@ -76,13 +76,13 @@ class Collected:
     rng_keys: list[str]  # this rank's RNG entries ("torch", "py", "cuda")
 
 
-def collect(model, optimizer: torch.optim.Optimizer | None) -> Collected:
-    """Everything a save of ``model`` (and ``optimizer``) writes on this rank."""
-    rank = dist.get_rank(model.process_group)
+def collect(model, optimizer: torch.optim.Optimizer | None, rank: int) -> Collected:
+    """Everything a save of ``model`` (and ``optimizer``) writes on this rank, ``rank`` of the
+    ranks that save (its RNG states' key)."""
     tensors: dict[str, Any] = {}
     described, index = {}, {}
     for f, slot, p in params(model):
-        tensors[f"model/{slot.name}"] = sharded_1d(model, f, slot, p.detach(), save=True)
+        tensors[f"model/{slot.name}"] = sharded(model, f, slot, p.detach(), save=True)
         described[slot.name] = {
             "shape": list(slot.whole_shape),
             "dtype": "float32",
@@ -166,7 +166,7 @@ def _optimizer(model, optimizer, index: dict, tensors: dict[str, Any]) -> dict:
                     tensors[key] = v.detach()
                 elif isinstance(v, torch.Tensor) and v.shape == p.shape:
                     k_of[k] = {"kind": "sharded", "dtype": dtype_name(v.dtype)}
-                    tensors[key] = sharded_1d(model, f, slot, v.detach(), save=True)
+                    tensors[key] = sharded(model, f, slot, v.detach(), save=True)
                 elif isinstance(v, torch.Tensor):
                     raise CheckpointError(
                         f"optimizer state {k!r} of {slot.name} has shape {tuple(v.shape)}: only "
@@ -259,7 +259,11 @@ def check_tensor(
     stored = dtype_name(item.properties.dtype)
     if stored != dtype:
         return f"{key}: stored as {stored}, expected {dtype} (wrong dtype)"
-    if sharded and shape:  # the saved chunks must cover the whole tensor exactly once
+    if sharded and len(shape) > 1:  # stored N-D (boxes.stored_size): covered exactly once
+        why = boxes.covers(item.chunks, shape)
+        if why:
+            return f"{where}: {key}: {why} (corrupt metadata)"
+    elif sharded and shape:  # the saved chunks must cover the whole tensor exactly once
         pos = 0
         for c in sorted(item.chunks, key=lambda c: c.offsets[0]):
             if c.offsets[0] != pos:
@@ -268,6 +272,14 @@ def check_tensor(
         if pos != shape[0]:
             return f"{where}: {key} covers {pos} of {shape[0]} elements (corrupt metadata)"
     return ""
+
+
+def stored(md: Metadata, key: str, whole: list[int]) -> list[int]:
+    """The size a checkpoint stores a parameter of shape ``whole`` (or its per-element optimizer
+    state) with: 1-D, or its N-D shape (``boxes.stored_size``: a row-parallel weight saved from a
+    tensor-parallel layout). Anything else is expected 1-D: ``check_tensor`` names the mismatch."""
+    size = list(getattr(md.state_dict_metadata.get(key), "size", None) or [])
+    return size if len(whole) > 1 and size == list(whole) else [math.prod(whole)]
 
 
 def names_diff(what: str, ours: list[str], theirs: list[str]) -> str:
@@ -301,8 +313,8 @@ def validate(model, optimizer, folder: Path, manifest: dict, md: Metadata, stric
             raise CheckpointMismatchError(
                 f"model/{name}: the checkpoint has shape {tuple(rec['shape'])}, the model {tuple(slot.whole_shape)}"
             )
-        numel = slot.whole_shape.numel()
-        msg = check_tensor(md, f"model/{name}", [numel], "float32", folder, sharded=True)
+        key = f"model/{name}"
+        msg = check_tensor(md, key, stored(md, key, rec["shape"]), "float32", folder, sharded=True)
         if msg:
             raise CheckpointMismatchError(msg) if "expected" in msg else CheckpointCorruptError(msg)
     bufs = dict(buffers(model))
@@ -350,10 +362,9 @@ def validate(model, optimizer, folder: Path, manifest: dict, md: Metadata, stric
         for k, rec in kinds.items():
             if rec["kind"] == "value":
                 continue
-            shape = [slot.whole_shape.numel()] if rec["kind"] == "sharded" else []
-            msg = check_tensor(
-                md, f"optim/{name}/{k}", shape, rec["dtype"], folder, rec["kind"] == "sharded"
-            )
+            key = f"optim/{name}/{k}"
+            shape = stored(md, key, list(slot.whole_shape)) if rec["kind"] == "sharded" else []
+            msg = check_tensor(md, key, shape, rec["dtype"], folder, rec["kind"] == "sharded")
             if msg:
                 raise CheckpointCorruptError(msg)
 

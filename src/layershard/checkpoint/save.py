@@ -42,7 +42,7 @@ from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import CheckpointError
 from layershard.checkpoint.manifest import Collected, collect
 from layershard.checkpoint.phases import Phases
-from layershard.checkpoint.shards import Shard1D, jsonable
+from layershard.checkpoint.shards import Chunked, jsonable
 from layershard.engine.waits import waiting
 from layershard.parallel import tensor
 
@@ -60,8 +60,8 @@ def _nbytes(state: dict[str, Any]) -> int:
     """Bytes this rank writes for ``state`` (its local slices), with DCP's per-tensor overhead."""
     total = 0
     for v in state.values():
-        if isinstance(v, Shard1D):
-            locals_ = [v._local]
+        if isinstance(v, Chunked):
+            locals_ = [t for _, t in v.chunks]
         elif hasattr(v, "local_shards"):  # another DCP-sharded type (tests save the old format)
             locals_ = [s.tensor for s in v.local_shards()]
         else:
@@ -257,20 +257,23 @@ class _PreStaged(AsyncStager):
         pass
 
 
-def _stage(state: dict[str, Any], buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _stage(state: dict[str, Any], buffers: dict[tuple[str, int], torch.Tensor]) -> dict[str, Any]:
     """A CPU copy of ``state`` that training cannot change: reused buffers, pinned on CUDA so the
     device-to-host copies are asynchronous (one synchronize at the end)."""
     out: dict[str, Any] = {}
     cuda = False
     for key, v in state.items():
-        local = v._local if isinstance(v, Shard1D) else v
-        buf = buffers.get(key)
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-            pin = local.device.type == "cuda"
-            buf = buffers[key] = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
-        buf.copy_(local, non_blocking=local.device.type == "cuda")
-        cuda |= local.device.type == "cuda"
-        out[key] = Shard1D(buf, v.shape[0], v._lo) if isinstance(v, Shard1D) else buf
+        locals_ = [t for _, t in v.chunks] if isinstance(v, Chunked) else [v]
+        copies = []
+        for i, local in enumerate(locals_):
+            buf = buffers.get((key, i))
+            if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+                pin = local.device.type == "cuda"
+                buf = buffers[key, i] = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+            buf.copy_(local, non_blocking=local.device.type == "cuda")
+            cuda |= local.device.type == "cuda"
+            copies.append(buf)
+        out[key] = v.with_locals(copies) if isinstance(v, Chunked) else copies[0]
     if cuda:
         torch.cuda.synchronize()
     return out
@@ -351,8 +354,13 @@ def save_checkpoint(
     publication follow, with the same crash safety. One save per model is in flight: a new save
     (either kind) waits for it.
     """
-    tensor.refuse(model, "save_checkpoint()")  # per-parameter 1-D shards of whole tensors only
     t0 = time.perf_counter()
+    everyone = tensor.checkpoint_group(model, "save_checkpoint()")  # every rank of a TP model
+    if async_save and everyone is not model.process_group:
+        raise NotImplementedError(
+            "save_checkpoint(async_save=True): not supported yet for a tensor-parallel model; "
+            "save with async_save=False"
+        )
     final = Path(path).absolute()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint(keep_last={keep_last}): must be at least 1")
@@ -362,11 +370,11 @@ def save_checkpoint(
     run_config = jsonable(run_config, "save_checkpoint(run_config=...)")
     wait_for_pending_save(model)
     bg = _background(model) if async_save else None
-    group = model.process_group if bg is None else bg.group  # where DCP writes
-    save = _Save(final, keep_last, model.process_group, group)
+    group = everyone if bg is None else bg.group  # where DCP writes
+    save = _Save(final, keep_last, everyone, group)
     ph = save.phases
 
-    got: Collected = ph.each(COLLECT, lambda: collect(model, optimizer))
+    got: Collected = ph.each(COLLECT, lambda: collect(model, optimizer, ph.rank))
     summary = ph.gather(
         COLLECT, lambda: (got.optimizer and got.optimizer["state"], _nbytes(got.tensors))
     )

@@ -230,22 +230,22 @@ def check_storage(folder: Path, manifest: dict, md: Metadata) -> None:
 
 def check_tensors(folder: Path, manifest: dict, md: Metadata) -> None:
     """Every tensor the manifest lists is in the metadata with its size and dtype, covered."""
-    from layershard.checkpoint.manifest import check_tensor
+    from layershard.checkpoint.manifest import check_tensor, stored
 
     model = manifest["model"]
     todo: list[tuple[str, list[int], str, bool]] = []
     for name, rec in model["params"].items():
-        todo.append((f"model/{name}", [math.prod(rec["shape"])], "float32", True))
+        key = f"model/{name}"
+        todo.append((key, stored(md, key, rec["shape"]), "float32", True))
     for key, rec in model["buffers"].items():
         todo.append((f"model/{key}", list(rec["shape"]), rec["dtype"], False))
     for name, kinds in ((manifest.get("optimizer") or {}).get("state") or {}).items():
-        numel = math.prod(model["params"][name]["shape"])
+        whole = model["params"][name]["shape"]
         for k, rec in kinds.items():
             if rec["kind"] != "value":
-                sharded = rec["kind"] == "sharded"
-                todo.append(
-                    (f"optim/{name}/{k}", [numel] if sharded else [], rec["dtype"], sharded)
-                )
+                key, sharded = f"optim/{name}/{k}", rec["kind"] == "sharded"
+                shape = stored(md, key, whole) if sharded else []
+                todo.append((key, shape, rec["dtype"], sharded))
     for key, shape, dtype, sharded in todo:
         dtype_from_name(dtype, f"{folder / pub.MANIFEST}: {key}")
         msg = check_tensor(md, key, shape, dtype, folder, sharded)

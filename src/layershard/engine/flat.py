@@ -89,12 +89,16 @@ class ParamSlot:
 
     @property
     def whole_shape(self) -> torch.Size:
-        """The parameter's shape as checkpoints and full state dicts hold it."""
+        """The parameter's shape as checkpoints and full state dicts hold it (all experts, every
+        TP rank's shard)."""
+        if self.tp is not None:
+            return self.tp.shape
         return self.shape if self.expert is None else self.expert.whole_shape
 
     @property
     def whole_offset(self) -> int:
-        """Where this rank's part starts in the flattened whole parameter."""
+        """Where this rank's part starts in the flattened whole parameter (an expert-parallel
+        one's; a TP shard need not be contiguous in it: checkpoint/boxes.py)."""
         return 0 if self.expert is None else self.expert.offset
 
     def part_of(self, whole: torch.Tensor) -> torch.Tensor:

@@ -137,13 +137,24 @@ def check_groups(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> No
         )
 
 
-def refuse(model, what: str) -> None:
-    """Raise (one line) where a sharded model with DTensor parameters is not supported yet."""
-    if any(s.tp is not None for f in model.flat_params for s in f.slots):
+def checkpoint_group(model, what: str) -> dist.ProcessGroup | None:
+    """The group a checkpoint or an export of ``model`` runs over: its process group, or every
+    rank (the default group) for a tensor-parallel model: each TP coordinate's data-parallel
+    group holds other parts of the same parameters, which one DCP save or load must see
+    together. A tensor-parallel model over part of the world is refused in one line."""
+    group = tp_group(s.tp for f in model.flat_params for s in f.slots)
+    if group is None:
+        return model.process_group
+    if (
+        dist.get_world_size(model.process_group) * dist.get_world_size(group)
+        != dist.get_world_size()
+    ):
         raise NotImplementedError(
-            f"{what}: not supported yet for a tensor-parallel model (DTensor parameters); "
-            "use model.full_state_dict() (whole tensors) and load_full_state_dict() instead"
+            f"{what}: a tensor-parallel model over part of the world is not supported; shard it "
+            "over every rank (its data-parallel x TP mesh the whole world), or use "
+            "model.full_state_dict() and load_full_state_dict()"
         )
+    return dist.group.WORLD
 
 
 def tp_group(infos: Iterable[TPInfo | None]) -> dist.ProcessGroup | None:
