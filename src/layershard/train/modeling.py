@@ -116,7 +116,10 @@ def n_layers(kind: str, spec: Any) -> int | None:
 def check_model(cfg: TrainConfig, kind: str, spec: Any) -> None:
     """Checks of the model that need its config: activation checkpointing within its blocks, a
     causal language model (HF), weights present for --init-from."""
-    check_tp_model(cfg, kind, spec)
+    try:
+        check_tp_model(cfg, kind, spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     layers = n_layers(kind, spec)
     if layers is not None and cfg.activation_checkpointing > layers:
         raise ConfigError(

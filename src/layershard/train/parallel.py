@@ -15,12 +15,11 @@ materialized weights.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from layershard.train.config import TrainConfig
+# (``cfg`` below is a ``train.config.TrainConfig``, which imports this module: not imported here)
 
 # what --tp does not run with yet (a key of the config: the reason)
 _NOT_WITH_TP = {
@@ -32,7 +31,7 @@ _NOT_WITH_TP = {
 }
 
 
-def check_parallel(cfg: TrainConfig) -> None:
+def check_parallel(cfg: Any) -> None:
     """The config rules of ``tp`` and ``ep`` (a ``ValueError`` becomes the one-line error)."""
     for name, n, what in (("ep", cfg.ep, "expert"), ("tp", cfg.tp, "tensor")):
         if n > 1 and (
@@ -67,18 +66,16 @@ def check_parallel(cfg: TrainConfig) -> None:
             )
 
 
-def check_tp_model(cfg: TrainConfig, kind: str, spec: Any) -> None:
+def check_tp_model(cfg: Any, kind: str, spec: Any) -> None:
     """Can the model be split ``cfg.tp`` ways? Its heads must divide, and it needs a TP plan:
     the built-in Llama's (not its MoE blocks) or a transformers config's ``base_model_tp_plan``
-    with column- and row-wise styles only. Raises ``ConfigError``."""
-    from layershard.train.config import ConfigError
-
+    with column- and row-wise styles only. Raises ``ValueError`` (one line)."""
     tp = cfg.tp
     if tp == 1:
         return
     if kind == "preset":
         if spec.n_experts:
-            raise ConfigError(
+            raise ValueError(
                 f"--tp {tp}: the built-in mixture-of-experts model has no tensor-parallel plan; "
                 "use --ep for its experts, or a dense model"
             )
@@ -91,22 +88,22 @@ def check_tp_model(cfg: TrainConfig, kind: str, spec: Any) -> None:
         try:
             hf_tp_plan(spec)
         except (ValueError, NotImplementedError) as e:
-            raise ConfigError(f"--tp {tp}: {e}") from None
+            raise ValueError(f"--tp {tp}: {e}") from None
     for key, n in heads.items():
         if n % tp:
-            raise ConfigError(
+            raise ValueError(
                 f"--tp {tp} must divide the model's {key}={n} (each TP rank computes "
                 f"{key} / tp heads); change --tp"
             )
 
 
-def data_rank(cfg: TrainConfig, rank: int, world: int) -> tuple[int, int]:
+def data_rank(cfg: Any, rank: int, world: int) -> tuple[int, int]:
     """(this rank's data-parallel index, the number of data-parallel ranks): the ``tp``
     consecutive ranks of a TP group read the same batch."""
     return rank // cfg.tp, world // cfg.tp
 
 
-def shard_model(model: nn.Module, cfg: TrainConfig, options: dict[str, Any]):
+def shard_model(model: nn.Module, cfg: Any, options: dict[str, Any]):
     """``ls.shard(model, **options)``, or with ``tp`` / ``ep`` ``ls.parallelize``: the TP plan
     applied or the experts split first, then sharded over the data-parallel ranks."""
     import layershard as ls
