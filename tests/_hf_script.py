@@ -260,6 +260,33 @@ def expert_parallel(out: Path) -> dict:
     return res
 
 
+def tensor_parallel(out: Path) -> dict:
+    """transformers.Trainer (DDP) against ls.hf.Trainer with ShardingPlugin(tp=WORLD) on Llama:
+    every block split over the ranks by its base_model_tp_plan. The ranks of a TP group share
+    each batch (the data loaders split the data over world / tp = 1 rank), so the TP run's
+    per-device batch is DDP's times WORLD: both train on the same sequences at each step."""
+    res: dict = {}
+    finals: dict = {}
+    for impl in ("ddp", "ls"):
+        kw: dict = {"layershard": ls.hf.ShardingPlugin(tp=WORLD)} if impl == "ls" else {}
+        batch = GLOBAL_BATCH // (2 * WORLD) * (WORLD if impl == "ls" else 1)
+        a = args(out / f"tp-{impl}", per_device_train_batch_size=batch)
+        trainer = trainer_class(impl)(model=llama(), args=a, train_dataset=sequences(200), **kw)
+        trainer.train()
+        res[impl] = {"logged": logged(trainer)}
+        finals[impl] = state_of(trainer)
+        if impl == "ls":  # the weights layershard holds as TP shards (DTensor parameters)
+            model = trainer.model_wrapped
+            slots = [s for f in model.flat_params for s in f.slots if s.tp is not None]
+            res[impl]["tp_sharded"] = sum(s.tp.sharded for s in slots)
+            trainer.save_model(str(out / "tp-saved"))  # whole tensors (full_state_dict)
+            if RANK == 0:
+                loaded = T.LlamaForCausalLM.from_pretrained(str(out / "tp-saved")).state_dict()
+                res[impl]["saved_diff"] = max_param_diff(loaded, finals[impl])
+    res["param_diff"] = max_param_diff(finals["ls"], finals["ddp"])
+    return res
+
+
 def saved_model_check(trainer, path: Path) -> dict:
     """trainer.save_model() output, loaded by from_pretrained, against the sharded model."""
     trainer.save_model(str(path))
@@ -651,6 +678,9 @@ def misuse(out: Path) -> dict:
             args=args(out / "m", gradient_checkpointing=True),
             layershard=ls.hf.ShardingPlugin(activation_checkpointing=1),
         ),  # fmt: skip
+        "tp_world": lambda: ls.hf.Trainer(  # 3 does not divide the 2 ranks
+            model=llama(), args=args(out / "m"), layershard=ls.hf.ShardingPlugin(tp=3)
+        ),  # fmt: skip
         "prepare_ddp": lambda: ls.hf.Accelerator(cpu=True).prepare(
             torch.nn.parallel.DistributedDataParallel(llama())
         ),  # fmt: skip
@@ -712,6 +742,7 @@ JOBS = {
         flows,
         misuse,
         expert_parallel,
+        tensor_parallel,
     ],  # fmt: skip
     "save4": [save4],
     "single": [parity],

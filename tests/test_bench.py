@@ -141,3 +141,24 @@ def test_wire_options_are_layershard_runs():
         "layershard-int8-bf16r",
     ]
     assert all(n in IMPLS and n in WIRE_IMPL for n in names if n)
+
+
+def test_bench_tensor_parallel(tmp_path):
+    """`--tp 2`: layershard-tp (ls.parallelize(model, tp=2), both ranks on the same batches)
+    trains the same model to the same losses as 1-D layershard on the same global batch."""
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "layershard.cli", "bench", "--model", "tiny", "--nproc", "2",
+        "--steps", "2", "--warmup", "1", "--repeats", "1", "--seq-len", "32",
+        "--global-batch", "4", "--out", str(out), "--timeout", "240", "--no-mem",
+        "--tp", "2", "--impl", "layershard-tp",
+    ]  # fmt: skip
+    env = dict(os.environ, LAYERSHARD_TIMEOUT_S="120")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    impls = json.loads((out / "results.json").read_text())["world_sizes"]["2"]["impls"]
+    assert set(impls) == {"layershard", "layershard-tp"}
+    tp = impls["layershard-tp"]
+    assert tp["failed"] == 0, tp.get("errors")
+    assert tp["loss_max_abs_diff_vs_layershard"] < 1e-4
+    assert tp["collectives_per_step"] > 0 and tp["tokens_per_s"] > 0

@@ -201,8 +201,10 @@ def test_cli_tp_row_and_recommendation(capsys):
     mesh = make_plan(MOE, H100, Cluster(4, 4), Settings(1, 16, tp=2, ep=4)).to_dict()["mesh"]
     assert mesh == {"tp": 2, "ep": 4, "dp_shard": 2, "efsdp": 1}
     assert "all_to_all" in out and "tp_all_reduce" in out
-    # train's own flags; it takes --ep, not --tp yet (said so)
-    assert "layershard train (train does not take --tp yet: issue 32): --tp 2 --ep 4" in out
+    # train's own flags; it takes --tp and --ep, not both together yet (said so)
+    assert (
+        "layershard train (train does not take --tp with --ep yet: issue 32): --tp 2 --ep 4" in out
+    )
     assert "--activation-checkpointing" in out
 
 
@@ -230,9 +232,13 @@ def test_write_config_with_tp_ep(capsys, tmp_path):
     out = tmp_path / "run.yaml"
     base = ["plan", "--model", "moe", "--gpus", "4", "--gpus-per-node", "4", "--seq-len", "256",
             "--write-config", str(out)]  # fmt: skip
-    # given --tp: layershard train cannot take it yet, so nothing is written
+    # given --tp with --ep: layershard train cannot take both yet, so nothing is written
     assert main([*base, "--tp", "2", "--ep", "4"]) == 2
-    assert "layershard train has no --tp yet" in capsys.readouterr().err
+    assert "layershard train does not take --tp with --ep yet" in capsys.readouterr().err
+    assert not out.exists()
+    # nor --tp of the MoE (train has no TP plan for its experts)
+    assert main([*base, "--tp", "2", "--ep", "1"]) == 2
+    assert "train has no TP plan for a mixture-of-experts model" in capsys.readouterr().err
     assert not out.exists()
     # given --ep alone: train takes it (ls.parallelize), and the config loads as train's
     assert main([*base, "--ep", "4"]) == 0
@@ -241,10 +247,18 @@ def test_write_config_with_tp_ep(capsys, tmp_path):
     from layershard.train.config import TrainConfig
 
     assert TrainConfig(**{k: v for k, v in cfg.items() if k != "plan"}).ep == 4
-    # searched: the fastest row without TP is written
+    # searched: the fastest row that train runs is written (no TP of the MoE)
     assert main(base) == 0
     cfg = yaml.safe_load(out.read_text())
     assert cfg["model"] == "moe" and "tp" not in cfg
+    # a dense model at --tp 2: a tp: row, which train takes (micro_batch: per TP group)
+    dense = ["plan", "--model", "tiny", "--gpus", "4", "--gpus-per-node", "4", "--seq-len", "256",
+             "--tp", "2", "--write-config", str(out)]  # fmt: skip
+    assert main(dense) == 0
+    assert "layershard train: --tp 2 --strategy full" in capsys.readouterr().out
+    cfg = yaml.safe_load(out.read_text())
+    assert cfg["model"] == "tiny" and cfg["tp"] == 2 and "ep" not in cfg
+    assert TrainConfig(**{k: v for k, v in cfg.items() if k != "plan"}).tp == 2
 
 
 @pytest.mark.parametrize("ckpt", [0, 1])

@@ -20,6 +20,7 @@ IMPLS = (
     "layershard-int8-bf16r",
     "layershard-muon-allgather",
     "layershard-ep",
+    "layershard-tp",
     "fsdp2",
     "fsdp2-ep",
     "transformers-ep",
@@ -35,6 +36,9 @@ MUON_ALTERNATIVE = "layershard-muon-allgather"
 # it (experts fully_shard-ed over efsdp, divided by the whole data-parallel size), and, for an HF
 # MoE model (--hf-config), transformers' own DistributedConfig(fsdp_size=world, ep_size=N).
 EP_IMPLS = ("layershard-ep", "fsdp2-ep", "transformers-ep")
+# Tensor parallelism (``--tp N``): layershard through ``ls.parallelize(model, tp=N)``, the model's
+# TP plan over N ranks that share each batch, sharded over the world / N others.
+TP_IMPL = "layershard-tp"
 STRATEGY_IMPL = {
     "full": "layershard",
     "grad_op": "layershard-grad_op",

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, wire_impl
+from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, TP_IMPL, wire_impl
 from layershard.models import hf as models_hf
 
 TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain", "fsdp2-ep", "transformers-ep")
@@ -169,6 +169,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "layershard-ep (ls.parallelize(model, ep=N)) and fsdp2-ep (FSDP2 with the same expert "
         "split, as transformers' DistributedConfig applies it); default impls then fsdp2-ep",
     )  # fmt: skip
+    r.add_argument(
+        "--tp", type=int, default=None, metavar="N",
+        help="tensor parallelism over N ranks (the built-in Llama or an --hf-config model with a "
+        "base_model_tp_plan): also runs layershard-tp (ls.parallelize(model, tp=N); a TP group's "
+        "ranks share each batch, the global batch kept)",
+    )  # fmt: skip
     r.add_argument("--steps", type=int, default=5, help="timed steps per run")
     r.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     r.add_argument("--repeats", type=int, default=3, help="runs per implementation and world size")
@@ -250,6 +256,9 @@ def run_shape(args: argparse.Namespace) -> int:
     if args.ep is None and set(chosen) & set(EP_IMPLS):
         print("layershard bench: the *-ep implementations need --ep N", file=sys.stderr)
         return 2
+    if (TP_IMPL in chosen and not args.tp) or (args.tp and args.ep):
+        print("layershard bench: layershard-tp needs --tp N (and no --ep)", file=sys.stderr)
+        return 2
     if muon and set(chosen) & set(TORCH_IMPLS):
         print(
             "layershard bench: --optimizer muon runs layershard only (torch's implementations "
@@ -266,7 +275,8 @@ def run_shape(args: argparse.Namespace) -> int:
     if wires and muon:
         print("layershard bench: --gather-dtype/--reduce-dtype run with adamw", file=sys.stderr)
         return 2
-    ours = ["layershard", *(["layershard-ep"] if args.ep else []), *strategies, *wires]
+    parallel = (["layershard-ep"] if args.ep else []) + ([TP_IMPL] if args.tp else [])
+    ours = ["layershard", *parallel, *strategies, *wires]
     impls = ours + [i for i in chosen if i not in ours]
     out = Path(args.out or f"benchmarks/{args.tag}-{device}")
     if args.out and args.shape_name:  # one folder per named shape
@@ -379,6 +389,8 @@ def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]
     ]  # fmt: skip
     if args.ep:
         cmd += ["--ep", str(args.ep)]
+    if args.tp:
+        cmd += ["--tp", str(args.tp)]
     if args.hf_config:
         cmd += ["--hf-config", args.hf_config]
     else:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, WIRE_IMPL
+from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, TP_IMPL, WIRE_IMPL
 from layershard.bench.measure import (
     CountCollectives,
     StorageCounter,
@@ -42,11 +42,8 @@ MUON_LR = 0.02  # Muon's lr in --optimizer muon runs (AdamW keeps --lr for the o
 
 
 def is_layershard(impl: str) -> bool:
-    return (
-        impl in ("layershard", MUON_ALTERNATIVE, "layershard-ep")
-        or impl in STRATEGY_IMPLS
-        or impl in WIRE_IMPL
-    )
+    ours = ("layershard", MUON_ALTERNATIVE, "layershard-ep", TP_IMPL)
+    return impl in ours or impl in STRATEGY_IMPLS or impl in WIRE_IMPL
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--loss", choices=["inside", "outside"], default="inside")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (the *-ep impls)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (layershard-tp)")
     p.add_argument("--no-mem", action="store_true", help="skip the MemTracker step")
     p.add_argument("--out", required=True, help="JSON file (written by rank 0)")
     return p.parse_args(argv)
@@ -154,11 +152,12 @@ def final_norm_and_head(model: nn.Module) -> list[nn.Module]:
 
 
 def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: int, ep: int = 1):
-    """(wrapped model, autocast context factory, notes)"""
+    """(wrapped model, autocast context factory, notes); ``ep``: the EP or (layershard-tp) TP size"""
     notes = {}
     no_autocast = contextlib.nullcontext
-    if impl in EP_IMPLS:
-        return _wrap_ep(impl, model, device, bf16, world, ep), no_autocast, {"ep": ep}
+    if impl in EP_IMPLS or impl == TP_IMPL:
+        key = "tp" if impl == TP_IMPL else "ep"
+        return _wrap_ep(impl, model, device, bf16, world, ep), no_autocast, {key: ep}
     if is_layershard(impl):
         import layershard as ls
 
@@ -235,9 +234,10 @@ def _wrap_ep(impl: str, model: nn.Module, device: torch.device, bf16: bool, worl
     import layershard as ls
     from layershard.parallel.mesh import make_meshes, split_experts
 
-    if impl == "layershard-ep":
+    if impl in ("layershard-ep", TP_IMPL):  # TP_IMPL: ``ep`` is the TP size
         mp = ls.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
-        return ls.parallelize(model, ep=ep, mixed_precision=mp, device=device)
+        sizes = {"tp" if impl == TP_IMPL else "ep": ep}
+        return ls.parallelize(model, mixed_precision=mp, device=device, **sizes)
     if impl == "transformers-ep":  # an HF MoE model: transformers applies EP and FSDP2 itself
         from transformers.distributed import DistributedConfig
 
@@ -399,14 +399,15 @@ def main(argv=None) -> int:
     )
     precision = args.precision or ("bf16" if cuda else "fp32")
     bf16 = precision == "bf16"
-    if args.global_batch % world:
-        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} ranks")
-    local_b = args.global_batch // world
+    tp = args.tp if args.impl == TP_IMPL else 1  # a TP group's ranks share their batch
+    if args.global_batch % (world // tp):
+        raise SystemExit(f"--global-batch {args.global_batch} not divisible by {world // tp} ranks")
+    local_b, dp_rank = args.global_batch // (world // tp), rank // tp
 
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     model, desc = build_model(args)
     vocab: int = cast(Any, model.config).vocab_size  # a LlamaConfig or a transformers config
-    model, autocast, notes = wrap(args.impl, model, device, bf16, world, args.ep)
+    model, autocast, notes = wrap(args.impl, model, device, bf16, world, tp if tp > 1 else args.ep)
     muon = args.optimizer == "muon"
     opt: torch.optim.Optimizer
     muon_opt: ls.optim.Muon | None = None
@@ -427,7 +428,7 @@ def main(argv=None) -> int:
     batches = []
     for _ in range(total):
         tokens = torch.randint(0, vocab, (args.global_batch, args.seq_len), generator=gen)
-        batches.append(tokens[rank * local_b : (rank + 1) * local_b].to(device))
+        batches.append(tokens[dp_rank * local_b : (dp_rank + 1) * local_b].to(device))
 
     opt_times: list[float] = []
 

@@ -26,6 +26,12 @@ _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class ShardingPlugin:
     """The options of ``ls.shard(model, ...)`` (see its docstring and the README's API table).
 
+    ``tp=N`` (transformers' ``base_model_tp_plan`` over N ranks that share each batch: the data
+    loaders are split over ``world / N``) and ``ep=N`` (a MoE's experts split over N ranks) shard
+    through ``ls.parallelize``; they cannot be combined (TP x EP is not supported yet). A
+    tensor-parallel model's ``save_model`` writes whole tensors; its ``save_state`` (and so
+    Trainer's checkpoints) is refused as ``ls.save_checkpoint`` refuses it today.
+
     ``mixed_precision=None`` follows accelerate / ``TrainingArguments``: ``bf16=True`` computes in
     bf16 (``ls.MixedPrecision(torch.bfloat16)``, fp32 reduction), ``fp16=True`` in fp16 with an
     all-reducing loss scaler; neither is fp32. A plugin that computes in fp16 needs
@@ -49,19 +55,47 @@ class ShardingPlugin:
     expert_mesh: Any = None
     # expert parallelism: each MoE layer's experts split over ep ranks (ls.parallelize)
     ep: int = 1
+    # tensor parallelism: the model's base_model_tp_plan over tp ranks that share a batch
+    # (ls.parallelize); the data is split over the world / tp data-parallel ranks
+    tp: int = 1
 
     def shard_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ls.shard(model, **kwargs)``."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ep"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ep", "tp")}
 
     def shard(self, model: nn.Module):
-        """``ls.shard(model, ...)`` with these options, or ``ls.parallelize(model, ep=...)``."""
+        """``ls.shard(model, ...)`` with these options, or ``ls.parallelize(model, tp=...,
+        ep=...)``: transformers' TP plan applied or the experts split first."""
         from layershard.parallel.mesh import parallelize
         from layershard.sharded import shard
 
-        if self.ep > 1:
-            return parallelize(model, ep=self.ep, **self.shard_kwargs())
+        if self.ep > 1 or self.tp > 1:
+            return parallelize(model, tp=self.tp, ep=self.ep, **self.shard_kwargs())
         return shard(model, **self.shard_kwargs())
+
+    def data_mesh(self) -> Any:
+        """With ``tp`` > 1, a ``(dp_replicate, dp_shard, tp)`` mesh for accelerate's data loaders
+        (``prepare_data_loader(torch_device_mesh=)``: the ranks of a TP group get the same
+        batches, split over ``dp_shard``); None otherwise. Collective."""
+        if self.tp == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from layershard.distributed import default_device
+        from layershard.parallel.mesh import mesh_sizes
+
+        world = dist.get_world_size()
+        if world % self.tp:
+            raise ValueError(
+                f"layershard: ShardingPlugin(tp={self.tp}) must divide the world size {world} "
+                "(each TP group's ranks share a batch); change tp or the number of processes"
+            )
+        n = mesh_sizes(world, tp=self.tp)
+        return init_device_mesh(
+            default_device(dist.group.WORLD).type,
+            (1, n["dp_shard"], self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        )
 
     def with_amp(self, mixed_precision: str | None) -> ShardingPlugin:
         """This plugin with accelerate's ``mixed_precision`` ("no", "bf16", "fp16") folded in;

@@ -21,7 +21,7 @@ from layershard.plan.hardware import GPU, GPUS, Cluster, get_gpu
 from layershard.plan.memory import OPTIMIZER_BYTES, STRATEGIES
 from layershard.plan.model import ModelShape, load_model
 from layershard.plan.network import CLUSTERS, get_cluster
-from layershard.plan.parallel import mesh_candidates, train_flags
+from layershard.plan.parallel import mesh_candidates, train_flags, train_refuses
 from layershard.plan.planner import DEFAULT_HEADROOM, Plan, Settings, Suggestion, make_plan, suggest
 from layershard.plan.qlora import QLoRASettings
 from layershard.plan.qlora import render as render_qlora
@@ -332,7 +332,8 @@ def render_suggestion(sug: Suggestion, requested: Settings) -> str:
             + ("" if s == requested else f" (flags: {' '.join(flags)})")
         )
         if sp.mesh is not None:
-            note = " (train does not take --tp yet: issue 32)" if s.tp > 1 else ""
+            why = train_refuses(s, sp.shape.moe)
+            note = f" ({why}: issue 32)" if why else ""
             lines.append(f"  layershard train{note}: {train_flags(s)}")
         lines.append(f"  why: {sug.why}")
     if len(sug.ranking) > 1:
@@ -494,7 +495,9 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.write_config:
         chosen = plan if args.no_suggest or sug.plan is None else sug.plan
-        if chosen.mesh is not None and chosen.settings.tp > 1 and not args.tp:  # no train --tp
+        if chosen.settings.tp > 1 and not args.tp:
+            # TP only when asked (train writes no checkpoint under --tp yet): the fastest row
+            # without it; given --tp, a row train cannot run (TP x EP, TP of a MoE) is refused
             chosen = next(
                 (r.plan for r in sug.ranking if r.plan and r.plan.settings.tp == 1), chosen
             )
@@ -521,8 +524,9 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
     import yaml
 
     s, cl = plan.settings, plan.cluster
-    if s.tp > 1:
-        raise ValueError(f"layershard train has no --tp yet (the plan's: {train_flags(s)})")
+    why = train_refuses(s, plan.shape.moe)
+    if why:
+        raise ValueError(f"layershard {why} (the plan's: {train_flags(s)})")
     if s.reduce_dtype not in ("fp32", "bf16"):
         raise ValueError(
             f"layershard train reduces gradients in fp32 or bf16, not {s.reduce_dtype}"
@@ -543,6 +547,8 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
         offload=s.offload,
         loss_chunks=s.loss_chunks,
     )
+    if s.tp > 1:  # tensor parallelism (ls.parallelize); micro_batch is per TP group
+        cfg["tp"] = s.tp
     if s.ep > 1:  # expert parallelism (ls.parallelize)
         cfg["ep"] = s.ep
     if s.reduce_dtype != "fp32":

@@ -377,8 +377,19 @@ def mesh_candidates(
     return [(t, e) for t in tps for e in eps if ok(t, e)]
 
 
+def train_refuses(s: Any, moe: bool) -> str | None:
+    """Why ``layershard train`` cannot run these settings (None: it can). It takes ``--tp`` for
+    a dense model (the built-in Llama's TP plan, an HF config's ``base_model_tp_plan``) and
+    ``--ep`` for a MoE, but not both (``ls.parallelize`` refuses TP x EP) nor TP of a MoE."""
+    if s.tp > 1 and s.ep > 1:
+        return "train does not take --tp with --ep yet"
+    if s.tp > 1 and moe:
+        return "train has no TP plan for a mixture-of-experts model yet"
+    return None
+
+
 def train_flags(s: Any) -> str:
-    """The chosen row's settings as ``layershard train`` flags (``--tp``: not taken by train yet)."""
+    """The chosen row's settings as ``layershard train`` flags."""
     flags = ([f"--tp {s.tp}"] if s.tp > 1 else []) + ([f"--ep {s.ep}"] if s.ep > 1 else [])
     flags += [f"--strategy {s.strategy}", f"--micro-batch {s.micro_batch}",
               f"--grad-accum {s.grad_accum}",

@@ -71,6 +71,10 @@ _HELP = {
     "ep": "expert parallelism (a MoE model, e.g. --model moe): each layer's experts split over "
     "ep ranks, tokens exchanged by all-to-all; experts sharded over the world / ep ranks that "
     "hold the same ones (ls.parallelize)",
+    "tp": "tensor parallelism (the built-in Llama, or an --hf-config model with a "
+    "base_model_tp_plan): each block's weights split over tp ranks that share a batch, sharded "
+    "over the world / tp others (ls.parallelize); the model is built whole on each rank first; "
+    "no checkpoints or final/ export yet",
     "reshard_after_forward": "full: true, false (= grad_op) or K: keep each unit sharded over K "
     "ranks between forward and backward (hpZ)",
     "offload": "ls.CPUOffload(): shards, gradients and optimizer state in CPU memory",
@@ -273,7 +277,9 @@ def _done(run_dir: Path, t0: float) -> None:
         print(
             f"done in {wall:.0f}s: {val}{tps} over {s['steps']} steps"
             f" on {s['world_size']} ranks. Run folder: {run_dir}/ (config.yaml, metrics.jsonl, "
-            "loss.png, checkpoints/, final/, sample.txt)"
+            "loss.png, "
+            + ("checkpoints/, final/, " if (run_dir / "final").is_dir() else "")
+            + "sample.txt)"
         )
         versus = against_plan(s)
         if versus:

@@ -19,6 +19,7 @@ from pydantic import model_validator as _model_validator
 from pydantic.dataclasses import dataclass
 
 from layershard.engine.strategy import check_options as check_strategy_options
+from layershard.train.parallel import check_parallel
 from layershard.validation import (
     Int,
     NonNegativeInt,
@@ -92,6 +93,8 @@ class TrainConfig:
     shard_size: Ranks = None  # hybrid: ranks per shard group (default: the ranks of a node)
     # expert parallelism: each MoE layer's experts split over ep ranks (ls.parallelize)
     ep: PositiveInt = 1
+    # tensor parallelism: each block's weights split over tp ranks (ls.parallelize)
+    tp: PositiveInt = 1
     reshard_after_forward: Annotated[
         StrictBool | PositiveInt,
         Field(description="true, false or a number of ranks K >= 1 (hpZ)"),
@@ -149,15 +152,7 @@ class TrainConfig:
             check_strategy_options(self.strategy, None, self.shard_size, self.reshard_after_forward)
         except ValueError as e:
             raise ValueError(f"strategy options: {_flags(str(e))}{_fix(str(e))}") from None
-        if self.ep > 1 and (
-            self.strategy not in ("full", "grad_op")
-            or self.reshard_after_forward not in (True, False)
-        ):
-            raise ValueError(
-                f"ep {self.ep}: expert parallelism runs with strategy full or grad_op "
-                "(reshard_after_forward true or false); drop --strategy/--reshard-after-forward, "
-                "or --ep"
-            )
+        check_parallel(self)  # --tp / --ep (train/parallel.py)
         if self.precision != "fp16" and self.loss_scale != _DEFAULT_LOSS_SCALE:
             raise ValueError(
                 f"loss_scale {self.loss_scale:g} is fp16's initial loss scale, but this run "
@@ -487,6 +482,11 @@ def check_world(cfg: TrainConfig, world: int | None, local_world: int | None) ->
             f"strategy options: {_flags(str(e))}; change --nproc-per-node / --nnodes or the "
             "strategy options"
         ) from None
+    if world is not None and world % cfg.tp:
+        raise ConfigError(
+            f"tp {cfg.tp} must divide the world size {world} (each block's weights split over "
+            "tp ranks, the data over world / tp); change --tp or --nproc-per-node / --nnodes"
+        )
     if world is not None and world % cfg.ep:
         raise ConfigError(
             f"ep {cfg.ep} must divide the world size {world} (each layer's experts split over "
@@ -495,7 +495,10 @@ def check_world(cfg: TrainConfig, world: int | None, local_world: int | None) ->
 
 
 def grad_accum_for(cfg: TrainConfig, world_size: int) -> int:
-    """Micro-batches per optimizer step on each rank, checking that the global batch divides."""
+    """Micro-batches per optimizer step on each rank, checking that the global batch divides.
+    Under ``tp`` the ranks of a TP group share their batch: the data is split ``world / tp``
+    ways."""
+    world_size = max(1, world_size // cfg.tp)
     per_micro = cfg.seq_len * cfg.micro_batch * world_size
     if cfg.batch_tokens is None:
         return cfg.grad_accum or 1

@@ -18,6 +18,7 @@ from layershard.loss import chunked_loss
 from layershard.models import PRESETS, LlamaConfig, LlamaForCausalLM, build_config
 from layershard.models.hf import load_hf_config
 from layershard.train.config import ConfigError, TrainConfig
+from layershard.train.parallel import check_tp_model
 
 
 def round_up(n: int, multiple: int = 64) -> int:
@@ -115,6 +116,10 @@ def n_layers(kind: str, spec: Any) -> int | None:
 def check_model(cfg: TrainConfig, kind: str, spec: Any) -> None:
     """Checks of the model that need its config: activation checkpointing within its blocks, a
     causal language model (HF), weights present for --init-from."""
+    try:
+        check_tp_model(cfg, kind, spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     layers = n_layers(kind, spec)
     if layers is not None and cfg.activation_checkpointing > layers:
         raise ConfigError(

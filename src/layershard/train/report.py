@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from layershard.engine.waits import waiting
 
 # metrics.jsonl key -> TensorBoard tag (mem_mib, a list per rank, is written per rank and as max)
 TB_TAGS = {
@@ -142,3 +146,26 @@ def memory_mib(model, optimizer, device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return model.memory_report(optimizer)["total"] / 2**20
+
+
+@waiting("sampling")
+def sample(model: Any, tok: Any, cfg: Any, max_len: int, device: torch.device) -> str:
+    """Generate from ``cfg.sample_prompt`` on every rank (forward passes are collective); rank
+    0's choice of each token is broadcast so that all ranks continue identically."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    ids = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id or 0]])
+    model.eval()
+    with torch.no_grad():
+        for _ in range(cfg.sample_tokens):
+            context = ids[:, -min(max_len, cfg.seq_len) :].to(device)
+            logits = model(context).logits[0, -1].float().cpu() / 0.8
+            kth = torch.topk(logits, min(40, logits.numel())).values[-1]
+            probs = torch.softmax(logits.masked_fill(logits < kth, -math.inf), dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen).to(device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast(nxt, src=0)
+            ids = torch.cat([ids, nxt.cpu().view(1, 1)], dim=1)
+            if tok.eos_id is not None and int(nxt) == tok.eos_id:
+                break
+    model.train()
+    return tok.decode(ids[0].tolist())

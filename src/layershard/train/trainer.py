@@ -39,8 +39,16 @@ from layershard.train.modeling import (
     shard_options,
 )
 from layershard.train.optimizer import lr_at, param_groups
+from layershard.train.parallel import data_rank, shard_model
 from layershard.train.qlora import build_qlora, save_adapter
-from layershard.train.report import MetricsLog, first_val_loss, measured, memory_mib, plot_losses
+from layershard.train.report import (
+    MetricsLog,
+    first_val_loss,
+    measured,
+    memory_mib,
+    plot_losses,
+    sample,
+)
 from layershard.train.tokenizer import TextTokenizer, load_tokenizer
 
 
@@ -85,17 +93,14 @@ class Trainer:
         self.precision = precision
         # Presets of 1B+ parameters start on the meta device: shard() materializes only each
         # rank's slice (the init contract of layershard.models makes that equal to eager init).
-        meta = self.kind == "preset" and count_params("preset", self.spec) >= 1e9
+        # TP splits materialized weights: under --tp the model is built whole on every rank.
+        meta = self.kind == "preset" and count_params("preset", self.spec) >= 1e9 and cfg.tp == 1
         if cfg.qlora:  # the 4-bit base read here, quantized while loading (train/qlora.py)
             model = build_qlora(cfg, precision, device)
         else:
             model = build_model(self.kind, self.spec, cfg, meta=meta)
         self.n_params = sum(p.numel() for p in model.parameters())
-        options = shard_options(cfg, precision, device)
-        if cfg.ep > 1:  # the experts split first, then sharded over the ranks holding them
-            self.model = ls.parallelize(model, ep=cfg.ep, **options)
-        else:
-            self.model = ls.shard(model, **options)
+        self.model = shard_model(model, cfg, shard_options(cfg, precision, device))
         # fp16: gradients are scaled so that they do not underflow; a step whose gradients
         # overflowed is skipped by the scaler on every rank (its inf check is all-reduced)
         self.scaler = ls.GradScaler(init_scale=cfg.loss_scale) if precision == "fp16" else None
@@ -122,13 +127,15 @@ class Trainer:
                 eps=1e-8,
             )
         data = self.launch["data"]
+        # the ranks of a TP group read the same batches (data_rank: world / tp ways)
+        self.dp_rank, self.dp_world = data_rank(cfg, rank, world)
         self.loader = BatchLoader(
             TokenSplit.from_dict(data["train"]),
             cfg.seq_len,
             cfg.micro_batch,
             self.ga,
-            rank,
-            world,
+            self.dp_rank,
+            self.dp_world,
             cfg.seed,
         )
         self.val = TokenSplit.from_dict(data["val"])
@@ -136,7 +143,7 @@ class Trainer:
         self.val_mask: np.ndarray | None
         self.val_tokens, self.val_mask = self.val.open() if self.val.n_tokens else (None, None)
         self.val_idx = eval_windows(
-            self.val, cfg.seq_len, cfg.eval_sequences, world * cfg.micro_batch
+            self.val, cfg.seq_len, cfg.eval_sequences, self.dp_world * cfg.micro_batch
         )
         self.step = 0
         self.step_times: list[float] = []  # logged steps of this launch, for the summary
@@ -160,7 +167,7 @@ class Trainer:
             return None
         assert self.val_tokens is not None  # eval_windows() gives none for an empty split
         mb = self.cfg.micro_batch
-        mine = self.val_idx.reshape(-1, self.world, mb)[:, self.rank]  # same count on every rank
+        mine = self.val_idx.reshape(-1, self.dp_world, mb)[:, self.dp_rank]  # same count each
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss * tokens, tokens
         self.model.eval()
         with torch.no_grad():
@@ -302,7 +309,10 @@ class Trainer:
         if pending is not None:
             pending.wait()
 
-    def checkpoint(self, async_save: bool = False, log=None) -> Path:
+    def checkpoint(self, async_save: bool = False, log=None) -> Path | None:
+        if self.cfg.tp > 1:  # save_checkpoint() refuses DTensor parameters yet (the config
+            self._not_saved(f"checkpoint at step {self.step}")  # refuses the rest)
+            return None
         ckpt = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         self.wait_for_checkpoint()
         # Already written (stop-at and final at the same step)? Decided once: on a network file
@@ -334,6 +344,9 @@ class Trainer:
     def export(self, folder: Path) -> None:
         """The trained model as an HF folder (config.json, safetensors, tokenizer.json) that
         ``--init-from`` and ``transformers`` load. Collective."""
+        if self.cfg.tp > 1:  # export_hf() refuses DTensor parameters yet
+            self._not_saved(f"Hugging Face export {folder.name}/")
+            return
         self._refuse_non_finite(f"the Hugging Face export {folder.name}/")
         if self.cfg.qlora:  # the adapters (PEFT format) for the --init-from base
             save_adapter(self.model, folder)
@@ -345,28 +358,9 @@ class Trainer:
                 self.spec.save_pretrained(str(folder))
             shutil.copy(self.run_dir / "tokenizer.json", folder / "tokenizer.json")
 
-    @waiting("sampling")
-    def sample(self) -> str:
-        """Generate from ``sample_prompt`` on every rank (forward passes are collective); rank
-        0's choice of each token is broadcast so that all ranks continue identically."""
-        cfg = self.cfg
-        gen = torch.Generator().manual_seed(cfg.seed)
-        ids = torch.tensor([self.tok.encode(cfg.sample_prompt) or [self.tok.eos_id or 0]])
-        self.model.eval()
-        with torch.no_grad():
-            for _ in range(cfg.sample_tokens):
-                context = ids[:, -min(self.max_len, cfg.seq_len) :].to(self.device)
-                logits = self.model(context).logits[0, -1].float().cpu() / 0.8
-                kth = torch.topk(logits, min(40, logits.numel())).values[-1]
-                probs = torch.softmax(logits.masked_fill(logits < kth, -math.inf), dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=gen).to(self.device)
-                if dist.is_initialized() and self.world > 1:
-                    dist.broadcast(nxt, src=0)
-                ids = torch.cat([ids, nxt.cpu().view(1, 1)], dim=1)
-                if self.tok.eos_id is not None and int(nxt) == self.tok.eos_id:
-                    break
-        self.model.train()
-        return self.tok.decode(ids[0].tolist())
+    def _not_saved(self, what: str) -> None:
+        if self.rank == 0:
+            print(f"layershard train: no {what}: not supported with --tp yet", file=sys.stderr)
 
     # --- the run --------------------------------------------------------------------------
 
@@ -449,7 +443,7 @@ class Trainer:
     def _steps(self, log, bar, stop_at: int, val_loss: float | None) -> tuple[float, float, int]:
         """The training steps, until ``stop_at``, a stop request or too many non-finite steps."""
         cfg, rank = self.cfg, self.rank
-        tokens_per_step = cfg.seq_len * cfg.micro_batch * self.ga * self.world
+        tokens_per_step = cfg.seq_len * cfg.micro_batch * self.ga * self.dp_world
         train_time, cpu_time, steps_run = 0.0, 0.0, 0
         peak_mem = 0.0
         while self.step < min(cfg.steps, stop_at):
@@ -516,7 +510,8 @@ class Trainer:
                 ckpt = self.checkpoint(log=log)
                 raise StopRun(
                     "signal",
-                    f"stopped by {self.stop.signal} at step {self.step}; checkpoint {ckpt}",
+                    f"stopped by {self.stop.signal} at step {self.step}; checkpoint "
+                    f"{ckpt or 'none (--tp)'}",
                     step=self.step,
                     signal=self.stop.signal,
                     checkpoint=str(ckpt),
@@ -542,7 +537,7 @@ class Trainer:
             if val_start is not None:
                 log({"step": 0, "val_loss": val_start})
         stop_at = self.launch.get("stop_at_step") or cfg.steps
-        tokens_per_step = cfg.seq_len * cfg.micro_batch * self.ga * self.world
+        tokens_per_step = cfg.seq_len * cfg.micro_batch * self.ga * self.dp_world
         bar = None
         if rank == 0:
             from tqdm import tqdm
@@ -559,14 +554,15 @@ class Trainer:
         if self.step < cfg.steps:  # stopped early on purpose: leave a checkpoint to resume
             ckpt = self.checkpoint(log=log)
             if rank == 0:
-                print(f"stopped at step {self.step}; resume with --resume ({ckpt})", flush=True)
+                then = f"resume with --resume ({ckpt})" if ckpt else "no checkpoint (--tp)"
+                print(f"stopped at step {self.step}; {then}", flush=True)
             return 0
         val_end = self.evaluate()
         if val_end is not None:
             log({"step": self.step, "val_loss": val_end})
         self.checkpoint(log=log)
         self.export(self.run_dir / "final")
-        text = self.sample()
+        text = sample(self.model, self.tok, cfg, self.max_len, self.device)
         if rank == 0:
             metrics.close()
             plot_losses(

@@ -1,0 +1,113 @@
+"""``layershard train --tp N`` / ``--ep N``: the rules of the config that concern them, the
+model's own checks (made by the launcher, before it writes anything), and the sharding itself
+(``ls.parallelize`` instead of ``ls.shard``).
+
+Under ``tp`` the ranks of a TP group (``tp`` consecutive ranks, as ``ls.parallelize`` lays the
+mesh out) compute one batch together: the data is split over the ``world / tp`` data-parallel
+ranks (``data_rank``). What ``--tp`` does not run with yet is refused in one line: ``--ep``
+(``ls.parallelize`` refuses TP x EP), strategies other than full / grad_op, and whatever needs
+checkpoints or the Hugging Face reader/writer of a tensor-parallel model (``save_checkpoint``,
+``load_hf``, ``export_hf`` refuse DTensor parameters today): periodic checkpoints, ``--resume``,
+``--init-from``, ``--qlora``. The final checkpoint and the ``final/`` export are skipped (said so
+on the terminal). The model is built whole on every rank (never on the meta device): TP splits
+materialized weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+# (``cfg`` below is a ``train.config.TrainConfig``, which imports this module: not imported here)
+
+# what --tp does not run with yet (a key of the config: the reason)
+_NOT_WITH_TP = {
+    "checkpoint_interval": "checkpoints of a tensor-parallel model are not supported yet",
+    "async_checkpoint": "checkpoints of a tensor-parallel model are not supported yet",
+    "init_from": "load_hf() does not read into a tensor-parallel model yet",
+    "qlora": "4-bit QLoRA has no tensor-parallel plan",
+    "optimizer": "Muon orthogonalizes whole matrices; a TP rank holds a part of each",
+}
+
+
+def check_parallel(cfg: Any) -> None:
+    """The config rules of ``tp`` and ``ep`` (a ``ValueError`` becomes the one-line error)."""
+    for name, n, what in (("ep", cfg.ep, "expert"), ("tp", cfg.tp, "tensor")):
+        if n > 1 and (
+            cfg.strategy not in ("full", "grad_op")
+            or cfg.reshard_after_forward not in (True, False)
+        ):
+            raise ValueError(
+                f"{name} {n}: {what} parallelism runs with strategy full or grad_op "
+                "(reshard_after_forward true or false); drop --strategy/--reshard-after-forward, "
+                f"or --{name}"
+            )
+    if cfg.tp == 1:
+        return
+    if cfg.ep > 1:
+        raise ValueError(
+            f"tp {cfg.tp} with ep {cfg.ep}: tensor and expert parallelism together are not "
+            "supported yet (ls.parallelize refuses them); use one of --tp and --ep"
+        )
+    values = {
+        "checkpoint_interval": cfg.checkpoint_interval > 0,
+        "async_checkpoint": cfg.async_checkpoint,
+        "init_from": bool(cfg.init_from),
+        "qlora": cfg.qlora,
+        "optimizer": cfg.optimizer == "muon",
+    }
+    for key, on in values.items():
+        if on:
+            flag = "--optimizer muon" if key == "optimizer" else "--" + key.replace("_", "-")
+            raise ValueError(
+                f"tp {cfg.tp} is not supported with {flag} yet ({_NOT_WITH_TP[key]}); "
+                f"drop {flag} or --tp"
+            )
+
+
+def check_tp_model(cfg: Any, kind: str, spec: Any) -> None:
+    """Can the model be split ``cfg.tp`` ways? Its heads must divide, and it needs a TP plan:
+    the built-in Llama's (not its MoE blocks) or a transformers config's ``base_model_tp_plan``
+    with column- and row-wise styles only. Raises ``ValueError`` (one line)."""
+    tp = cfg.tp
+    if tp == 1:
+        return
+    if kind == "preset":
+        if spec.n_experts:
+            raise ValueError(
+                f"--tp {tp}: the built-in mixture-of-experts model has no tensor-parallel plan; "
+                "use --ep for its experts, or a dense model"
+            )
+        heads = {"n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads}
+    else:
+        from layershard.parallel.tensor import hf_tp_plan
+
+        keys = ("num_attention_heads", "num_key_value_heads")
+        heads = {k: getattr(spec, k) for k in keys if getattr(spec, k, None) is not None}
+        try:
+            hf_tp_plan(spec)
+        except (ValueError, NotImplementedError) as e:
+            raise ValueError(f"--tp {tp}: {e}") from None
+    for key, n in heads.items():
+        if n % tp:
+            raise ValueError(
+                f"--tp {tp} must divide the model's {key}={n} (each TP rank computes "
+                f"{key} / tp heads); change --tp"
+            )
+
+
+def data_rank(cfg: Any, rank: int, world: int) -> tuple[int, int]:
+    """(this rank's data-parallel index, the number of data-parallel ranks): the ``tp``
+    consecutive ranks of a TP group read the same batch."""
+    return rank // cfg.tp, world // cfg.tp
+
+
+def shard_model(model: nn.Module, cfg: Any, options: dict[str, Any]):
+    """``ls.shard(model, **options)``, or with ``tp`` / ``ep`` ``ls.parallelize``: the TP plan
+    applied or the experts split first, then sharded over the data-parallel ranks."""
+    import layershard as ls
+
+    if cfg.tp > 1 or cfg.ep > 1:
+        return ls.parallelize(model, tp=cfg.tp, ep=cfg.ep, **options)
+    return ls.shard(model, **options)
