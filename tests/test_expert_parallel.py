@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import RankChecks
+from _dist import RankChecks, shared_tmp
 from _parity import (
     LOSS_RTOL,
     batches,
@@ -180,10 +180,7 @@ def hf_qwen3_moe_sharded_ep_matches_one_process(rank: int, world: int) -> None:
         assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
 
 
-@checks.check
-def hf_mixtral_sharded_ep_matches_one_process(rank: int, world: int) -> None:
-    """transformers' Mixtral with EP 2 x efsdp 2 (its ``MixtralExperts``, split as Qwen3-MoE's),
-    2 AdamW steps against one process as above."""
+def tiny_mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(
@@ -194,9 +191,14 @@ def hf_mixtral_sharded_ep_matches_one_process(rank: int, world: int) -> None:
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    full = matches_one_process(
-        MixtralForCausalLM(cfg), 2, rank, world, shard=_ep2, other=_ep_by_hand
-    )
+    return MixtralForCausalLM(cfg)
+
+
+@checks.check
+def hf_mixtral_sharded_ep_matches_one_process(rank: int, world: int) -> None:
+    """transformers' Mixtral with EP 2 x efsdp 2 (its ``MixtralExperts``, split as Qwen3-MoE's),
+    2 AdamW steps against one process as above."""
+    full = matches_one_process(tiny_mixtral(), 2, rank, world, shard=_ep2, other=_ep_by_hand)
     if rank == 0:
         assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
 
@@ -499,23 +501,18 @@ def _tp_ep(model, tp_slicing: bool = True):
     return model
 
 
-@checks.check
-def tp2_ep2_matches_one_process(rank: int, world: int) -> None:
-    """TP 2 x EP 2 at 4 ranks (dense mesh dp_shard 2 x tp 2, expert mesh efsdp 2 x ep 2): the
-    attention is TP (torch's styles), each TP pair shares a micro-batch and sends half of its
-    tokens to the experts (parallel/expert.py). Against one process on the same 2 micro-batches:
-    bytes held (TP-sharded weights and experts 1/4 per rank, replicated ones 1/2), the first
-    gradients and the clipped norm at TP_RTOL, every loss, the weights after 3 AdamW steps.
-    Negative control: without the token split the experts see every token twice (the output is
-    the same: only their gradients double), caught by the gradient check."""
-    base, data = tiny_moe(), batches(3)
+def _tp_ep_matches_one_process(base, steps: int, rank: int, world: int, q_proj: str):
+    """``base`` at TP 2 x EP 2 against one process on the same micro-batches (the checks'
+    docstrings say what); returns the reference's first gradients and the batches."""
+    data = batches(steps)
     dp_rank, dp = rank // 2, world // 2  # tp is the innermost mesh dim: TP pairs {0,1}, {2,3}
     ref_grads, orders = grads_in_orders(base, data[0], dp, exact_parts=True)
     runs = train_in_orders(base, data, dp, exact_parts=True, clip=(1e9, 2.0))
     model = _tp_ep(clone(base))
     names = {s.name: s for f in model.flat_params for s in f.slots}
-    assert names["layers.0.attn.wq.weight"].tp is not None
-    assert names["layers.0.mlp.experts.gate_up_proj"].expert is not None
+    assert names[q_proj].tp is not None
+    experts = [k for k in names if ".experts." in k]
+    assert experts and all(names[k].expert is not None and names[k].tp is None for k in experts)
     held = {s.name: p.numel() for f in model.flat_params for s, p in zip(f.slots, f.shard_params)}
     counts = torch.tensor([held[k] for k in sorted(held)])
     dist.all_reduce(counts)
@@ -544,13 +541,74 @@ def tp2_ep2_matches_one_process(rank: int, world: int) -> None:
         d = relative_distance(full, runs[0], base)
         print(f"TP 2 x EP 2: weights {d:.2e} from the reference (relative to their movement)")
         assert d <= 2 * TP_RTOL, d
+    return ref_grads, data
 
+
+@checks.check
+def tp2_ep2_matches_one_process(rank: int, world: int) -> None:
+    """TP 2 x EP 2 at 4 ranks (dense mesh dp_shard 2 x tp 2, expert mesh efsdp 2 x ep 2), the
+    built-in MoE: the attention is TP (torch's styles), each TP pair shares a micro-batch and
+    sends half of its tokens to the experts (parallel/expert.py). Against one process on the same
+    2 micro-batches: bytes held (TP-sharded weights and experts 1/4 per rank, replicated ones
+    1/2), the first gradients and every step's norm at TP_RTOL, every loss, the weights after 3
+    AdamW steps. Negative control: without the token split the experts see every token twice
+    (the output is the same: only their gradients double), caught by the gradient check."""
+    base = tiny_moe()
+    ref_grads, data = _tp_ep_matches_one_process(base, 3, rank, world, "layers.0.attn.wq.weight")
+    dp_rank, dp = rank // 2, world // 2
     wrong = _tp_ep(clone(base), tp_slicing=False)
     lm_loss(wrong, local(data[0], dp_rank, dp)).backward()
     bad = _whole_grads(wrong)
     assert grad_error(bad, ref_grads) > 0.5
     dense = {k: g for k, g in bad.items() if "experts" not in k}
     assert grad_error(dense, {k: ref_grads[k] for k in dense}) <= TP_RTOL
+
+
+@checks.check
+def hf_mixtral_tp2_ep2_matches_one_process(rank: int, world: int) -> None:
+    """transformers' Mixtral at TP 2 x EP 2: its own ``base_model_tp_plan`` without the experts'
+    entries (EP splits them) over TP, 2 AdamW steps, the checks above."""
+    _tp_ep_matches_one_process(
+        tiny_mixtral(), 2, rank, world, "model.layers.0.self_attn.q_proj.weight"
+    )
+
+
+@checks.check
+def tp2_ep2_checkpoint_across_layouts(rank: int, world: int) -> None:
+    """A TP 2 x EP 2 checkpoint (2 AdamW steps) loads into 1-D sharding and into EP 2 alone,
+    and the 1-D one back into TP 2 x EP 2: whole weights and AdamW state bit for bit; every
+    expert is written once although the TP ranks hold different ones (a negative control by
+    hand, 2026-11-26: with the experts written by TP rank 0 only, as for a parameter replicated
+    over TP, the save fails: DCP's plan check finds the other TP rank's experts missing). The HF
+    export from TP x EP equals the 1-D export's files byte for byte."""
+    from test_tp_checkpoint import _files, _same, _whole
+
+    root = shared_tmp()
+    data = batches(2)
+    model = _tp_ep(tiny_moe())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for batch in data:
+        lm_loss(model, local(batch, rank // 2, world // 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    ls.save_checkpoint(root / "tpep", model, opt, step=2)
+    saved = _whole(model, opt)
+    ls.export_hf(model, root / "hf-tpep", dtype=torch.float32)
+    for make in (ls.shard, _ep2):
+        other = make(tiny_moe(seed=7))
+        opt2 = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        ls.load_checkpoint(root / "tpep", other, opt2)
+        _same(_whole(other, opt2), saved, f"TP x EP -> {make.__name__}")
+        if make is ls.shard:
+            ls.save_checkpoint(root / "1d", other, opt2, step=2)
+            ls.export_hf(other, root / "hf-1d", dtype=torch.float32)
+    back = _tp_ep(tiny_moe(seed=7))
+    opt3 = torch.optim.AdamW(back.parameters(), lr=1e-2)
+    ls.load_checkpoint(root / "1d", back, opt3)
+    _same(_whole(back, opt3), saved, "1-D -> TP x EP")
+    if rank == 0:
+        a, b = _files(root / "hf-tpep"), _files(root / "hf-1d")
+        assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), sorted(a)
 
 
 checks2 = RankChecks(world_size=2, suffix="_ws2")

@@ -201,10 +201,8 @@ def test_cli_tp_row_and_recommendation(capsys):
     mesh = make_plan(MOE, H100, Cluster(4, 4), Settings(1, 16, tp=2, ep=4)).to_dict()["mesh"]
     assert mesh == {"tp": 2, "ep": 4, "dp_shard": 2, "efsdp": 1}
     assert "all_to_all" in out and "tp_all_reduce" in out
-    # train's own flags; it takes --tp and --ep, not both together yet (said so)
-    assert (
-        "layershard train (train does not take --tp with --ep yet: issue 32): --tp 2 --ep 4" in out
-    )
+    # train's own flags: it takes --tp with --ep (attention over TP, experts over EP)
+    assert "layershard train: --tp 2 --ep 4" in out
     assert "--activation-checkpointing" in out
 
 
@@ -232,25 +230,27 @@ def test_write_config_with_tp_ep(capsys, tmp_path):
     out = tmp_path / "run.yaml"
     base = ["plan", "--model", "moe", "--gpus", "4", "--gpus-per-node", "4", "--seq-len", "256",
             "--write-config", str(out)]  # fmt: skip
-    # given --tp with --ep: layershard train cannot take both yet, so nothing is written
-    assert main([*base, "--tp", "2", "--ep", "4"]) == 2
-    assert "layershard train does not take --tp with --ep yet" in capsys.readouterr().err
-    assert not out.exists()
-    # nor --tp of the MoE (train has no TP plan for its experts)
+    # given --tp with --ep: train takes both, and the config loads as train's
+    assert main([*base, "--tp", "2", "--ep", "4"]) == 0
+    cfg = yaml.safe_load(out.read_text())
+    assert cfg["model"] == "moe" and cfg["tp"] == 2 and cfg["ep"] == 4
+    from layershard.train.config import TrainConfig
+
+    assert TrainConfig(**{k: v for k, v in cfg.items() if k != "plan"}).tp == 2
+    out.unlink()
+    # not --tp of the MoE without --ep (its experts would stay whole on every TP rank)
     assert main([*base, "--tp", "2", "--ep", "1"]) == 2
-    assert "train has no TP plan for a mixture-of-experts model" in capsys.readouterr().err
+    assert "train takes --tp for a mixture of experts only with --ep" in capsys.readouterr().err
     assert not out.exists()
     # given --ep alone: train takes it (ls.parallelize), and the config loads as train's
     assert main([*base, "--ep", "4"]) == 0
     cfg = yaml.safe_load(out.read_text())
     assert cfg["model"] == "moe" and cfg["ep"] == 4 and "tp" not in cfg
-    from layershard.train.config import TrainConfig
-
     assert TrainConfig(**{k: v for k, v in cfg.items() if k != "plan"}).ep == 4
-    # searched: the fastest row that train runs is written (no TP of the MoE)
+    # searched: the fastest row that train runs is written (no TP of the MoE without EP)
     assert main(base) == 0
     cfg = yaml.safe_load(out.read_text())
-    assert cfg["model"] == "moe" and "tp" not in cfg
+    assert cfg["model"] == "moe" and (cfg.get("tp", 1) == 1 or cfg.get("ep", 1) > 1)
     # a dense model at --tp 2: a tp: row, which train takes (micro_batch: per TP group)
     dense = ["plan", "--model", "tiny", "--gpus", "4", "--gpus-per-node", "4", "--seq-len", "256",
              "--tp", "2", "--write-config", str(out)]  # fmt: skip

@@ -1,6 +1,6 @@
 """`layershard train` drives the engine's options: each strategy, hpZ with CPU offload, expert
-parallelism (the built-in MoE with --ep 2), tensor parallelism (--tp 2: one TP group, no
-checkpoint or export written), and fp16
+parallelism (the built-in MoE with --ep 2), tensor parallelism (--tp 2: one TP group, its
+checkpoint and export written), both (the MoE at --tp 2 --ep 2), and fp16
 (with ls.GradScaler) train 20 steps through the CLI on 2 gloo ranks, and each run's losses equal
 those of the same run written against the Python API (`ls.shard` with the options spelled out
 here, the same data order and recipe). A checkpoint of one strategy resumes under another; the
@@ -61,6 +61,12 @@ RUNS: dict[str, tuple[list[str], dict, str]] = {
     ),
     # the Llama's blocks split over the 2 ranks (TP 2 x dp_shard 1): both read the same batches
     "tp": (["--tp", "2"], {"strategy": "full", "tp": 2}, "fp32"),
+    # the built-in MoE's attention over TP 2 and its experts over EP 2 (the same 2 ranks)
+    "tp_ep": (
+        ["--model", "moe", "--tp", "2", "--ep", "2", *(f"--model-override={o}" for o in MOE)],
+        {"strategy": "full", "tp": 2, "ep": 2},
+        "fp32",
+    ),
     # a first loss scale of 2**20 overflows in the first steps here: the scaler skips some
     "fp16": (["--precision", "fp16", "--loss-scale", "1048576"], {"strategy": "full"}, "fp16"),
 }
@@ -219,8 +225,9 @@ def test_resolved_settings_are_recorded(runs):
     assert cfg["strategy"] == "hybrid" and cfg["shard_size"] == 1
     assert cfg["_resolved"]["strategy"] == "hybrid" and cfg["_resolved"]["shard_size"] == 1
     assert yaml.safe_load((runs["tp"] / "config.yaml").read_text())["tp"] == 2
-    # no checkpoint or HF export of a tensor-parallel model yet (the run says so, and finishes)
-    assert not (runs["tp"] / "final").exists() and not (runs["tp"] / "checkpoints").exists()
+    # a tensor-parallel run checkpoints and exports as any other (checkpoint/boxes.py)
+    assert (runs["tp"] / "final" / "config.json").exists()
+    assert any((runs["tp"] / "checkpoints").iterdir())
     cfg = yaml.safe_load((runs["hpz_offload"] / "config.yaml").read_text())
     assert cfg["reshard_after_forward"] == 1 and cfg["offload"] is True
     fp16 = read_metrics(runs["fp16"] / "metrics.jsonl")
@@ -312,11 +319,10 @@ def test_tp_combinations_that_cannot_run_are_refused_before_launch(tmp_path, cap
     monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path / "cache"))
     cases = (
         (["--tp", "3"], "tp 3 must divide the world size 2"),
-        (["--tp", "2", "--ep", "2", "--model", "moe"], "tensor and expert parallelism together"),
-        (["--tp", "2", "--model", "moe"], "mixture-of-experts model has no tensor-parallel plan"),
+        (["--tp", "2", "--model", "moe"], "--tp 2 of a mixture of experts needs --ep too"),
         (["--tp", "2", "--model-override", "n_kv_heads=1"], "--tp 2 must divide the model's n_kv_heads=1"),
         (["--tp", "2", "--strategy", "no_shard"], "tensor parallelism runs with strategy full or grad_op"),
-        (["--tp", "2", "--checkpoint-interval", "5"], "not supported with --checkpoint-interval"),
+        (["--tp", "2", "--async-checkpoint"], "not supported with --async-checkpoint"),
         (["--tp", "2", "--optimizer", "muon"], "not supported with --optimizer muon"),
     )  # fmt: skip
     for flags, expected in cases:

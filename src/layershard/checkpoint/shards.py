@@ -161,7 +161,7 @@ def sharded(model, f, slot, local: torch.Tensor, save: bool, size=None) -> torch
             f"internal: a local slice of {local.numel()} elements for the range [{a}, {b})"
         )
     replica = not model.sharding.writes_slices or (
-        tp_rank(model) != 0 and (slot.tp is None or not slot.tp.sharded)
+        tp_rank(model) != 0 and not tensor.split_over_tp(slot)  # experts differ over TP
     )
     chunks: list[tuple[Sequence[int], torch.Tensor]] = []
     if save and replica:

@@ -103,8 +103,10 @@ def parallelize(
         from layershard.models.llama import LlamaForCausalLM
         from layershard.parallel.tensor import parallelize_hf, parallelize_llama
 
-        apply = parallelize_llama if isinstance(model, LlamaForCausalLM) else parallelize_hf
-        apply(model, dense["tp"])
+        if isinstance(model, LlamaForCausalLM):
+            parallelize_llama(model, dense["tp"])
+        else:  # with ep, the experts are split by EP, not by the model's TP plan
+            parallelize_hf(model, dense["tp"], experts=ep == 1)
         if ep == 1:
             return shard(model, mesh=dense, **shard_options)
     if ep > 1:

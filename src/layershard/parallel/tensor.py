@@ -145,10 +145,10 @@ def checkpoint_group(model, what: str) -> dist.ProcessGroup | None:
     group = tp_group(s.tp for f in model.flat_params for s in f.slots)
     if group is None:
         return model.process_group
-    if (
-        dist.get_world_size(model.process_group) * dist.get_world_size(group)
-        != dist.get_world_size()
-    ):
+    dp = dist.get_world_size(model.process_group)
+    if dp == dist.get_world_size():  # sharded from meshes over every rank (TP x EP)
+        return model.process_group
+    if dp * dist.get_world_size(group) != dist.get_world_size():
         raise NotImplementedError(
             f"{what}: a tensor-parallel model over part of the world is not supported; shard it "
             "over every rank (its data-parallel x TP mesh the whole world), or use "
@@ -303,13 +303,17 @@ _HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 }
 
 
-def hf_tp_plan(config) -> dict[str, ParallelStyle]:
+def hf_tp_plan(config, experts: bool = True) -> dict[str, ParallelStyle]:
     """A transformers config's ``base_model_tp_plan`` (``{"layers.*.self_attn.q_proj":
     "colwise", ...}``) as a ``parallelize_module`` plan for the model's ``base_model``. Only the
     plain column- and row-wise styles (Llama's, Mistral's): a style that needs transformers' own
     hooks (Qwen3's ``replicated_with_grad_allreduce`` norms, a ``gather`` or a packed
-    ``local_*``) is refused in one line."""
+    ``local_*``) is refused in one line. ``experts=False``: without the routed experts' entries
+    (``*.mlp.experts*``: expert parallelism splits them instead), which leaves Mixtral's plan
+    column- and row-wise."""
     plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not experts:
+        plan = {k: v for k, v in plan.items() if ".experts" not in k}
     if not plan:
         raise ValueError("hf_tp_plan: the config has no base_model_tp_plan")
     odd = sorted({style for style in plan.values() if style not in _HF_STYLES})
@@ -321,10 +325,11 @@ def hf_tp_plan(config) -> dict[str, ParallelStyle]:
     return {name: _HF_STYLES[style]() for name, style in plan.items()}
 
 
-def parallelize_hf(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Apply the model's own ``base_model_tp_plan`` (``hf_tp_plan``) to a transformers model's
-    ``base_model`` over the 1-D ``tp_mesh`` with torch's ``parallelize_module`` (transformers'
-    attention reshapes to ``-1`` heads, so each rank runs its local heads). Returns ``model``."""
+def parallelize_hf(model: nn.Module, tp_mesh: DeviceMesh, experts: bool = True) -> nn.Module:
+    """Apply the model's own ``base_model_tp_plan`` (``hf_tp_plan``; ``experts=False``: but its
+    routed experts', which expert parallelism splits) to a transformers model's ``base_model``
+    over the 1-D ``tp_mesh`` with torch's ``parallelize_module`` (transformers' attention
+    reshapes to ``-1`` heads, so each rank runs its local heads). Returns ``model``."""
     config = model.config
     tp = tp_mesh.size()
     for key in ("num_attention_heads", "num_key_value_heads"):
@@ -333,5 +338,5 @@ def parallelize_hf(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             raise ValueError(f"parallelize_hf: {key}={n} must be divisible by the TP size {tp}")
     base = model.base_model
     assert isinstance(base, nn.Module), "parallelize_hf: a transformers model was expected"
-    parallelize_module(base, tp_mesh, hf_tp_plan(config))
+    parallelize_module(base, tp_mesh, hf_tp_plan(config, experts))
     return model

@@ -495,12 +495,10 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.write_config:
         chosen = plan if args.no_suggest or sug.plan is None else sug.plan
-        if chosen.settings.tp > 1 and not args.tp:
-            # TP only when asked (train writes no checkpoint under --tp yet): the fastest row
-            # without it; given --tp, a row train cannot run (TP x EP, TP of a MoE) is refused
-            chosen = next(
-                (r.plan for r in sug.ranking if r.plan and r.plan.settings.tp == 1), chosen
-            )
+        if not (args.no_suggest or args.tp) and train_refuses(chosen.settings, chosen.shape.moe):
+            # searched: the fastest row train runs (given --tp, a row it cannot is refused)
+            runs = (r.plan for r in sug.ranking if r.plan is not None and r.plan.fits)
+            chosen = next((p for p in runs if not train_refuses(p.settings, p.shape.moe)), chosen)
         if not chosen.fits:
             print(
                 "layershard plan: error: --write-config: these settings do not fit and no "

@@ -379,12 +379,12 @@ def mesh_candidates(
 
 def train_refuses(s: Any, moe: bool) -> str | None:
     """Why ``layershard train`` cannot run these settings (None: it can). It takes ``--tp`` for
-    a dense model (the built-in Llama's TP plan, an HF config's ``base_model_tp_plan``) and
-    ``--ep`` for a MoE, but not both (``ls.parallelize`` refuses TP x EP) nor TP of a MoE."""
-    if s.tp > 1 and s.ep > 1:
-        return "train does not take --tp with --ep yet"
-    if s.tp > 1 and moe:
-        return "train has no TP plan for a mixture-of-experts model yet"
+    a dense model (the built-in Llama's TP plan, an HF config's ``base_model_tp_plan``), ``--ep``
+    for a MoE, and both for a MoE (attention over TP, experts over EP, each TP rank sending its
+    share of the tokens, as modelled here); not TP of a MoE without EP (its experts would stay
+    whole on every TP rank, which this plan does not model)."""
+    if s.tp > 1 and moe and s.ep == 1:
+        return "train takes --tp for a mixture of experts only with --ep"
     return None
 
 

@@ -91,11 +91,6 @@ def check_resume(
     from layershard.train import fingerprint
     from layershard.train.sources import find_files
 
-    if cfg.tp > 1:  # load_checkpoint() refuses DTensor parameters (train/parallel.py)
-        raise ConfigError(
-            f"--resume with tp {cfg.tp}: checkpoints of a tensor-parallel model are not "
-            "supported yet; resume without --tp"
-        )
     try:
         was = resolve(recorded)
     except ConfigError as e:

@@ -4,13 +4,13 @@ model's own checks (made by the launcher, before it writes anything), and the sh
 
 Under ``tp`` the ranks of a TP group (``tp`` consecutive ranks, as ``ls.parallelize`` lays the
 mesh out) compute one batch together: the data is split over the ``world / tp`` data-parallel
-ranks (``data_rank``). What ``--tp`` does not run with yet is refused in one line: ``--ep``
-(``ls.parallelize`` refuses TP x EP), strategies other than full / grad_op, and whatever needs
-checkpoints or the Hugging Face reader/writer of a tensor-parallel model (``save_checkpoint``,
-``load_hf``, ``export_hf`` refuse DTensor parameters today): periodic checkpoints, ``--resume``,
-``--init-from``, ``--qlora``. The final checkpoint and the ``final/`` export are skipped (said so
-on the terminal). The model is built whole on every rank (never on the meta device): TP splits
-materialized weights.
+ranks (``data_rank``). With ``--ep`` too (the built-in MoE), the attention is TP and the experts
+EP (each TP rank sends its share of the shared tokens: parallel/expert.py). What ``--tp`` does
+not run with yet is refused in one line: strategies other than full / grad_op,
+``--async-checkpoint`` (``save_checkpoint(async_save=True)`` refuses a TP model), ``--qlora`` and
+Muon. Checkpoints, ``--resume``, ``--init-from`` and the ``final/`` export work as without TP
+(checkpoint/boxes.py). The model is built whole on every rank (never on the meta device): TP
+splits materialized weights.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from torch import nn
 
 # what --tp does not run with yet (a key of the config: the reason)
 _NOT_WITH_TP = {
-    "checkpoint_interval": "checkpoints of a tensor-parallel model are not supported yet",
-    "async_checkpoint": "checkpoints of a tensor-parallel model are not supported yet",
-    "init_from": "load_hf() does not read into a tensor-parallel model yet",
+    "async_checkpoint": "an asynchronous save of a tensor-parallel model is not supported yet",
     "qlora": "4-bit QLoRA has no tensor-parallel plan",
     "optimizer": "Muon orthogonalizes whole matrices; a TP rank holds a part of each",
 }
@@ -45,15 +43,8 @@ def check_parallel(cfg: Any) -> None:
             )
     if cfg.tp == 1:
         return
-    if cfg.ep > 1:
-        raise ValueError(
-            f"tp {cfg.tp} with ep {cfg.ep}: tensor and expert parallelism together are not "
-            "supported yet (ls.parallelize refuses them); use one of --tp and --ep"
-        )
     values = {
-        "checkpoint_interval": cfg.checkpoint_interval > 0,
         "async_checkpoint": cfg.async_checkpoint,
-        "init_from": bool(cfg.init_from),
         "qlora": cfg.qlora,
         "optimizer": cfg.optimizer == "muon",
     }
@@ -68,16 +59,17 @@ def check_parallel(cfg: Any) -> None:
 
 def check_tp_model(cfg: Any, kind: str, spec: Any) -> None:
     """Can the model be split ``cfg.tp`` ways? Its heads must divide, and it needs a TP plan:
-    the built-in Llama's (not its MoE blocks) or a transformers config's ``base_model_tp_plan``
-    with column- and row-wise styles only. Raises ``ValueError`` (one line)."""
+    the built-in Llama's (a MoE block's attention part: its experts go to ``--ep`` or stay
+    whole) or a transformers config's ``base_model_tp_plan`` with column- and row-wise styles
+    only. Raises ``ValueError`` (one line)."""
     tp = cfg.tp
     if tp == 1:
         return
     if kind == "preset":
-        if spec.n_experts:
+        if spec.n_experts and cfg.ep == 1:
             raise ValueError(
-                f"--tp {tp}: the built-in mixture-of-experts model has no tensor-parallel plan; "
-                "use --ep for its experts, or a dense model"
+                f"--tp {tp} of a mixture of experts needs --ep too: its attention goes over TP, "
+                "its experts over EP (the built-in TP plan does not split experts)"
             )
         heads = {"n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads}
     else:
@@ -86,7 +78,7 @@ def check_tp_model(cfg: Any, kind: str, spec: Any) -> None:
         keys = ("num_attention_heads", "num_key_value_heads")
         heads = {k: getattr(spec, k) for k in keys if getattr(spec, k, None) is not None}
         try:
-            hf_tp_plan(spec)
+            hf_tp_plan(spec, experts=cfg.ep == 1)  # with --ep, EP splits the experts
         except (ValueError, NotImplementedError) as e:
             raise ValueError(f"--tp {tp}: {e}") from None
     for key, n in heads.items():

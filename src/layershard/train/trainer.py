@@ -310,9 +310,6 @@ class Trainer:
             pending.wait()
 
     def checkpoint(self, async_save: bool = False, log=None) -> Path | None:
-        if self.cfg.tp > 1:  # save_checkpoint() refuses DTensor parameters yet (the config
-            self._not_saved(f"checkpoint at step {self.step}")  # refuses the rest)
-            return None
         ckpt = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         self.wait_for_checkpoint()
         # Already written (stop-at and final at the same step)? Decided once: on a network file
@@ -344,9 +341,6 @@ class Trainer:
     def export(self, folder: Path) -> None:
         """The trained model as an HF folder (config.json, safetensors, tokenizer.json) that
         ``--init-from`` and ``transformers`` load. Collective."""
-        if self.cfg.tp > 1:  # export_hf() refuses DTensor parameters yet
-            self._not_saved(f"Hugging Face export {folder.name}/")
-            return
         self._refuse_non_finite(f"the Hugging Face export {folder.name}/")
         if self.cfg.qlora:  # the adapters (PEFT format) for the --init-from base
             save_adapter(self.model, folder)
@@ -357,10 +351,6 @@ class Trainer:
                 # transformers' own writer keeps model_type, which AutoConfig needs
                 self.spec.save_pretrained(str(folder))
             shutil.copy(self.run_dir / "tokenizer.json", folder / "tokenizer.json")
-
-    def _not_saved(self, what: str) -> None:
-        if self.rank == 0:
-            print(f"layershard train: no {what}: not supported with --tp yet", file=sys.stderr)
 
     # --- the run --------------------------------------------------------------------------
 
@@ -510,8 +500,7 @@ class Trainer:
                 ckpt = self.checkpoint(log=log)
                 raise StopRun(
                     "signal",
-                    f"stopped by {self.stop.signal} at step {self.step}; checkpoint "
-                    f"{ckpt or 'none (--tp)'}",
+                    f"stopped by {self.stop.signal} at step {self.step}; checkpoint {ckpt}",
                     step=self.step,
                     signal=self.stop.signal,
                     checkpoint=str(ckpt),
@@ -554,8 +543,7 @@ class Trainer:
         if self.step < cfg.steps:  # stopped early on purpose: leave a checkpoint to resume
             ckpt = self.checkpoint(log=log)
             if rank == 0:
-                then = f"resume with --resume ({ckpt})" if ckpt else "no checkpoint (--tp)"
-                print(f"stopped at step {self.step}; {then}", flush=True)
+                print(f"stopped at step {self.step}; resume with --resume ({ckpt})", flush=True)
             return 0
         val_end = self.evaluate()
         if val_end is not None:
