@@ -7,6 +7,10 @@
     # HSDP on top: 2 replicas of (dp_shard 2), experts split over 2 within each
     torchrun --nproc-per-node 4 examples/expert_parallel.py --ep 2 --dp-replicate 2
 
+    # tensor parallelism too: attention over TP 2 (a TP pair shares its micro-batches and sends
+    # half of the tokens each to the experts), experts over EP 2, both sharded over the rest
+    torchrun --nproc-per-node 4 examples/expert_parallel.py --ep 2 --tp 2
+
 The model is the built-in ``moe`` preset made small; the data are learnable sequences (an affine
 recurrence mod the vocabulary from a random start), so the loss falls within a few dozen steps.
 """
@@ -32,6 +36,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ep", type=int, default=2, help="ranks each layer's experts are split over")
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas (HSDP)")
+    p.add_argument("--tp", type=int, default=1, help="ranks each attention is split over")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank")
     args = p.parse_args()
@@ -39,9 +44,12 @@ def main() -> None:
     rank, world = ls.init_distributed()
     torch.manual_seed(0)  # every rank builds the same model; parallelize keeps its share
     cfg = build_config("moe", dim=128, n_layers=4, n_heads=4, moe_ffn_dim=128, vocab_size=512)
-    model = ls.parallelize(LlamaForCausalLM(cfg), ep=args.ep, dp_replicate=args.dp_replicate)
+    model = ls.parallelize(
+        LlamaForCausalLM(cfg), ep=args.ep, tp=args.tp, dp_replicate=args.dp_replicate
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(1 + rank)  # each rank its own micro-batches
+    # each data-parallel rank its own micro-batches; the tp ranks of a TP group the same ones
+    gen = torch.Generator().manual_seed(1 + rank // args.tp)
     for step in range(1, args.steps + 1):
         x = sequences(args.micro_batch, cfg.vocab_size, 64, gen)
         loss = model(x, labels=x).loss
@@ -58,7 +66,8 @@ def main() -> None:
     if rank == 0:
         s = model.sharding
         print(
-            f"{world} ranks: dense units sharded over {s.shard_size}, replicated {s.replicas}x; "
+            f"{world} ranks: TP {args.tp}; dense units sharded over {s.shard_size}, "
+            f"replicated {s.replicas}x; "
             f"each layer's {cfg.n_experts} experts split over ep {s.ep_size}, each share "
             f"sharded over efsdp {s.expert_size}: this rank holds {sum(f.shard_numel for f in experts):,} "
             "expert weights"

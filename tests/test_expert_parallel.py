@@ -522,10 +522,15 @@ def _tp_ep_matches_one_process(base, steps: int, rank: int, world: int, q_proj: 
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
+    model.comm_stats(reset=True)
     for step, batch in enumerate(data):
         loss = lm_loss(model, local(batch, dp_rank, dp))
         loss.backward()
-        if step == 0:
+        if step == 0:  # per MoE layer: the experts gathered twice and reduced once over efsdp
+            by_group = model._schedule.comm.stats.by_group()
+            n = sum(f.over == "expert" for f in model.flat_params)
+            assert by_group["all_gather"]["expert"] == 2 * n, by_group
+            assert by_group["reduce_scatter"]["expert"] == n, by_group
             err = grad_error(_whole_grads(model), ref_grads)
             assert err <= max(TP_RTOL, grad_bound(ref_grads, orders)), err
         norm, ref_norm = model.clip_grad_norm_(1e9).item(), runs[0].norms[step]
@@ -550,7 +555,7 @@ def tp2_ep2_matches_one_process(rank: int, world: int) -> None:
     built-in MoE: the attention is TP (torch's styles), each TP pair shares a micro-batch and
     sends half of its tokens to the experts (parallel/expert.py). Against one process on the same
     2 micro-batches: bytes held (TP-sharded weights and experts 1/4 per rank, replicated ones
-    1/2), the first gradients and every step's norm at TP_RTOL, every loss, the weights after 3
+    1/2), the experts' collectives over efsdp, the first gradients and every step's norm at TP_RTOL, every loss, the weights after 3
     AdamW steps. Negative control: without the token split the experts see every token twice
     (the output is the same: only their gradients double), caught by the gradient check."""
     base = tiny_moe()

@@ -238,39 +238,51 @@ def _large_gradient_reduced_without_copy(rank: int, world: int) -> None:
 
 
 def _head_reduction_waited_only_when_needed(rank: int, world: int) -> None:
-    """The head's reduce-scatter is not waited for by the reductions of the small units after it
-    (the norm's came right after it, and waited for the whole head-sized collective): only by the
-    embedding's, which needs the buffer, or at the end of backward. Collectives are made to look
-    unfinished, so that a wait is the only way to free the buffer."""
-    from layershard.engine import collectives, reducer
+    """The head's reduce-scatter is not waited for by the small units after it (the norm's
+    reduction came right after it, and waited for the whole head-sized collective): only before
+    the last block's backward, which waits for its own gather there anyway and would otherwise
+    hold the head's gradient and scratch through its backward (issue 32's EP peak). Collectives
+    are made to look unfinished, so that a wait is the only way to free the buffer."""
+    from layershard.engine import collectives, reducer, schedule
 
     model = _untied()
-    reducing: list[str] = []
+    last_block = [u.name for u in model.units if u.name.startswith("layers.")][-1]
+    doing: list[str] = []
     waited_by: list[str] = []
     reduce_now, wait = reducer.Reducer._reduce_now, collectives.Pending.wait
+    begin = schedule.Schedule.begin_backward_use
 
     def tracked_reduce(self, u, f, pairs):
-        reducing.append(u.name)
+        doing.append(f"reduction of {u.name}")
         try:
             reduce_now(self, u, f, pairs)
         finally:
-            reducing.pop()
+            doing.pop()
+
+    def tracked_begin(self, u, use):
+        doing.append(f"backward of {u.name}")
+        try:
+            begin(self, u, use)
+        finally:
+            doing.pop()
 
     def tracked_wait(self):
         if not self.done and self.what.startswith("reduce-scatter of unit lm_head"):
-            waited_by.append(reducing[-1] if reducing else "end of backward")
+            waited_by.append(doing[-1] if doing else "end of backward")
         wait(self)
 
     finished = getattr(collectives.Pending, "finished", None)
     reducer.Reducer._reduce_now = tracked_reduce
+    schedule.Schedule.begin_backward_use = tracked_begin
     collectives.Pending.wait = tracked_wait
     collectives.Pending.finished = lambda self: self.done
     try:
         _train(model, steps=1, rank=rank, world=world)
     finally:
         reducer.Reducer._reduce_now, collectives.Pending.wait = reduce_now, wait
+        schedule.Schedule.begin_backward_use = begin
         collectives.Pending.finished = finished
-    assert waited_by == ["embed"], waited_by
+    assert waited_by == [f"backward of {last_block}"], waited_by
 
 
 pairs = RankChecks(world_size=2)

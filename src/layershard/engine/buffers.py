@@ -71,8 +71,8 @@ Note: between the passes. Where the forward's peak is, at the loss, the next thi
 the backward of the last unit of the forward (the LM head): its weights are needed, nobody
 else's. So at the last unit's post-forward (a forward that records a graph, under a strategy
 that gathers again in backward) the two slots in turns give their storage back (``vacate``:
-the last block, say, is gathered again in its backward, overlapping the head's, as under
-FSDP2), except the last unit's own slot, which keeps only its weights (``trim``: a head smaller
+the last block, say, is gathered again for its backward, overlapping the head's backward, as
+under FSDP2, or, after a head larger than a block, its reduce-scatter: schedule.py), except the last unit's own slot, which keeps only its weights (``trim``: a head smaller
 than a block holds a head's bytes, not a block's). The next gather into either slot regrows it
 (``take``), without copying. So at the plain loss the gather buffers hold the head's weights at
 most, which is what FSDP2 keeps there (its root and tail stay gathered), instead of two blocks

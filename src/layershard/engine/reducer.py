@@ -82,9 +82,10 @@ class Reducer:
                 break
             self.tail.add(id(u))
 
-    def release_own(self) -> None:
-        """Give back the large units' gradient buffer if its reduction is over."""
-        if self.own is not None and self.own.finished():
+    def release_own(self, wait: bool = False) -> None:
+        """Give back the large units' gradient buffer if its reduction is over (``wait``: once
+        it is)."""
+        if self.own is not None and (wait or self.own.finished()):
             self.own.release()
 
     def release_slots(self) -> None:

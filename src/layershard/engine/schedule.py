@@ -340,8 +340,14 @@ class Schedule:
             # Between large units in backward (a head, blocks, an embedding), nothing of a large
             # unit is kept for the next: with the loss outside the model the blocks' backward
             # is the peak, and a head-sized spare block held through it made layershard's peak
-            # 1.03x FSDP2's (issue 34). Cost: the embedding's scratch is allocated anew.
-            self.reducer.release_own()
+            # 1.03x FSDP2's (issue 34). Cost: the embedding's scratch is allocated anew. A unit
+            # gathered into the shared slots for its backward (a block) also waits for a large
+            # unit's reduce-scatter still in flight, freeing its gradient and scratch (two
+            # head-sized blocks on gloo), which otherwise lived through the last block's
+            # backward: the peak of the EP bench, at 1.03x transformers' EP (issue 32). The
+            # wait overlaps that block's own gather, issued with the reduce-scatter when the
+            # head's backward ended; the small units between (the final norm) do not wait.
+            self.reducer.release_own(wait=u.gather_in_backward and u.slot.in_turns)
             self.spare.clear()
         u.open_span("backward")
         if u.gather_in_backward:
@@ -351,7 +357,12 @@ class Schedule:
             # grad, so that a reentrant recompute's graph ends in a BindUnit (post-backward).
             with torch.enable_grad():
                 self._bind(u, use)
-        if id(u) not in bw.private:  # a divergent unit's events issue no collective
+        # A large unit (a head) prefetches the next unit when its backward ends, not before:
+        # its backward (the logits' gradient, its weights and their gradient alive) is where a
+        # large-vocabulary step peaks, and a block's weights prefetched into it held 10.5 MiB
+        # more than transformers' EP there (issue 32). Cost: that one gather per step overlaps
+        # the head's reduce-scatter, not its backward.
+        if id(u) not in bw.private and not u.slot.transient:  # a divergent unit issues nothing
             self.gather_next(u, Phase.BACKWARD)
 
     def _ensure_for_backward(self, u: Unit, bw: BackwardPass) -> None:
@@ -389,6 +400,8 @@ class Schedule:
             # goes first, the reduce-scatter (needed only at the end of backward) after it.
             self.release(u)
             self.refill(u, Phase.BACKWARD)
+            if u.slot.transient:  # deferred from its backward's start (begin_backward_use)
+                self.gather_next(u, Phase.BACKWARD)
         with profiled(f"layershard::reduce[{u.name}]"):
             self.reducer.reduce(u, grads, later=self.no_sync or bw.defers(u))
 
@@ -478,7 +491,7 @@ class Schedule:
             self.gather(nxt, phase)
             # In backward the unit after it too, when its slot was given back between the
             # passes (a small unit between: the final norm): the last block's gather then
-            # overlaps the head's backward instead of the norm's.
+            # overlaps the head's reduce-scatter and the norm's backward, not only the norm's.
             after = self._step(nxt, phase)
             if (
                 phase is Phase.BACKWARD

@@ -28,9 +28,9 @@ class ShardingPlugin:
 
     ``tp=N`` (transformers' ``base_model_tp_plan`` over N ranks that share each batch: the data
     loaders are split over ``world / N``) and ``ep=N`` (a MoE's experts split over N ranks) shard
-    through ``ls.parallelize``; they cannot be combined (TP x EP is not supported yet). A
-    tensor-parallel model's ``save_model`` writes whole tensors; its ``save_state`` (and so
-    Trainer's checkpoints) is refused as ``ls.save_checkpoint`` refuses it today.
+    through ``ls.parallelize``; both together split a MoE's attention over TP and its experts
+    over EP. A tensor-parallel model's ``save_model`` writes whole tensors; its ``save_state``
+    (Trainer's checkpoints) is ``ls.save_checkpoint``'s, which resumes at any layout.
 
     ``mixed_precision=None`` follows accelerate / ``TrainingArguments``: ``bf16=True`` computes in
     bf16 (``ls.MixedPrecision(torch.bfloat16)``, fp32 reduction), ``fp16=True`` in fp16 with an
