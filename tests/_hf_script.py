@@ -283,6 +283,14 @@ def tensor_parallel(out: Path) -> dict:
             if RANK == 0:
                 loaded = T.LlamaForCausalLM.from_pretrained(str(out / "tp-saved")).state_dict()
                 res[impl]["saved_diff"] = max_param_diff(loaded, finals[impl])
+            # accelerate's save_state / load_state (Trainer's checkpoints): the TP shards
+            # written through ls.save_checkpoint and read back over weights moved since
+            trainer.accelerator.save_state(str(out / "tp-state"))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            trainer.accelerator.load_state(str(out / "tp-state"))
+            res[impl]["state_diff"] = max_param_diff(state_of(trainer), finals[impl])
     res["param_diff"] = max_param_diff(finals["ls"], finals["ddp"])
     return res
 

@@ -71,6 +71,7 @@ def test_trainer_with_tensor_parallelism_matches_ddp() -> None:
     assert len(ls_log) == 20
     assert res["ls"]["tp_sharded"] == 14  # q, k, v, o, gate, up, down of the 2 blocks
     assert res["ls"]["saved_diff"] == 0.0  # save_model() wrote the whole tensors
+    assert res["ls"]["state_diff"] == 0.0  # save_state() / load_state() of the TP shards
     assert _rel(ls_log, ddp_log, 1) < LOSS_RTOL
     assert _rel(ls_log, ddp_log, 2) < GRAD_NORM_RTOL
     assert res["param_diff"] < PARAM_TOL
