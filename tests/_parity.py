@@ -249,6 +249,13 @@ def loss_bound(reference: list[float], runs: list[Run]) -> float:
     return SPREAD_FACTOR * worst + EPS
 
 
+def check_losses(losses: list[float], runs: list[Run]) -> None:
+    """Every step's loss within the spread of the reference's other legitimate orders
+    (``loss_bound`` of ``runs[1:]`` against ``runs[0]``), at least LOSS_RTOL."""
+    rel = max(abs(x - r) / abs(r) for x, r in zip(losses, runs[0].losses))
+    assert rel <= max(loss_bound(runs[0].losses, runs[1:]) if runs[1:] else 0, LOSS_RTOL), rel
+
+
 def pair_loss_bound(runs: list[Run]) -> float:
     """Relative: SPREAD_FACTOR x the largest relative loss difference of any two runs at any
     step, plus one ulp."""

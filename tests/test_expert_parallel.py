@@ -25,6 +25,7 @@ from _dist import RankChecks, shared_tmp
 from _parity import (
     LOSS_RTOL,
     batches,
+    check_losses,
     clone,
     global_mean,
     grad_bound,
@@ -538,8 +539,7 @@ def _tp_ep_matches_one_process(base, steps: int, rank: int, world: int, q_proj: 
         opt.step()
         opt.zero_grad()
         losses.append(global_mean(loss))
-    rel = max(abs(x - r) / abs(r) for x, r in zip(losses, runs[0].losses))
-    assert rel <= max(loss_bound(runs[0].losses, runs[1:]) if runs[1:] else 0, LOSS_RTOL), rel
+    check_losses(losses, runs)
     full = model.full_state_dict()
     if rank == 0:
         assert list(full) == list(base.state_dict())

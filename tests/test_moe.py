@@ -11,15 +11,14 @@ from __future__ import annotations
 import torch
 from _dist import RankChecks
 from _parity import (
-    LOSS_RTOL,
     batches,
+    check_losses,
     clone,
     global_mean,
     grad_bound,
     grads_in_orders,
     lm_loss,
     local,
-    loss_bound,
     max_diff,
     param_bound,
     shard_grad_error,
@@ -114,8 +113,7 @@ def matches_one_process(
         opt.step()
         opt.zero_grad()
         losses.append(global_mean(loss))
-    rel = max(abs(x - r) / abs(r) for x, r in zip(losses, runs[0].losses))
-    assert rel <= max(loss_bound(runs[0].losses, runs[1:]) if runs[1:] else 0, LOSS_RTOL), rel
+    check_losses(losses, runs)
     full = model.full_state_dict()
     if rank == 0:
         dev, where = max_diff(full, reference)

@@ -70,7 +70,8 @@ class ExpertGroup:
 
 def _shares(rows: int, group: dist.ProcessGroup) -> tuple[list[int], int]:
     """Each TP rank's number of rows (``tensor_split``'s) and where this rank's share starts."""
-    sizes = [len(c) for c in torch.arange(rows).tensor_split(dist.get_world_size(group))]
+    n, extra = divmod(rows, dist.get_world_size(group))  # tensor_split's: the first ones +1
+    sizes = [n + (i < extra) for i in range(dist.get_world_size(group))]
     return sizes, sum(sizes[: dist.get_rank(group)])
 
 

@@ -110,8 +110,7 @@ def parallelize(
         if ep == 1:
             return shard(model, mesh=dense, **shard_options)
     if ep > 1:
-        tp_group = dense["tp"].get_group() if tp > 1 else None
-        if split_experts(model, expert["ep"].get_group(), tp_group) == 0:
+        if split_experts(model, expert["ep"].get_group(), dense["tp"].get_group()) == 0:
             raise ValueError(
                 f"parallelize(ep={ep}): the model has no expert layers to split (the built-in "
                 "MoE's Experts, transformers' Qwen3-MoE and Mixtral experts); use ep=1 for a "

@@ -21,13 +21,6 @@ from torch import nn
 
 # (``cfg`` below is a ``train.config.TrainConfig``, which imports this module: not imported here)
 
-# what --tp does not run with yet (a key of the config: the reason)
-_NOT_WITH_TP = {
-    "async_checkpoint": "an asynchronous save of a tensor-parallel model is not supported yet",
-    "qlora": "4-bit QLoRA has no tensor-parallel plan",
-    "optimizer": "Muon orthogonalizes whole matrices; a TP rank holds a part of each",
-}
-
 
 def check_parallel(cfg: Any) -> None:
     """The config rules of ``tp`` and ``ep`` (a ``ValueError`` becomes the one-line error)."""
@@ -43,17 +36,17 @@ def check_parallel(cfg: Any) -> None:
             )
     if cfg.tp == 1:
         return
-    values = {
-        "async_checkpoint": cfg.async_checkpoint,
-        "qlora": cfg.qlora,
-        "optimizer": cfg.optimizer == "muon",
-    }
-    for key, on in values.items():
-        if on:
-            flag = "--optimizer muon" if key == "optimizer" else "--" + key.replace("_", "-")
+    refused = (  # what --tp does not run with yet: (flag, given, why)
+        ("--async-checkpoint", cfg.async_checkpoint,
+         "an asynchronous save of a tensor-parallel model is not supported yet"),
+        ("--qlora", cfg.qlora, "4-bit QLoRA has no tensor-parallel plan"),
+        ("--optimizer muon", cfg.optimizer == "muon",
+         "Muon orthogonalizes whole matrices; a TP rank holds a part of each"),
+    )  # fmt: skip
+    for flag, given, why in refused:
+        if given:
             raise ValueError(
-                f"tp {cfg.tp} is not supported with {flag} yet ({_NOT_WITH_TP[key]}); "
-                f"drop {flag} or --tp"
+                f"tp {cfg.tp} is not supported with {flag} yet ({why}); drop {flag} or --tp"
             )
 
 
