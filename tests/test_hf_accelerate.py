@@ -56,3 +56,23 @@ def test_a_plugin_computing_in_fp16_needs_fp16_for_its_loss_scaler() -> None:
     assert fp16.with_amp("fp16") is fp16  # with TrainingArguments(fp16=True): the scaler
     bf16 = ShardingPlugin(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     assert bf16.with_amp("no") is bf16  # bf16 needs no scaler
+
+
+def test_plugin_data_mesh_with_hybrid_replicates_tp_groups(monkeypatch) -> None:
+    """``ShardingPlugin(tp=2, strategy="hybrid")``: accelerate's data loaders get the replicas
+    ``ls.parallelize`` makes (a replica per ``shard_size`` ranks, by default a node's), so the
+    batches are split over dp_replicate x dp_shard and a TP group's ranks share one. Before,
+    the plugin passed hybrid to ``ls.parallelize``, which refused ``shard_size`` (or, without
+    it, ran without replicas)."""
+    import pytest
+
+    from layershard.hf import ShardingPlugin
+
+    assert ShardingPlugin(tp=2).mesh_shape(8) == (1, 4, 2)
+    assert ShardingPlugin(tp=2, strategy="hybrid", shard_size=4).mesh_shape(8) == (2, 2, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a node of 2 ranks: one TP group per replica
+    assert ShardingPlugin(tp=2, strategy="hybrid").mesh_shape(8) == (4, 1, 2)
+    with pytest.raises(ValueError, match="must divide the world size 8"):
+        ShardingPlugin(tp=2, strategy="hybrid", shard_size=3).mesh_shape(8)
+    with pytest.raises(ValueError, match="their product must divide"):
+        ShardingPlugin(tp=4, strategy="hybrid", shard_size=2).mesh_shape(8)

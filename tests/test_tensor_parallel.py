@@ -461,27 +461,45 @@ def _rewrap_control(rank: int, world: int) -> None:
         tensor.wrap = wrap
 
 
-# Each behaviour once where it says most; the parity with strategy full at both sizes.
-def _parallelize(rank: int, world: int) -> None:
-    """``ls.parallelize(model, tp=2)`` builds the meshes, applies the built-in Llama's TP plan
-    and shards over dp_shard: the same run, bit for bit, as the mesh spelled out by hand
-    (``parallelize_llama`` + ``ls.shard(mesh=...)``), 2 AdamW steps; ep on a model without experts is refused."""
-    base, data = tiny_llama(), batches(2)
-    by_hand, *_ = _tp_model(base, world)
-    built = ls.parallelize(clone(base), tp=TP)
+def _same_runs(models, data) -> None:
+    """Each model trained 2 AdamW steps on ``data`` (the ranks of a TP group on the same
+    micro-batch: rank // TP of world / TP): the same losses and full_state_dict, bit for bit."""
     runs = []
-    for model in (by_hand, built):
+    for model in models:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         losses = []
         for batch in data:
-            loss = lm_loss(model, local(batch, dist.get_rank(model.process_group), 2))
+            loss = lm_loss(model, local(batch, dist.get_rank() // TP, dist.get_world_size() // TP))
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
         runs.append((losses, model.full_state_dict(rank0_only=False)))
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    for losses, state in runs[1:]:
+        assert losses == runs[0][0]
+        assert all(torch.equal(state[k], runs[0][1][k]) for k in state)
+
+
+# Each behaviour once where it says most; the parity with strategy full at both sizes.
+def _parallelize(rank: int, world: int) -> None:
+    """``ls.parallelize(model, tp=2)`` builds the meshes, applies the built-in Llama's TP plan
+    and shards over dp_shard: the same run, bit for bit, as the mesh spelled out by hand
+    (``parallelize_llama`` + ``ls.shard(mesh=...)``), 2 AdamW steps; so is HSDP x TP said as
+    ``dp_replicate=2`` or as ``strategy="hybrid", shard_size=2`` (2 ranks per replica, as
+    ``layershard train --strategy hybrid`` and ``ShardingPlugin`` say it) against the hybrid
+    mesh by hand; ep on a model without experts is refused."""
+    base, data = tiny_llama(), batches(2)
+    _same_runs([_tp_model(base, world)[0], ls.parallelize(clone(base), tp=TP)], data)
+    hybrid = [
+        _tp_model(base, world, hybrid=True)[0],
+        ls.parallelize(clone(base), tp=TP, dp_replicate=2),
+        ls.parallelize(clone(base), tp=TP, strategy="hybrid", shard_size=2),
+    ]
+    for model in hybrid:
+        assert model.sharding.name == "hybrid" and model.sharding.replicas == 2
+    _same_runs(hybrid, data)
+    with pytest.raises(ValueError, match="must divide the world size 4"):
+        ls.parallelize(clone(base), tp=TP, strategy="hybrid", shard_size=3)
     try:  # TP x EP itself: test_expert_parallel.py
         ls.parallelize(clone(base), tp=TP, ep=2)
     except ValueError as e:

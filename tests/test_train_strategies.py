@@ -321,7 +321,8 @@ def test_tp_combinations_that_cannot_run_are_refused_before_launch(tmp_path, cap
         (["--tp", "3"], "tp 3 must divide the world size 2"),
         (["--tp", "2", "--model", "moe"], "--tp 2 of a mixture of experts needs --ep too"),
         (["--tp", "2", "--model-override", "n_kv_heads=1"], "--tp 2 must divide the model's n_kv_heads=1"),
-        (["--tp", "2", "--strategy", "no_shard"], "tensor parallelism runs with strategy full or grad_op"),
+        (["--tp", "2", "--strategy", "no_shard"], "tensor parallelism runs with strategy full, grad_op or hybrid"),
+        (["--tp", "2", "--strategy", "hybrid", "--shard-size", "1"], "tp 2 must divide the ranks of a replica (1"),
         (["--tp", "2", "--async-checkpoint"], "not supported with --async-checkpoint"),
         (["--tp", "2", "--optimizer", "muon"], "not supported with --optimizer muon"),
     )  # fmt: skip

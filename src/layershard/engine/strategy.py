@@ -136,7 +136,8 @@ class Sharding:
         return dist.get_process_group_ranks(self.shard_group)
 
 
-def _local_world_size(world: int) -> int:
+def local_world_size(world: int) -> int:
+    """Ranks per node (torchrun's LOCAL_WORLD_SIZE) when it divides ``world``; else ``world``."""
     k = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return k if 0 < k <= world and world % k == 0 else world
 
@@ -174,7 +175,7 @@ def check_options(
                 f"shard(reshard_after_forward={k}): must divide the world size {world}"
             )
     if strategy == "hybrid" and not mesh:
-        k = shard_size if shard_size is not None else (local_world or _local_world_size(world))
+        k = shard_size if shard_size is not None else (local_world or local_world_size(world))
         if k < 1 or world % k:
             raise ValueError(
                 f"shard(strategy='hybrid', shard_size={k}): must divide the world size {world}"
@@ -228,7 +229,7 @@ def _resolve(strategy, group, groups, world, shard_size, reshard_after_forward, 
             raise ValueError("shard(mesh=...): a 2-D DeviceMesh (replicate, shard)")
         shard_group, replicate_group = mesh.get_group(1), mesh.get_group(0)
     else:
-        k = shard_size if shard_size is not None else _local_world_size(world)
+        k = shard_size if shard_size is not None else local_world_size(world)
         if group is not dist.group.WORLD:
             raise ValueError("shard(strategy='hybrid') builds its groups over the default group")
         shard_group = groups.make("shard", blocks(groups.ranks, k))

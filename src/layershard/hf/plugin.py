@@ -29,7 +29,8 @@ class ShardingPlugin:
     ``tp=N`` (transformers' ``base_model_tp_plan`` over N ranks that share each batch: the data
     loaders are split over ``world / N``) and ``ep=N`` (a MoE's experts split over N ranks) shard
     through ``ls.parallelize``; both together split a MoE's attention over TP and its experts
-    over EP. A tensor-parallel model's ``save_model`` writes whole tensors; its ``save_state``
+    over EP; with ``strategy="hybrid"`` each ``shard_size`` ranks (default: a node's) hold one
+    replica (HSDP x TP / EP). A tensor-parallel model's ``save_model`` writes whole tensors; its ``save_state``
     (Trainer's checkpoints) is ``ls.save_checkpoint``'s, which resumes at any layout.
 
     ``mixed_precision=None`` follows accelerate / ``TrainingArguments``: ``bf16=True`` computes in
@@ -76,26 +77,32 @@ class ShardingPlugin:
     def data_mesh(self) -> Any:
         """With ``tp`` > 1, a ``(dp_replicate, dp_shard, tp)`` mesh for accelerate's data loaders
         (``prepare_data_loader(torch_device_mesh=)``: the ranks of a TP group get the same
-        batches, split over ``dp_shard``); None otherwise. Collective."""
+        batches, split over ``dp_replicate x dp_shard``); None otherwise. Collective."""
         if self.tp == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
         from layershard.distributed import default_device
-        from layershard.parallel.mesh import mesh_sizes
 
-        world = dist.get_world_size()
+        return init_device_mesh(
+            default_device(dist.group.WORLD).type,
+            self.mesh_shape(dist.get_world_size()),
+            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        )
+
+    def mesh_shape(self, world: int) -> tuple[int, int, int]:
+        """``(dp_replicate, dp_shard, tp)`` at ``world`` ranks: with ``strategy="hybrid"`` a
+        replica per ``shard_size`` ranks (default: a node's), as ``ls.parallelize`` makes it."""
+        from layershard.parallel.mesh import hybrid_replicas, mesh_sizes
+
         if world % self.tp:
             raise ValueError(
                 f"layershard: ShardingPlugin(tp={self.tp}) must divide the world size {world} "
                 "(each TP group's ranks share a batch); change tp or the number of processes"
             )
-        n = mesh_sizes(world, tp=self.tp)
-        return init_device_mesh(
-            default_device(dist.group.WORLD).type,
-            (1, n["dp_shard"], self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
-        )
+        replicas = hybrid_replicas(world, self.shard_size) if self.strategy == "hybrid" else 1
+        n = mesh_sizes(world, tp=self.tp, dp_replicate=replicas)
+        return replicas, n["dp_shard"], self.tp
 
     def with_amp(self, mixed_precision: str | None) -> ShardingPlugin:
         """This plugin with accelerate's ``mixed_precision`` ("no", "bf16", "fp16") folded in;

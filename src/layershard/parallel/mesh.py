@@ -88,11 +88,15 @@ def parallelize(
     over ``ep`` ranks, tokens exchanged by all-to-all), replicas ``dp_replicate`` (HSDP) and
     the rest data-parallel sharding; returns ``ls.shard``'s ``ShardedModule``. Every rank passes
     the same (unsplit) model. ``shard_options`` go to ``ls.shard`` (``mixed_precision=``,
-    ``activation_checkpointing=``...)."""
+    ``activation_checkpointing=``...). ``strategy="hybrid"`` is ``ls.shard``'s HSDP said the
+    other way: ``shard_size`` ranks (default: a node's) hold one replica, so ``dp_replicate =
+    world / shard_size`` (``layershard train --strategy hybrid`` and ``ShardingPlugin`` say it so).
+    """
     from layershard.sharded import shard  # the engine imports nothing from here
 
     if not dist.is_initialized():
         raise RuntimeError("parallelize(): call ls.init_distributed() first")
+    dp_replicate = _replicas(shard_options, dp_replicate)
     decided = ("mesh", "expert_mesh", "process_group", "shard_size")
     for key in decided:
         if shard_options.get(key) is not None:
@@ -117,3 +121,30 @@ def parallelize(
                 "dense model"
             )
     return shard(model, mesh=dense, expert_mesh=expert if ep > 1 else None, **shard_options)
+
+
+def _replicas(options: dict[str, Any], dp_replicate: int) -> int:
+    """``dp_replicate`` from ``strategy="hybrid", shard_size=K`` (removed from ``options``), or
+    ``dp_replicate`` itself."""
+    if options.get("strategy") != "hybrid":
+        return dp_replicate
+    if dp_replicate != 1:
+        raise ValueError(
+            "parallelize(): give dp_replicate= or strategy='hybrid' (shard_size= ranks per "
+            "replica), not both"
+        )
+    del options["strategy"]
+    return hybrid_replicas(dist.get_world_size(), options.pop("shard_size", None))
+
+
+def hybrid_replicas(world: int, shard_size: int | None) -> int:
+    """How many replicas HSDP makes when ``shard_size`` ranks (default: a node's) hold one."""
+    from layershard.engine.strategy import local_world_size
+
+    replica = shard_size or local_world_size(world)
+    if replica < 1 or world % replica:
+        raise ValueError(
+            f"parallelize(strategy='hybrid', shard_size={replica}): must divide the world size "
+            f"{world} (the ranks that hold one replica)"
+        )
+    return world // replica

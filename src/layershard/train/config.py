@@ -19,7 +19,7 @@ from pydantic import model_validator as _model_validator
 from pydantic.dataclasses import dataclass
 
 from layershard.engine.strategy import check_options as check_strategy_options
-from layershard.train.parallel import check_parallel
+from layershard.train.parallel import check_parallel, check_replica
 from layershard.validation import (
     Int,
     NonNegativeInt,
@@ -492,6 +492,11 @@ def check_world(cfg: TrainConfig, world: int | None, local_world: int | None) ->
             f"ep {cfg.ep} must divide the world size {world} (each layer's experts split over "
             "ep ranks); change --ep or --nproc-per-node / --nnodes"
         )
+    if world is not None:
+        try:
+            check_replica(cfg, world, local_world)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def grad_accum_for(cfg: TrainConfig, world_size: int) -> int:

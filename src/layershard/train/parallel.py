@@ -4,9 +4,10 @@ model's own checks (made by the launcher, before it writes anything), and the sh
 
 Under ``tp`` the ranks of a TP group (``tp`` consecutive ranks, as ``ls.parallelize`` lays the
 mesh out) compute one batch together: the data is split over the ``world / tp`` data-parallel
-ranks (``data_rank``). With ``--ep`` too (the built-in MoE), the attention is TP and the experts
-EP (each TP rank sends its share of the shared tokens: parallel/expert.py). What ``--tp`` does
-not run with yet is refused in one line: strategies other than full / grad_op,
+ranks (``data_rank``). ``--strategy hybrid`` replicates over nodes (``shard_size`` ranks per
+replica, split ``tp`` ways: HSDP x TP). With ``--ep`` too (the built-in MoE), the attention is
+TP and the experts EP (each TP rank sends its share of the shared tokens: parallel/expert.py).
+What ``--tp`` does not run with yet is refused in one line: strategy no_shard,
 ``--async-checkpoint`` (``save_checkpoint(async_save=True)`` refuses a TP model), ``--qlora`` and
 Muon. Checkpoints, ``--resume``, ``--init-from`` and the ``final/`` export work as without TP
 (checkpoint/boxes.py). The model is built whole on every rank (never on the meta device): TP
@@ -25,12 +26,9 @@ from torch import nn
 def check_parallel(cfg: Any) -> None:
     """The config rules of ``tp`` and ``ep`` (a ``ValueError`` becomes the one-line error)."""
     for name, n, what in (("ep", cfg.ep, "expert"), ("tp", cfg.tp, "tensor")):
-        if n > 1 and (
-            cfg.strategy not in ("full", "grad_op")
-            or cfg.reshard_after_forward not in (True, False)
-        ):
+        if n > 1 and (cfg.strategy == "no_shard" or cfg.reshard_after_forward not in (True, False)):
             raise ValueError(
-                f"{name} {n}: {what} parallelism runs with strategy full or grad_op "
+                f"{name} {n}: {what} parallelism runs with strategy full, grad_op or hybrid "
                 "(reshard_after_forward true or false); drop --strategy/--reshard-after-forward, "
                 f"or --{name}"
             )
@@ -79,6 +77,23 @@ def check_tp_model(cfg: Any, kind: str, spec: Any) -> None:
             raise ValueError(
                 f"--tp {tp} must divide the model's {key}={n} (each TP rank computes "
                 f"{key} / tp heads); change --tp"
+            )
+
+
+def check_replica(cfg: Any, world: int, local_world: int | None) -> None:
+    """``--strategy hybrid`` with ``--tp`` / ``--ep``: ``shard_size`` ranks (default a node's)
+    hold one replica, split ``tp`` ways and their experts ``ep`` ways (``ls.parallelize``), so
+    both must divide it. Raises ``ValueError`` (one line)."""
+    if cfg.strategy != "hybrid" or (cfg.tp == 1 and cfg.ep == 1):
+        return
+    from layershard.engine.strategy import local_world_size
+
+    replica = cfg.shard_size or local_world or local_world_size(world)
+    for name, n in (("tp", cfg.tp), ("ep", cfg.ep)):
+        if replica % n:
+            raise ValueError(
+                f"{name} {n} must divide the ranks of a replica ({replica}: hybrid's shard_size, "
+                f"by default a node's ranks); change --{name} or --shard-size"
             )
 
 
