@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -297,18 +297,42 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 
 # ---- Hugging Face models ---------------------------------------------------------------------
 
+
+class ReplicatedOverHeads(ParallelStyle):
+    """transformers' ``replicated_with_grad_allreduce`` (Qwen3's q/k norms): a norm over each
+    head's features that every TP rank runs on its own heads. Its parameters become
+    ``Replicate()`` DTensors and its input (``(..., heads, head_dim)``, this rank's heads) a
+    DTensor split over the heads dim, so DTensor's rules make the weight's gradient a partial sum
+    over the TP ranks' heads, redistributed (all-reduced over TP) to the weight's placement when
+    the engine's re-wrapped view (``wrap``) hands it back: the all-reduce transformers' hook
+    does. The output goes on as this rank's plain local tensor, as the column-wise projection's
+    did."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def heads_in(_module, inputs, mesh):
+            x = inputs[0]
+            return (DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False), *inputs[1:])
+
+        def local_out(_module, output, _mesh):
+            return output.to_local()
+
+        # no partition_fn: distribute_module replicates every parameter over the mesh
+        return distribute_module(module, device_mesh, input_fn=heads_in, output_fn=local_out)
+
+
 _HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
+    "replicated_with_grad_allreduce": ReplicatedOverHeads,
 }
 
 
 def hf_tp_plan(config, experts: bool = True) -> dict[str, ParallelStyle]:
     """A transformers config's ``base_model_tp_plan`` (``{"layers.*.self_attn.q_proj":
-    "colwise", ...}``) as a ``parallelize_module`` plan for the model's ``base_model``. Only the
-    plain column- and row-wise styles (Llama's, Mistral's): a style that needs transformers' own
-    hooks (Qwen3's ``replicated_with_grad_allreduce`` norms, a ``gather`` or a packed
-    ``local_*``) is refused in one line. ``experts=False``: without the routed experts' entries
+    "colwise", ...}``) as a ``parallelize_module`` plan for the model's ``base_model``: the
+    column- and row-wise styles (Llama's, Mistral's) and Qwen3's ``replicated_with_grad_allreduce``
+    norms (``ReplicatedOverHeads``); any other style (a ``gather``, transformers' packed
+    experts') is refused in one line. ``experts=False``: without the routed experts' entries
     (``*.mlp.experts*``: expert parallelism splits them instead), which leaves Mixtral's plan
     column- and row-wise."""
     plan = getattr(config, "base_model_tp_plan", None) or {}
@@ -320,7 +344,8 @@ def hf_tp_plan(config, experts: bool = True) -> dict[str, ParallelStyle]:
     if odd:
         raise NotImplementedError(
             f"hf_tp_plan: the styles {odd} of {type(config).__name__}'s base_model_tp_plan are "
-            "not supported (only 'colwise' and 'rowwise'); pass your own parallelize_module plan"
+            f"not supported (only {', '.join(map(repr, _HF_STYLES))}); pass your own "
+            "parallelize_module plan"
         )
     return {name: _HF_STYLES[style]() for name, style in plan.items()}
 
