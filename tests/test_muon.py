@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
@@ -78,11 +79,13 @@ def _is_muon(name: str, p: torch.Tensor) -> bool:
     return name.startswith("layers.") and p.ndim == 2
 
 
-def _torch_optims(model: torch.nn.Module, prefix: str = "") -> list[torch.optim.Optimizer]:
+def _torch_optims(
+    model: torch.nn.Module, prefix: str = "", muon: dict = MUON
+) -> list[torch.optim.Optimizer]:
     named = [(n.removeprefix(prefix), p) for n, p in model.named_parameters()]
-    muon = [p for n, p in named if _is_muon(n, p)]
+    matrices = [p for n, p in named if _is_muon(n, p)]
     rest = [p for n, p in named if not _is_muon(n, p)]
-    return [torch.optim.Muon(muon, **MUON), torch.optim.AdamW(rest, **ADAMW)]
+    return [torch.optim.Muon(matrices, **muon), torch.optim.AdamW(rest, **ADAMW)]
 
 
 def _train_step(model, opts, x, clip: float | None = None, micro: int = 1):
@@ -160,26 +163,37 @@ def _plain(model, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def _set_grads(model, grads: dict[str, torch.Tensor]) -> None:
-    """Each rank's gradient slices, cut from the reference's full gradients."""
+    """Each rank's gradient slices, cut from the reference's full gradients (of this rank's TP
+    part, under tensor parallelism)."""
+    from layershard.parallel import tensor
+
     for f in model.flat_params:
         if not f.requires_grad:
             continue
         for slot, p in zip(f.slots, f.shard_params):
             a, b = f.local_param_range(slot)
-            p.grad = grads[slot.name].reshape(-1)[a:b].clone()
+            g = grads[slot.name]
+            if slot.tp is not None:
+                g = tensor.local_of_full(slot.tp, g)
+            p.grad = g.reshape(-1)[a:b].clone()
 
 
 def _identical_gradients(
-    base, shard_kwargs: dict, modes: tuple[str, ...] = ("owner", "all_gather"), steps: int = 3
-) -> None:
+    base,
+    shard_kwargs: dict,
+    modes: tuple[str, ...] = ("owner", "all_gather"),
+    steps: int = 3,
+    shard=ls.shard,
+    muon: dict = MUON,
+) -> list:
     """Fed the reference's own gradients, the sharded optimizer steps every parameter to
-    exactly torch's values."""
+    exactly torch's values. Returns the (model, optimizer) pairs."""
     reference = clone(base)
-    ref_opts = _torch_optims(reference)
+    ref_opts = _torch_optims(reference, muon=muon)
     models = []
     for mode in modes:
-        m = ls.shard(clone(base), **shard_kwargs)
-        models.append((m, ls.optim.Muon(m, **MUON, adamw=ADAMW, mode=mode)))
+        m = shard(clone(base), **shard_kwargs)
+        models.append((m, ls.optim.Muon(m, **muon, adamw=ADAMW, mode=mode)))
     for batch in batches(steps, seed=5):
         lm_loss(reference, batch).backward()
         grads = {n: p.grad for n, p in reference.named_parameters()}
@@ -196,6 +210,26 @@ def _identical_gradients(
         ours = _full(m)
         wrong = [k for k in expected if not torch.equal(ours[k], expected[k])]
         assert not wrong, (opt.mode, shard_kwargs, wrong[:5], max_diff(ours, reference))
+    return models
+
+
+def _tensor_parallel(rank: int, world: int) -> None:
+    """TP 2 (x dp_shard 2 at 4 ranks): each rank's slices are of its TP part of a matrix; the
+    owners gather the parts over TP, orthogonalize the whole and keep their part, so the
+    identical-gradient run equals torch's Muon on the unsharded model bit for bit, in both
+    modes (orthogonalizing each TP part alone: 1.0e-02 after one step, module docstring).
+    The whole matrices' shapes set the lr (match_rms_adamw and original differ with them)."""
+    for adjust in ("original", "match_rms_adamw"):
+        muon = {**MUON, "adjust_lr_fn": adjust}
+        runs = _identical_gradients(tiny_llama(), {"tp": 2}, shard=ls.parallelize, muon=muon)
+    for m, opt in runs:
+        split = sum(s.tp is not None and s.tp.sharded for f in m.flat_params for s in f.slots)
+        assert split == 3 * 7  # q, k, v, o, w1, w2, w3 of the 3 blocks
+        stats = opt.comm_stats()["over_tp"]
+        per_step = split if opt.mode == "all_gather" else sum(
+            1 for mat in opt._matrices if mat.tp is not None and mat.owner == opt._rank
+        )  # fmt: skip
+        assert stats["count"] == 3 * per_step, (opt.mode, stats)
 
 
 def _expected_bytes(model, opt) -> list[int]:
@@ -576,11 +610,13 @@ def _world_4(rank: int, world: int, root: str) -> None:
     _parity(rank, world)
     _strategies(rank, world)
     _save_at_4(rank, world, root)
+    _tensor_parallel(rank, world)
 
 
 def _world_2(rank: int, world: int, root: str) -> None:
     _parity(rank, world)
     _resume_at_2(rank, world, root)
+    _tensor_parallel(rank, world)
 
 
 def test_world_1_exactly_torch_and_the_api():
@@ -595,7 +631,10 @@ def test_world_4_parity_strategies_then_world_2_parity_and_resume(tmp_path):
 # ---- layershard train --optimizer muon ----------------------------------------------------------
 
 
-def test_train_with_muon(tmp_path, tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_train_with_muon(tmp_path, tmp_path_factory, monkeypatch, tp):
+    """``layershard train --optimizer muon`` learns and checkpoints Muon's state; with ``--tp 2``
+    too (the matrices orthogonalized whole over TP: ``_tensor_parallel``)."""
     import argparse
     import json
 
@@ -611,6 +650,7 @@ def test_train_with_muon(tmp_path, tmp_path_factory, monkeypatch):
         "--warmup-steps", "3", "--model-override", "dim=64", "--model-override", "n_layers=2",
         "--model-override", "ffn_dim=128", "--eval-sequences", "16", "--sample-tokens", "0",
         "--steps", "6", "--eval-interval", "0", "--optimizer", "muon", "--run-dir", str(run),
+        "--tp", str(tp),
     ]  # fmt: skip
     parser = argparse.ArgumentParser(prog="layershard train")
     train_cli.add_arguments(parser)

@@ -324,7 +324,6 @@ def test_tp_combinations_that_cannot_run_are_refused_before_launch(tmp_path, cap
         (["--tp", "2", "--strategy", "no_shard"], "tensor parallelism runs with strategy full, grad_op or hybrid"),
         (["--tp", "2", "--strategy", "hybrid", "--shard-size", "1"], "tp 2 must divide the ranks of a replica (1"),
         (["--tp", "2", "--async-checkpoint"], "not supported with --async-checkpoint"),
-        (["--tp", "2", "--optimizer", "muon"], "not supported with --optimizer muon"),
     )  # fmt: skip
     for flags, expected in cases:
         assert expected in refused_one_line(capsys, tmp_path, *TINY, *flags), flags

@@ -19,6 +19,13 @@ elementwise rounding, so rounding each slice before sending gives the owner the 
 its result is bf16, which ``param.add_`` widens exactly. Two collectives per step in all, each
 moving every matrix once (minus the part its owner already holds), in 2 bytes per element.
 
+Tensor parallelism (a model from ``ls.parallelize(tp=...)``): a rank's slice is of its TP part
+of the matrix, and the owner's assembled matrix is that part. The owners of a matrix in every TP
+coordinate are the same shard rank (the same local shapes give the same assignment), so they form
+the matrix's TP group: they all-gather their parts in bf16 (``DTensor.full_tensor``), each
+orthogonalizes the whole matrix, as torch's Muon does on the unsharded model, and keeps its part.
+The learning-rate adjustment and the work split use the whole matrix's shape.
+
 Owners are chosen once, from the shapes: greedy longest-processing-time over the Newton-Schulz
 FLOPs of each matrix, so that every rank orthogonalizes about 1/N of the work. Ownership runs
 within the shard group (``hybrid``: each replica group repeats the same computation on the same
@@ -46,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from layershard.parallel.tensor import TPInfo, full_tensor, local_of_full, split_over_tp
 from layershard.sharded import ShardedModule
 
 _torch_adjust_lr: Callable[[float, str | None, torch.Size], float] | None
@@ -116,13 +124,19 @@ def assign_owners(costs: list[float], world_size: int) -> list[int]:
 @dataclass
 class _Matrix:
     """One 2-D weight stepped by Muon: this rank's slice ``param`` and where every shard rank's
-    slice lies in the flattened matrix."""
+    slice lies in the flattened matrix (of this rank's TP part, under tensor parallelism)."""
 
     name: str
     param: nn.Parameter
-    shape: torch.Size
+    shape: torch.Size  # what the shard ranks' slices assemble into: the (TP-local) matrix
     ranges: list[tuple[int, int]]  # per shard rank: [a, b) of the flattened matrix
     owner: int
+    tp: TPInfo | None = None  # split over TP: the whole matrix is gathered over its TP group
+
+    @property
+    def whole(self) -> torch.Size:
+        """The matrix's shape in the unsharded model (lr adjustment, cost)."""
+        return self.tp.shape if self.tp is not None else self.shape
 
     def part(self, rank: int) -> int:
         a, b = self.ranges[rank]
@@ -238,13 +252,13 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon steps 2-D weights only; {not_2d[:5]} are not 2-D")
 
         muon = [(n, p, shape, fs) for n, p, shape, _, fs in named if n in chosen]
-        owners = assign_owners(
-            [newton_schulz_flops(s, ns_steps) for _, _, s, _ in muon], self._world
-        )
         self._matrices = [
-            _Matrix(n, p, shape, f.param_ranges(slot), owner)
-            for (n, p, shape, (f, slot)), owner in zip(muon, owners)
+            _Matrix(n, p, shape, f.param_ranges(slot), 0, slot.tp if split_over_tp(slot) else None)
+            for n, p, shape, (f, slot) in muon
         ]
+        costs = [float(newton_schulz_flops(m.whole, ns_steps)) for m in self._matrices]
+        for m, owner in zip(self._matrices, assign_owners(costs, self._world)):
+            m.owner = owner
 
         rest = [(n, p) for n, p, *_ in named if n not in chosen]
         muon_defaults = {
@@ -293,8 +307,9 @@ class Muon(torch.optim.Optimizer):
 
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
         """This rank's optimizer collectives since the last reset: ``{"to_owner" | "from_owner"
-        | "all_gather": {"count", "sent", "received"}}``, in bytes of payload to and from other
-        ranks (a rank's own part is not counted)."""
+        | "all_gather" | "over_tp": {"count", "sent", "received"}}``, in bytes of payload to and
+        from other ranks (a rank's own part is not counted; ``over_tp``: a TP-split matrix's
+        parts gathered over its TP group)."""
         out: dict[str, dict[str, int]] = {}
         for (op, key), v in sorted(self._stats.items()):
             out.setdefault(op, {"count": 0, "sent": 0, "received": 0})[key] = v
@@ -340,9 +355,21 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - group["momentum"])
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
-    def _orthogonalize(self, full: torch.Tensor, group: dict) -> torch.Tensor:
+    def _orthogonalize(self, m: _Matrix, full: torch.Tensor, group: dict) -> torch.Tensor:
+        """The update of matrix ``m`` from ``full`` (its shard ranks' slices assembled), flat:
+        under TP the parts of every TP rank gathered, the whole orthogonalized, this rank's part
+        kept. Collective over ``m``'s TP group (its owners, in every mode)."""
+        if m.tp is not None:
+            others = m.whole.numel() - full.numel()  # bf16, the other TP ranks' parts
+            self._stats["over_tp", "count"] += 1
+            self._stats["over_tp", "sent"] += full.numel() * 2 * (m.tp.mesh.size() - 1)
+            self._stats["over_tp", "received"] += others * 2
+            with record_function("layershard::muon_over_tp"):
+                full = full_tensor(m.tp, full)
         with record_function("layershard::muon_newton_schulz"):
             out = _zeropower(full, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        if m.tp is not None:
+            out = local_of_full(m.tp, out)
         return out.reshape(-1)
 
     def _exchange(
@@ -372,7 +399,7 @@ class Muon(torch.optim.Optimizer):
             updates = self._owner_updates(active, hyper, device)
         for m, upd in zip(active, updates):
             p, g = m.param, hyper[id(m.param)]
-            adjusted = _adjust_lr(g["lr"], g["adjust_lr_fn"], m.shape)
+            adjusted = _adjust_lr(g["lr"], g["adjust_lr_fn"], m.whole)
             p.mul_(1 - g["lr"] * g["weight_decay"])
             if upd.numel():
                 p.add_(upd.to(p.device), alpha=-adjusted)
@@ -411,7 +438,7 @@ class Muon(torch.optim.Optimizer):
                 pieces.append((s, starts[s], n))
                 starts[s] += n
             full = torch.cat([recv[o : o + n] for _, o, n in pieces]).view(m.shape)
-            ortho = self._orthogonalize(full, hyper[id(m.param)])
+            ortho = self._orthogonalize(m, full, hyper[id(m.param)])
             for s, o, n in pieces:
                 a = m.ranges[s][0]
                 recv[o : o + n].copy_(ortho[a : a + n])
@@ -453,7 +480,7 @@ class Muon(torch.optim.Optimizer):
                 n = m.part(r)
                 pieces.append(full[starts[r] : starts[r] + n])
                 starts[r] += n
-            ortho = self._orthogonalize(torch.cat(pieces).view(m.shape), hyper[id(m.param)])
+            ortho = self._orthogonalize(m, torch.cat(pieces).view(m.shape), hyper[id(m.param)])
             a, b = m.ranges[me]
             out.append(ortho[a:b])
         return out

@@ -8,8 +8,8 @@ ranks (``data_rank``). ``--strategy hybrid`` replicates over nodes (``shard_size
 replica, split ``tp`` ways: HSDP x TP). With ``--ep`` too (the built-in MoE), the attention is
 TP and the experts EP (each TP rank sends its share of the shared tokens: parallel/expert.py).
 What ``--tp`` does not run with yet is refused in one line: strategy no_shard,
-``--async-checkpoint`` (``save_checkpoint(async_save=True)`` refuses a TP model), ``--qlora`` and
-Muon. Checkpoints, ``--resume``, ``--init-from`` and the ``final/`` export work as without TP
+``--async-checkpoint`` (``save_checkpoint(async_save=True)`` refuses a TP model) and
+``--qlora``. Checkpoints, ``--resume``, ``--init-from`` and the ``final/`` export work as without TP
 (checkpoint/boxes.py). The model is built whole on every rank (never on the meta device): TP
 splits materialized weights.
 """
@@ -38,8 +38,6 @@ def check_parallel(cfg: Any) -> None:
         ("--async-checkpoint", cfg.async_checkpoint,
          "an asynchronous save of a tensor-parallel model is not supported yet"),
         ("--qlora", cfg.qlora, "4-bit QLoRA has no tensor-parallel plan"),
-        ("--optimizer muon", cfg.optimizer == "muon",
-         "Muon orthogonalizes whole matrices; a TP rank holds a part of each"),
     )  # fmt: skip
     for flag, given, why in refused:
         if given:
