@@ -6,10 +6,9 @@ Under ``tp`` the ranks of a TP group (``tp`` consecutive ranks, as ``ls.parallel
 mesh out) compute one batch together: the data is split over the ``world / tp`` data-parallel
 ranks (``data_rank``). With ``--ep`` too (the built-in MoE), the attention is TP and the experts
 EP (each TP rank sends its share of the shared tokens: parallel/expert.py). What ``--tp`` does
-not run with yet is refused in one line: strategies other than full / grad_op,
-``--async-checkpoint`` (``save_checkpoint(async_save=True)`` refuses a TP model), ``--qlora`` and
-Muon. Checkpoints, ``--resume``, ``--init-from`` and the ``final/`` export work as without TP
-(checkpoint/boxes.py). The model is built whole on every rank (never on the meta device): TP
+not run with yet is refused in one line: strategies other than full / grad_op, ``--qlora`` and
+Muon. Checkpoints (``--async-checkpoint`` too), ``--resume``, ``--init-from`` and the ``final/``
+export work as without TP (checkpoint/boxes.py). The model is built whole on every rank (never on the meta device): TP
 splits materialized weights.
 """
 
@@ -37,8 +36,6 @@ def check_parallel(cfg: Any) -> None:
     if cfg.tp == 1:
         return
     refused = (  # what --tp does not run with yet: (flag, given, why)
-        ("--async-checkpoint", cfg.async_checkpoint,
-         "an asynchronous save of a tensor-parallel model is not supported yet"),
         ("--qlora", cfg.qlora, "4-bit QLoRA has no tensor-parallel plan"),
         ("--optimizer muon", cfg.optimizer == "muon",
          "Muon orthogonalizes whole matrices; a TP rank holds a part of each"),
