@@ -264,13 +264,15 @@ def tensor_parallel(out: Path) -> dict:
     """transformers.Trainer (DDP) against ls.hf.Trainer with ShardingPlugin(tp=WORLD) on Llama:
     every block split over the ranks by its base_model_tp_plan. The ranks of a TP group share
     each batch (the data loaders split the data over world / tp = 1 rank), so the TP run's
-    per-device batch is DDP's times WORLD: both train on the same sequences at each step."""
+    per-device batch is DDP's times WORLD: both train on the same sequences at each step. The TP
+    run saves checkpoint-10, from which a fresh Trainer resumes to step 20."""
     res: dict = {}
     finals: dict = {}
     for impl in ("ddp", "ls"):
         kw: dict = {"layershard": ls.hf.ShardingPlugin(tp=WORLD)} if impl == "ls" else {}
         batch = GLOBAL_BATCH // (2 * WORLD) * (WORLD if impl == "ls" else 1)
-        a = args(out / f"tp-{impl}", per_device_train_batch_size=batch)
+        saves = {"save_strategy": "steps", "save_steps": 10} if impl == "ls" else {}
+        a = args(out / f"tp-{impl}", per_device_train_batch_size=batch, **saves)
         trainer = trainer_class(impl)(model=llama(), args=a, train_dataset=sequences(200), **kw)
         trainer.train()
         res[impl] = {"logged": logged(trainer)}
@@ -291,6 +293,11 @@ def tensor_parallel(out: Path) -> dict:
                     p.add_(1.0)
             trainer.accelerator.load_state(str(out / "tp-state"))
             res[impl]["state_diff"] = max_param_diff(state_of(trainer), finals[impl])
+            a = args(out / "tp-resumed", per_device_train_batch_size=batch)
+            again = ls.hf.Trainer(model=llama(), args=a, train_dataset=sequences(200), **kw)
+            again.train(resume_from_checkpoint=str(out / "tp-ls" / "checkpoint-10"))
+            res["resumed"] = {"logged": logged(again)}
+            res["resumed"]["param_diff"] = max_param_diff(state_of(again), finals[impl])
     res["param_diff"] = max_param_diff(finals["ls"], finals["ddp"])
     return res
 

@@ -99,7 +99,14 @@ def _across(rank: int, world: int, tp_model, saved_layouts) -> None:
         _step(model, opt, batch)
     ls.save_checkpoint(root / "tp", model, opt, step=2)
     saved = _whole(model, opt)
-    expect = _next(model, opt, data)  # the uninterrupted run
+    pending = ls.save_checkpoint(root / "tp-async", model, opt, step=2, async_save=True)
+    expect = _next(model, opt, data)  # the uninterrupted run, while the async save is written
+    assert pending.wait() == root / "tp-async"
+    for make in (tp_model, ls.shard):  # the async save holds what the sync one does, exactly
+        again = make(tiny_llama(seed=7))
+        opt_again = torch.optim.AdamW(again.parameters(), lr=LR)
+        ls.load_checkpoint(root / "tp-async", again, opt_again)
+        _same(_whole(again, opt_again), saved, "async save of TP -> TP and 1-D")
 
     md = read_dcp_metadata(root / "tp").state_dict_metadata
     wo, wq = "layers.0.attn.wo.weight", "layers.0.attn.wq.weight"

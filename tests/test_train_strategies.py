@@ -59,8 +59,13 @@ RUNS: dict[str, tuple[list[str], dict, str]] = {
         {"strategy": "full", "ep": 2},
         "fp32",
     ),
-    # the Llama's blocks split over the 2 ranks (TP 2 x dp_shard 1): both read the same batches
-    "tp": (["--tp", "2"], {"strategy": "full", "tp": 2}, "fp32"),
+    # the Llama's blocks split over the 2 ranks (TP 2 x dp_shard 1): both read the same batches;
+    # stopped at step 10 on an asynchronous checkpoint and resumed from it (RESUMED)
+    "tp": (
+        ["--tp", "2", "--async-checkpoint", "--checkpoint-interval", "5"],
+        {"strategy": "full", "tp": 2},
+        "fp32",
+    ),
     # the built-in MoE's attention over TP 2 and its experts over EP 2 (the same 2 ranks)
     "tp_ep": (
         ["--model", "moe", "--tp", "2", "--ep", "2", *(f"--model-override={o}" for o in MOE)],
@@ -70,6 +75,8 @@ RUNS: dict[str, tuple[list[str], dict, str]] = {
     # a first loss scale of 2**20 overflows in the first steps here: the scaler skips some
     "fp16": (["--precision", "fp16", "--loss-scale", "1048576"], {"strategy": "full"}, "fp16"),
 }
+
+RESUMED = ("tp",)  # runs stopped at step 10 and resumed: their losses are the API's all the same
 
 # What the CLI reaches against its Python-API twin. Both run the same engine with the same
 # options, data and recipe; measured: 0.0 (bitwise equal losses) for every run, fp16 included.
@@ -88,7 +95,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         mp.setenv("LAYERSHARD_PEAK_TFLOPS", "1")  # a known peak: MFU is logged
         for name, (flags, _, _) in RUNS.items():
             out[name] = root / name
-            assert train_main([*TINY, *SMALL, *flags, "--run-dir", str(out[name])]) == 0, name
+            argv = [*TINY, *SMALL, *flags, "--run-dir", str(out[name])]
+            if name in RESUMED:
+                assert train_main([*argv, "--stop-at-step", "10"]) == 0, name
+                argv.append("--resume")
+            assert train_main(argv) == 0, name
         # `full`, stopped at step 10, resumed under another strategy
         out["full"] = root / "full"
         argv = [*TINY, *SMALL, "--run-dir", str(out["full"])]
@@ -225,9 +236,12 @@ def test_resolved_settings_are_recorded(runs):
     assert cfg["strategy"] == "hybrid" and cfg["shard_size"] == 1
     assert cfg["_resolved"]["strategy"] == "hybrid" and cfg["_resolved"]["shard_size"] == 1
     assert yaml.safe_load((runs["tp"] / "config.yaml").read_text())["tp"] == 2
-    # a tensor-parallel run checkpoints and exports as any other (checkpoint/boxes.py)
+    # a tensor-parallel run checkpoints and exports as any other (checkpoint/boxes.py), and
+    # resumes (test_cli_run_equals_the_python_api_run) from an asynchronous checkpoint
     assert (runs["tp"] / "final" / "config.json").exists()
-    assert any((runs["tp"] / "checkpoints").iterdir())
+    saves = {r["checkpoint"]: r["async"] for r in read_metrics(runs["tp"] / "metrics.jsonl")
+             if "checkpoint" in r}  # fmt: skip
+    assert saves["step_000010"] and (runs["tp"] / "checkpoints" / "step_000010").is_dir(), saves
     cfg = yaml.safe_load((runs["hpz_offload"] / "config.yaml").read_text())
     assert cfg["reshard_after_forward"] == 1 and cfg["offload"] is True
     fp16 = read_metrics(runs["fp16"] / "metrics.jsonl")
@@ -323,7 +337,6 @@ def test_tp_combinations_that_cannot_run_are_refused_before_launch(tmp_path, cap
         (["--tp", "2", "--model-override", "n_kv_heads=1"], "--tp 2 must divide the model's n_kv_heads=1"),
         (["--tp", "2", "--strategy", "no_shard"], "tensor parallelism runs with strategy full, grad_op or hybrid"),
         (["--tp", "2", "--strategy", "hybrid", "--shard-size", "1"], "tp 2 must divide the ranks of a replica (1"),
-        (["--tp", "2", "--async-checkpoint"], "not supported with --async-checkpoint"),
     )  # fmt: skip
     for flags, expected in cases:
         assert expected in refused_one_line(capsys, tmp_path, *TINY, *flags), flags

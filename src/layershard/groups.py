@@ -22,6 +22,9 @@ Who calls, in which order:
   the same name; torch 2.13.) hpZ and hybrid groups are made over the default group only
   (strategy.py refuses others): an NCCL group is split from the default group's communicator,
   which every rank of it must join.
+- A tensor-parallel model over a data-parallel subgroup checkpoints over every rank of the world
+  (``tensor.checkpoint_group``): the group of its asynchronous saves spans the world, made as a
+  subgroup's are, by every rank, which agree on the count over the world first.
 
 When a group goes:
 
@@ -137,22 +140,29 @@ class Groups:
                 if me in ranks:
                     mine = group
             return mine
-        self._check_names()
+        members = {r for ranks in partition for r in ranks}
+        if members <= set(self.ranks):
+            self._check_names(self.parent)
+        else:  # a TP model's checkpoint group: every rank of the world makes it (see above)
+            assert len(members) == dist.get_world_size(), "beyond the model's ranks: the world"
+            self._check_names(dist.group.WORLD)
         for ranks in partition:  # this rank's group only
             if me in ranks:
                 return dist.new_group(ranks, backend=backend, use_local_synchronization=True)
         return None
 
-    def _check_names(self) -> None:
-        """The ranks agree on the number torch names their next group by (see above)."""
+    def _check_names(self, group: dist.ProcessGroup | None) -> None:
+        """The ranks of ``group`` agree on the number torch names their next group by (see
+        above)."""
         gc.collect()
         names = getattr(getattr(c10d, "_world", None), "pg_names", None)
         if names is None:  # a torch that keeps no such registry: nothing to compare
             return
-        counts: list = [None] * len(self.ranks)
-        dist.all_gather_object(counts, len(names), group=self.parent)
+        ranks = dist.get_process_group_ranks(group) if group is not None else self.ranks
+        counts: list = [None] * len(ranks)
+        dist.all_gather_object(counts, len(names), group=group)
         if len(set(counts)) > 1:
-            held = ", ".join(f"rank {r}: {n}" for r, n in zip(self.ranks, counts))
+            held = ", ".join(f"rank {r}: {n}" for r, n in zip(ranks, counts))
             raise RuntimeError(
                 f"layershard: the ranks of this process group hold different numbers of process "
                 f"groups ({held}); torch names a group made by some ranks only after that number, "

@@ -232,10 +232,13 @@ def _stop(group: dist.ProcessGroup, destroy: Callable[[], None]) -> None:
     bg.executor.shutdown(wait=False)
 
 
-def _background(model) -> _Background:
-    """``model``'s background saves; the first call makes their group (collective)."""
+def _background(model, everyone: dist.ProcessGroup | None) -> _Background:
+    """``model``'s background saves over the ranks of ``everyone`` (the model's, or the whole
+    world of a tensor-parallel model: ``tensor.checkpoint_group``); the first call makes their
+    group (collective over those ranks)."""
     groups = model.sharding.groups
-    group = groups.make("async-save", [groups.ranks], "gloo", closer=_stop)
+    ranks = dist.get_process_group_ranks(everyone) if everyone is not None else groups.ranks
+    group = groups.make("async-save", [ranks], "gloo", closer=_stop)
     assert group is not None  # this rank is one of the model's
     if group not in _BACKGROUND:
         _BACKGROUND[group] = _Background(group)
@@ -349,18 +352,13 @@ def save_checkpoint(
 
     ``async_save=True`` copies the state (to pinned CPU memory on CUDA) and returns an
     :class:`AsyncCheckpoint` at once; ``torch.distributed.checkpoint.async_save`` writes it in a
-    background thread over a gloo group of the same ranks (made by the first asynchronous save:
-    a collective of the model's ranks, ``layershard.groups``), then the manifest and the
-    publication follow, with the same crash safety. One save per model is in flight: a new save
-    (either kind) waits for it.
+    background thread over a gloo group of the same ranks, every rank for a tensor-parallel model
+    (made by the first asynchronous save: a collective of those ranks, ``layershard.groups``),
+    then the manifest and the publication follow, with the same crash safety. One save per model
+    is in flight: a new save (either kind) waits for it.
     """
     t0 = time.perf_counter()
     everyone = tensor.checkpoint_group(model, "save_checkpoint()")  # every rank of a TP model
-    if async_save and everyone is not model.process_group:
-        raise NotImplementedError(
-            "save_checkpoint(async_save=True): not supported yet for a tensor-parallel model; "
-            "save with async_save=False"
-        )
     final = Path(path).absolute()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint(keep_last={keep_last}): must be at least 1")
@@ -369,7 +367,7 @@ def save_checkpoint(
     extra = jsonable(extra, "save_checkpoint(extra=...)")
     run_config = jsonable(run_config, "save_checkpoint(run_config=...)")
     wait_for_pending_save(model)
-    bg = _background(model) if async_save else None
+    bg = _background(model, everyone) if async_save else None
     group = everyone if bg is None else bg.group  # where DCP writes
     save = _Save(final, keep_last, everyone, group)
     ph = save.phases

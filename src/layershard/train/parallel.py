@@ -7,10 +7,10 @@ mesh out) compute one batch together: the data is split over the ``world / tp`` 
 ranks (``data_rank``). ``--strategy hybrid`` replicates over nodes (``shard_size`` ranks per
 replica, split ``tp`` ways: HSDP x TP). With ``--ep`` too (the built-in MoE), the attention is
 TP and the experts EP (each TP rank sends its share of the shared tokens: parallel/expert.py).
-What ``--tp`` does not run with yet is refused in one line: strategy no_shard,
-``--async-checkpoint`` (``save_checkpoint(async_save=True)`` refuses a TP model) and
-``--qlora``. Checkpoints, ``--resume``, ``--init-from`` and the ``final/`` export work as without TP
-(checkpoint/boxes.py). The model is built whole on every rank (never on the meta device): TP
+What ``--tp`` does not run with yet is refused in one line: strategy no_shard and ``--qlora``.
+Checkpoints (``--async-checkpoint`` too), ``--resume``, ``--init-from``, the ``final/`` export
+and Muon work as without TP (checkpoint/boxes.py, optim/muon.py). The model is built whole on
+every rank (never on the meta device): TP
 splits materialized weights.
 """
 
@@ -35,8 +35,6 @@ def check_parallel(cfg: Any) -> None:
     if cfg.tp == 1:
         return
     refused = (  # what --tp does not run with yet: (flag, given, why)
-        ("--async-checkpoint", cfg.async_checkpoint,
-         "an asynchronous save of a tensor-parallel model is not supported yet"),
         ("--qlora", cfg.qlora, "4-bit QLoRA has no tensor-parallel plan"),
     )  # fmt: skip
     for flag, given, why in refused:
