@@ -30,8 +30,9 @@ class ShardingPlugin:
     loaders are split over ``world / N``) and ``ep=N`` (a MoE's experts split over N ranks) shard
     through ``ls.parallelize``; both together split a MoE's attention over TP and its experts
     over EP; with ``strategy="hybrid"`` each ``shard_size`` ranks (default: a node's) hold one
-    replica (HSDP x TP / EP). A tensor-parallel model's ``save_model`` writes whole tensors; its ``save_state``
-    (Trainer's checkpoints) is ``ls.save_checkpoint``'s, which resumes at any layout.
+    replica (HSDP x TP / EP). A tensor-parallel model's ``save_model`` writes whole tensors; its
+    ``save_state`` (Trainer's checkpoints) is ``ls.save_checkpoint``'s, which resumes at any
+    layout.
 
     ``mixed_precision=None`` follows accelerate / ``TrainingArguments``: ``bf16=True`` computes in
     bf16 (``ls.MixedPrecision(torch.bfloat16)``, fp32 reduction), ``fp16=True`` in fp16 with an
