@@ -23,8 +23,15 @@ Which function initializes which module, and in what order:
   ``model.modules()`` order: a model whose modules draw their random numbers only there (such as
   ``layershard.models.LlamaForCausalLM``) comes out bitwise equal to eager construction.
 
+Tensor parallelism (a model parallelized on meta: ``DTensor`` parameters over meta local tensors):
+while its module's init runs, a DTensor parameter is a plain tensor of its whole (global) shape,
+so every init above sees ordinary tensors and draws the random numbers of the same model without
+TP; ``_store`` keeps this rank's TP part of it (``tensor.local_of_full``, a slice of the CPU
+tensor) and its slice of that. The model then equals the model built without TP and parallelized
+afterwards, bit for bit, whichever init it took.
+
 Memory: a block is materialized while its subtree is initialized, its slices are stored and its
-full tensors dropped before the next block starts. Every tensor outside the blocks (embeddings,
+full tensors (whole, not TP parts, under TP) dropped before the next block starts. Every tensor outside the blocks (embeddings,
 LM head, final norms, positional tables, parameters owned above the blocks, tied parameters) stays
 materialized from its module's init to the end, because any ancestor, down to the root, may still
 write to it (T5's root re-initializes ``shared``). At any moment a rank holds, besides its shards:
@@ -71,18 +78,14 @@ def fill_shards(
 ) -> None:
     """Copy this rank's slice of every parameter of ``model`` into its flat shard.
 
-    Parameters on the meta device are materialized and initialized first, unit by unit (see the
-    module docstring); their modules get the original meta parameters back. Module buffers on meta
+    Parameters on the meta device (DTensors of meta tensors too) are materialized and
+    initialized first, unit by unit (see the module docstring); their modules get the original
+    meta parameters back. Module buffers on meta
     are materialized on the CPU, initialized and left in the modules. ``device`` is where the shards
     live; the values are computed on the CPU regardless and copied slice by slice.
     """
     del device  # the shards already live there; init always runs on the CPU (see above)
     if any(t.is_meta for m in model.modules() for t in _own_tensors(m)):
-        if any(tensor.info(p) is not None for spec in specs for p, _ in spec.params):
-            raise NotImplementedError(
-                "shard(): a tensor-parallel model (DTensor parameters) on the meta device is "
-                "not supported yet: materialize it (to_empty, then init) before ls.shard()"
-            )
         _Materializer(model, specs, slot_of, param_init_fn).run()
     for spec in specs:
         for p, _ in spec.params:
@@ -311,7 +314,8 @@ class _Materializer:
                 raise ValueError(self._unwritten_message(uses[0].name))
             self.watched.discard(t.untyped_storage().data_ptr())
             f, slot = self.slot_of[id(p)]
-            f.copy_from_full(slot, t)
+            tp = tensor.info(p)  # a meta DTensor: its init ran on the whole tensor
+            f.copy_from_full(slot, t if tp is None else tensor.local_of_full(tp, t))
             self.live -= t.numel() * t.element_size()
 
     def _unwritten_message(self, name: str) -> str:

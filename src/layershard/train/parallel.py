@@ -9,8 +9,9 @@ EP (each TP rank sends its share of the shared tokens: parallel/expert.py). What
 not run with yet is refused in one line: strategies other than full / grad_op,
 ``--async-checkpoint`` (``save_checkpoint(async_save=True)`` refuses a TP model), ``--qlora`` and
 Muon. Checkpoints, ``--resume``, ``--init-from`` and the ``final/`` export work as without TP
-(checkpoint/boxes.py). The model is built whole on every rank (never on the meta device): TP
-splits materialized weights.
+(checkpoint/boxes.py). A preset of 1B+ parameters starts on the meta device under ``--tp`` too
+(``modeling.starts_on_meta``): ``ls.parallelize`` applies the TP plan to the meta model and
+``shard()`` materializes it one unit at a time, each rank keeping its TP part's slice.
 """
 
 from __future__ import annotations
