@@ -32,14 +32,14 @@ a slice of the CPU tensor, or its experts) and its slice of that. The model then
 built without TP or EP and parallelized afterwards, bit for bit, whichever init it took.
 
 Memory: a block is materialized while its subtree is initialized, its slices are stored and its
-full tensors (whole: not TP parts, all experts) dropped before the next block starts. Every tensor outside the blocks (embeddings,
-LM head, final norms, positional tables, parameters owned above the blocks, tied parameters) stays
-materialized from its module's init to the end, because any ancestor, down to the root, may still
-write to it (T5's root re-initializes ``shared``). At any moment a rank holds, besides its shards:
-the full tensors of the units outside the blocks initialized so far, plus those of one block;
-meta stand-ins for tied names cost nothing. (A unit outside the blocks is whatever find_units makes
-it: T5's whole decoder when the encoder's blocks are the ``layers``.) Module buffers are
-materialized whole and stay (they are not sharded).
+full tensors (whole: not TP parts, all experts) dropped before the next block starts. Every tensor
+outside the blocks (embeddings, LM head, final norms, positional tables, parameters owned above the
+blocks, tied parameters) stays materialized from its module's init to the end, because any
+ancestor, down to the root, may still write to it (T5's root re-initializes ``shared``). At any
+moment a rank holds, besides its shards: the full tensors of the units outside the blocks
+initialized so far, plus those of one block; meta stand-ins for tied names cost nothing. (A unit
+outside the blocks is whatever find_units makes it: T5's whole decoder when the encoder's blocks
+are the ``layers``.) Module buffers are materialized whole and stay (they are not sharded).
 
 An init that touches a block already stored (a parent above the blocks rescaling a block's weight)
 raises instead of writing into a meta tensor, and so does a tensor that no init wrote to at all
@@ -81,9 +81,9 @@ def fill_shards(
 
     Parameters on the meta device (DTensors of meta tensors too) are materialized and
     initialized first, unit by unit (see the module docstring); their modules get the original
-    meta parameters back. Module buffers on meta
-    are materialized on the CPU, initialized and left in the modules. ``device`` is where the shards
-    live; the values are computed on the CPU regardless and copied slice by slice.
+    meta parameters back. Module buffers on meta are materialized on the CPU, initialized and left
+    in the modules. ``device`` is where the shards live; the values are computed on the CPU
+    regardless and copied slice by slice.
     """
     del device  # the shards already live there; init always runs on the CPU (see above)
     if any(t.is_meta for m in model.modules() for t in _own_tensors(m)):
