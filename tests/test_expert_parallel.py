@@ -641,6 +641,42 @@ def tp2_ep2_checkpoint_across_layouts(rank: int, world: int) -> None:
         assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), sorted(a)
 
 
+@checks.check
+def meta_ep_equals_eager(rank: int, world: int) -> None:
+    """A MoE built on the meta device and ``ls.parallelize``d there (EP 2 x efsdp 2, and TP 2 x
+    EP 2): each expert layer is initialized whole (all experts, as without EP) and each rank
+    keeps its own experts (engine/init.py). The built-in MoE equals its eager build, bit for bit
+    (whole weights, two AdamW steps' losses); transformers' Mixtral equals its meta build sharded
+    without EP (HF's init). Before, each EP rank drew the same numbers for its own experts and
+    every tensor after the first expert layer differed from the eager build."""
+    for tp in (1, 2):
+        eager = ls.parallelize(tiny_moe(seed=3), tp=tp, ep=EP)
+        with torch.device("meta"):  # tiny_moe seeds the CPU generator; shard() draws
+            meta = tiny_moe(seed=3)
+        lazy = ls.parallelize(meta, tp=tp, ep=EP)
+        a, b = lazy.full_state_dict(rank0_only=False), eager.full_state_dict(rank0_only=False)
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a), tp
+        losses = []
+        for model in (lazy, eager):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            group = model.process_group  # the dense data-parallel group: its own batch
+            for batch in batches(2):
+                x = local(batch, dist.get_rank(group), dist.get_world_size(group))
+                loss = lm_loss(model, x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        assert all(torch.equal(x, y) for x, y in zip(losses[:2], losses[2:], strict=True)), tp
+    with torch.device("meta"):
+        plain, split = tiny_mixtral(), tiny_mixtral()
+    torch.manual_seed(5)
+    want = ls.shard(plain).full_state_dict(rank0_only=False)
+    torch.manual_seed(5)
+    got = _ep2(split).full_state_dict(rank0_only=False)
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in got)
+
+
 checks2 = RankChecks(world_size=2, suffix="_ws2")
 
 

@@ -16,6 +16,7 @@ re-wrapped at bind)."""
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from _parity import (
     EPS,
     LOSS_RTOL,
     LR,
+    TINY,
     TP_ORDERS,
     batches,
     clone,
@@ -89,15 +91,15 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def hf_llama():
-    """A tiny transformers Llama (untied), the built-in tiny Llama's shape."""
+def hf_llama(tied: bool = False):
+    """A tiny transformers Llama (untied unless ``tied``), the built-in tiny Llama's shape."""
     import transformers
 
     torch.manual_seed(3)
     cfg = transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(cfg)
 
@@ -427,9 +429,8 @@ def _frozen_offload(rank: int, world: int) -> None:
 
 def _refusals(rank: int, world: int) -> None:
     """What is not supported yet says so in one line: an asynchronous checkpoint save of a TP
-    model (test_tp_checkpoint.py: the synchronous ones), a TP model on the meta device; and a
-    data-parallel group that crosses the TP mesh (its gathers would mix different TP parts) is
-    refused."""
+    model (test_tp_checkpoint.py: the synchronous ones); and a data-parallel group that crosses
+    the TP mesh (its gathers would mix different TP parts) is refused."""
     model, *_ = _tp_model(tiny_llama(), world)
     with pytest.raises(NotImplementedError, match=r"async_save=True.*tensor-parallel"):
         ls.save_checkpoint(shared_tmp("ckpt"), model, async_save=True)
@@ -440,11 +441,6 @@ def _refusals(rank: int, world: int) -> None:
         ls.shard(tiny_llama(), mesh=mesh, process_group=dist.group.WORLD)
     with pytest.raises(ValueError, match=r"\('dp_shard', 'tp'\) or"):
         ls.shard(tiny_llama(), mesh=mesh)  # no data-parallel dim
-    alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
-    with torch.device("meta"):
-        meta = tiny_llama()
-    with pytest.raises(NotImplementedError, match="meta device"):
-        ls.shard(parallelize_llama(meta, mesh), process_group=alone[rank])
 
 
 def _bf16(rank: int, world: int) -> None:
@@ -560,6 +556,136 @@ def _parallelize(rank: int, world: int) -> None:
         raise AssertionError("ep on a dense model was not refused")
 
 
+# ---- a TP model built on the meta device (engine/init.py) ----
+
+
+class _Peak(logging.Handler):
+    """The meta init's peak of whole tensors materialized (init.py logs it)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.bytes: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "peak_bytes"):
+            self.bytes.append(record.peak_bytes)
+
+
+def _same_run(lazy, eager, world: int) -> None:
+    """Two sharded TP models hold the same local shards and whole weights, bit for bit, and two
+    AdamW steps give both the same losses and weights, bit for bit."""
+    a, b = dict(lazy.named_parameters()), dict(eager.named_parameters())
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for model in (lazy, eager):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for batch in batches(2):
+            loss = lm_loss(model, local(batch, dist.get_rank(model.process_group), world // TP))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        model.losses = losses
+    assert all(torch.equal(x, y) for x, y in zip(lazy.losses, eager.losses, strict=True))
+    a, b = lazy.full_state_dict(rank0_only=False), eager.full_state_dict(rank0_only=False)
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _meta_llama(rank: int, world: int) -> None:
+    """The built-in Llama built on the meta device, ``ls.parallelize(tp=2)``d there (DTensors
+    of meta tensors) and sharded: ``shard()`` initializes each TP weight whole, then keeps the
+    rank's TP part of it, so the model is the eager build's parallelized, bit for bit (local
+    shards, full_state_dict, two AdamW steps), untied and tied (embedding and head stay
+    replicated under the plan). Memory: the whole tensors of one block at a time."""
+    init_log = logging.getLogger("layershard.engine.init")
+    for tied in (False, True):
+        eager = ls.parallelize(tiny_llama(seed=3, tie_embeddings=tied), tp=TP)
+        with torch.device("meta"):  # seeds the CPU generator, draws nothing: shard() draws
+            meta = tiny_llama(seed=3, tie_embeddings=tied)
+        peak = _Peak()
+        init_log.addHandler(peak)
+        init_log.setLevel(logging.DEBUG)
+        try:
+            lazy = ls.parallelize(meta, tp=TP)
+        finally:
+            init_log.removeHandler(peak)
+        wq = next(
+            s for f in lazy.flat_params for s in f.slots if s.name == "layers.0.attn.wq.weight"
+        )
+        assert wq.tp is not None and wq.shape == (16, 32)
+        _same_run(lazy, eager, world)
+        sizes: dict[str, int] = {}
+        for name, p in tiny_llama(tie_embeddings=tied).named_parameters():
+            unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "outside"
+            sizes[unit] = sizes.get(unit, 0) + p.numel() * p.element_size()
+        outside = sizes.pop("outside")
+        (top,) = peak.bytes  # a block's whole tensors, not its TP parts
+        assert max(sizes.values()) <= top <= outside + max(sizes.values()), (top, sizes)
+
+
+def _local_of_full(rank: int, world: int) -> None:
+    """``local_of_full`` (meta init, load_full_state_dict) slices the whole tensor where it lies
+    as ``distribute_tensor`` splits it, uneven and empty parts included (3 rows over 4 ranks)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
+    two_d = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
+    for tp_mesh in (init_device_mesh("cpu", (world,)), two_d["tp"]):
+        for placement in (Shard(0), Shard(1), Replicate()):
+            spec = tensor.TPInfo(tp_mesh, (placement,), full.shape, full.stride())
+            want = distribute_tensor(full, tp_mesh, [placement], src_data_rank=None).to_local()
+            got = tensor.local_of_full(spec, full)
+            assert got.shape == want.shape and torch.equal(got, want), (placement, got, want)
+
+
+def _meta_hf(rank: int, world: int) -> None:
+    """A transformers Llama with a tied embedding and head (``base_model_tp_plan`` leaves them
+    replicated), built on the meta device, parallelized there by its plan and sharded with
+    ``ls.shard(mesh=...)``: HF's init contract draws the same numbers as the same meta model
+    sharded without TP (the whole weights, bit for bit); and it runs as that model's weights
+    loaded eagerly, parallelized and sharded (local shards, two AdamW steps, bit for bit)."""
+    mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
+    with torch.device("meta"):
+        plain_meta, tp_meta = hf_llama(tied=True), hf_llama(tied=True)
+    torch.manual_seed(5)
+    weights = ls.shard(plain_meta).full_state_dict(rank0_only=False)
+    torch.manual_seed(5)
+    lazy = ls.shard(parallelize_hf(tp_meta, mesh["tp"]), mesh=mesh)
+    full = lazy.full_state_dict(rank0_only=False)
+    assert list(full) == list(weights) and all(torch.equal(full[k], weights[k]) for k in full)
+    assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
+    eager = hf_llama(tied=True)
+    eager.load_state_dict(weights)
+    _same_run(lazy, ls.shard(parallelize_hf(eager, mesh["tp"]), mesh=mesh), world)
+
+
+def _meta_train(rank: int, world: int) -> None:
+    """``layershard train --tp 2``'s build on the meta device (train/modeling.py
+    ``build_model(meta=True)``, then train/parallel.py ``shard_model``: ``ls.parallelize``) of
+    a preset equals its eager build, bit for bit."""
+    from layershard.train.config import resolve
+    from layershard.train.modeling import build_model, model_spec, shard_options
+    from layershard.train.parallel import shard_model
+
+    cfg = resolve({"tp": TP, "model_overrides": {"dim": 64, "n_layers": 2, "max_seq_len": 16}})
+    kind, spec, _ = model_spec(cfg, TINY["vocab_size"])
+    options = shard_options(cfg, "fp32", torch.device("cpu"))
+    lazy, eager = (
+        shard_model(build_model(kind, spec, cfg, meta), cfg, options) for meta in (True, False)
+    )
+    _same_run(lazy, eager, world)
+
+
+def test_big_presets_start_on_meta_with_tp():
+    """``layershard train`` builds a 1B+ preset on the meta device with ``--tp`` too."""
+    from layershard.train.config import resolve
+    from layershard.train.modeling import model_spec, starts_on_meta
+
+    for model, meta in (("tiny", False), ("llama-1b", True)):
+        cfg = resolve({"tp": TP, "model": model})
+        assert starts_on_meta(*model_spec(cfg, 128256)[:2]) == meta, model  # Llama 3 vocab
+
+
 checks2.check(_full, "full_matches_one_process")
 checks2.check(_bf16, "bf16_as_close_as_without_tp")
 checks2.check(_norm_control, "replicated_counted_tp_times_is_caught")
@@ -568,6 +694,10 @@ checks2.check(_qwen3_norm_control, "qwen3_norm_grads_not_all_reduced_are_caught"
 checks2.check(_refusals, "unsupported_is_refused")
 checks4.check(_full, "full_matches_one_process")
 checks4.check(_parallelize, "parallelize_tp_equals_the_mesh_by_hand")
+checks4.check(_meta_llama, "meta_llama_equals_eager")
+checks4.check(_local_of_full, "local_of_full_as_distribute_tensor")
+checks4.check(_meta_hf, "meta_hf_equals_meta_without_tp")
+checks4.check(_meta_train, "meta_train_build_equals_eager")
 checks4.check(_grad_op, "grad_op_matches_one_process")
 checks4.check(_hf, "hf_llama_matches_one_process")
 checks4.check(_qwen3, "hf_qwen3_norms_replicated_matches_one_process")

@@ -167,7 +167,8 @@ def shard(
         f, sl = slot_of[id(p)]
         for use in sl.uses:
             use.module._parameters.pop(use.attr, None)
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the full copy
+        if not p.is_meta:  # (a meta DTensor takes no plain tensor as .data, and holds nothing)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the full copy
         _sharded_away[id(p)] = p
     model.to(device)  # module buffers only: parameters are no longer registered
     for fl in storage.flats:

@@ -23,15 +23,23 @@ Which function initializes which module, and in what order:
   ``model.modules()`` order: a model whose modules draw their random numbers only there (such as
   ``layershard.models.LlamaForCausalLM``) comes out bitwise equal to eager construction.
 
+Tensor and expert parallelism (a model parallelized on meta: ``DTensor`` parameters over meta
+local tensors; an expert layer split over EP ranks, each parameter holding this rank's experts):
+while its module's init runs, such a parameter is a plain tensor of its whole shape (the global
+shape; all experts), so every init above sees ordinary tensors and draws the random numbers of
+the same model without TP or EP; ``_store`` keeps this rank's part of it (``_part``: its TP part,
+a slice of the CPU tensor, or its experts) and its slice of that. The model then equals the model
+built without TP or EP and parallelized afterwards, bit for bit, whichever init it took.
+
 Memory: a block is materialized while its subtree is initialized, its slices are stored and its
-full tensors dropped before the next block starts. Every tensor outside the blocks (embeddings,
-LM head, final norms, positional tables, parameters owned above the blocks, tied parameters) stays
-materialized from its module's init to the end, because any ancestor, down to the root, may still
-write to it (T5's root re-initializes ``shared``). At any moment a rank holds, besides its shards:
-the full tensors of the units outside the blocks initialized so far, plus those of one block;
-meta stand-ins for tied names cost nothing. (A unit outside the blocks is whatever find_units makes
-it: T5's whole decoder when the encoder's blocks are the ``layers``.) Module buffers are
-materialized whole and stay (they are not sharded).
+full tensors (whole: not TP parts, all experts) dropped before the next block starts. Every tensor
+outside the blocks (embeddings, LM head, final norms, positional tables, parameters owned above the
+blocks, tied parameters) stays materialized from its module's init to the end, because any
+ancestor, down to the root, may still write to it (T5's root re-initializes ``shared``). At any
+moment a rank holds, besides its shards: the full tensors of the units outside the blocks
+initialized so far, plus those of one block; meta stand-ins for tied names cost nothing. (A unit
+outside the blocks is whatever find_units makes it: T5's whole decoder when the encoder's blocks
+are the ``layers``.) Module buffers are materialized whole and stay (they are not sharded).
 
 An init that touches a block already stored (a parent above the blocks rescaling a block's weight)
 raises instead of writing into a meta tensor, and so does a tensor that no init wrote to at all
@@ -54,7 +62,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from layershard.engine.flat import FlatParam, ParamSlot
+from layershard.engine.flat import FlatParam, ParamSlot, expert_part
 from layershard.engine.units import UnitSpec
 from layershard.parallel import tensor
 
@@ -71,24 +79,39 @@ def fill_shards(
 ) -> None:
     """Copy this rank's slice of every parameter of ``model`` into its flat shard.
 
-    Parameters on the meta device are materialized and initialized first, unit by unit (see the
-    module docstring); their modules get the original meta parameters back. Module buffers on meta
-    are materialized on the CPU, initialized and left in the modules. ``device`` is where the shards
-    live; the values are computed on the CPU regardless and copied slice by slice.
+    Parameters on the meta device (DTensors of meta tensors too) are materialized and
+    initialized first, unit by unit (see the module docstring); their modules get the original
+    meta parameters back. Module buffers on meta are materialized on the CPU, initialized and left
+    in the modules. ``device`` is where the shards live; the values are computed on the CPU
+    regardless and copied slice by slice.
     """
     del device  # the shards already live there; init always runs on the CPU (see above)
     if any(t.is_meta for m in model.modules() for t in _own_tensors(m)):
-        if any(tensor.info(p) is not None for spec in specs for p, _ in spec.params):
-            raise NotImplementedError(
-                "shard(): a tensor-parallel model (DTensor parameters) on the meta device is "
-                "not supported yet: materialize it (to_empty, then init) before ls.shard()"
-            )
         _Materializer(model, specs, slot_of, param_init_fn).run()
     for spec in specs:
         for p, _ in spec.params:
             if not p.is_meta:
                 f, slot = slot_of[id(p)]
                 f.copy_from_full(slot, tensor.local(p))  # a DTensor: its local shard
+
+
+def _whole_shape(p: torch.Tensor) -> torch.Size:
+    """The shape an init sees for parameter ``p``: the whole tensor that this rank holds a part
+    of (a DTensor's global shape; all experts of an expert-parallel layer), as without TP or EP."""
+    part = expert_part(p)
+    return p.shape if part is None else part.whole_shape  # (a DTensor's shape is the global one)
+
+
+def _part(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole``, the initialized ``_whole_shape`` tensor of ``p``: its TP
+    part (a slice on the CPU), or its experts (a contiguous range of the flattened whole)."""
+    tp = tensor.info(p)
+    if tp is not None:
+        return tensor.local_of_full(tp, whole)
+    part = expert_part(p)
+    if part is not None:
+        return whole.reshape(-1)[part.offset : part.offset + p.numel()].view(p.shape)
+    return whole
 
 
 def _hf_pretrained_class():
@@ -269,7 +292,7 @@ class _Materializer:
             found = True
             t = self.values.get(id(p))
             if t is None:
-                t = nn.Parameter(self._empty(p), requires_grad=p.requires_grad)
+                t = nn.Parameter(self._empty(p, _whole_shape(p)), requires_grad=p.requires_grad)
                 self.values[id(p)] = t
                 self.live += t.numel() * t.element_size()
                 self.peak = max(self.peak, self.live)
@@ -281,9 +304,9 @@ class _Materializer:
                 self.buffers.append((_join(self.names.get(id(mod), ""), n), buf))
         return found
 
-    def _empty(self, t: torch.Tensor) -> torch.Tensor:
-        """A CPU tensor like meta tensor ``t``, watched for writes."""
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    def _empty(self, t: torch.Tensor, shape: torch.Size | None = None) -> torch.Tensor:
+        """A CPU tensor like meta tensor ``t`` (of ``shape`` if given), watched for writes."""
+        out = torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device="cpu")
         if out.numel() > 0:
             ptr = out.untyped_storage().data_ptr()
             self.watched.add(ptr)
@@ -311,7 +334,7 @@ class _Materializer:
                 raise ValueError(self._unwritten_message(uses[0].name))
             self.watched.discard(t.untyped_storage().data_ptr())
             f, slot = self.slot_of[id(p)]
-            f.copy_from_full(slot, t)
+            f.copy_from_full(slot, _part(p, t))
             self.live -= t.numel() * t.element_size()
 
     def _unwritten_message(self, name: str) -> str:

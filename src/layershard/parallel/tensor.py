@@ -38,7 +38,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -117,8 +125,13 @@ def full_tensor(tp: TPInfo, t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def local_of_full(tp: TPInfo, full: torch.Tensor) -> torch.Tensor:
-    """This rank's local shard of the whole parameter ``full`` (no communication)."""
-    return distribute_tensor(full, tp.mesh, tp.placements, src_data_rank=None).to_local()
+    """This rank's local shard of the whole parameter ``full``: a view of it where it lies (no
+    communication, and no copy of the whole tensor to the mesh's device, which
+    ``distribute_tensor`` makes: meta init slices whole CPU tensors of a CUDA mesh's model)."""
+    if any(type(p) not in (Shard, Replicate) for p in tp.placements):  # _StridedShard...
+        return distribute_tensor(full, tp.mesh, tp.placements, src_data_rank=None).to_local()
+    shape, offset = compute_local_shape_and_global_offset(full.shape, tp.mesh, tp.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
 
 def check_groups(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> None:

@@ -231,6 +231,17 @@ def check_seq_len(cfg: TrainConfig, max_len: int) -> None:
         )
 
 
+META_PARAMS = 1e9  # a preset this large starts on the meta device
+
+
+def starts_on_meta(kind: str, spec: Any) -> bool:
+    """Does ``layershard train`` build the model on the meta device? Presets of ``META_PARAMS``
+    parameters or more do, with or without ``--tp``: ``shard()`` materializes one unit at a time
+    and each rank keeps only its slice (its TP part's slice under ``--tp``), the weights of an
+    eager build from the same seed (layershard.models' init contract)."""
+    return kind == "preset" and count_params("preset", spec) >= META_PARAMS
+
+
 def build_model(kind: str, spec: Any, cfg: TrainConfig, meta: bool = False) -> nn.Module:
     """The model in fp32 on the CPU (or on the meta device), initialized from ``cfg.seed``.
     ``--init-from`` weights are not read here: ``layershard.load_hf`` reads them after sharding,

@@ -9,9 +9,10 @@ replica, split ``tp`` ways: HSDP x TP). With ``--ep`` too (the built-in MoE), th
 TP and the experts EP (each TP rank sends its share of the shared tokens: parallel/expert.py).
 What ``--tp`` does not run with yet is refused in one line: strategy no_shard and ``--qlora``.
 Checkpoints (``--async-checkpoint`` too), ``--resume``, ``--init-from``, the ``final/`` export
-and Muon work as without TP (checkpoint/boxes.py, optim/muon.py). The model is built whole on
-every rank (never on the meta device): TP
-splits materialized weights.
+and Muon work as without TP (checkpoint/boxes.py, optim/muon.py). A preset of 1B+ parameters
+starts on the meta device under ``--tp`` too (``modeling.starts_on_meta``): ``ls.parallelize``
+applies the TP plan to the meta model and ``shard()`` materializes it one unit at a time, each
+rank keeping its TP part's slice.
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ from layershard.train.faults import StopRequest, attempt
 from layershard.train.modeling import (
     build_model,
     check_seq_len,
-    count_params,
     flops_per_token,
     model_spec,
     peak_flops,
     shard_options,
+    starts_on_meta,
 )
 from layershard.train.optimizer import lr_at, param_groups
 from layershard.train.parallel import data_rank, shard_model
@@ -91,10 +91,7 @@ class Trainer:
         on_gpu = device.type == "cuda"
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if on_gpu else "fp32")
         self.precision = precision
-        # Presets of 1B+ parameters start on the meta device: shard() materializes only each
-        # rank's slice (the init contract of layershard.models makes that equal to eager init).
-        # TP splits materialized weights: under --tp the model is built whole on every rank.
-        meta = self.kind == "preset" and count_params("preset", self.spec) >= 1e9 and cfg.tp == 1
+        meta = starts_on_meta(self.kind, self.spec)
         if cfg.qlora:  # the 4-bit base read here, quantized while loading (train/qlora.py)
             model = build_qlora(cfg, precision, device)
         else:
