@@ -35,7 +35,12 @@ from layershard.engine.model_checks import (
     layout,
 )
 from layershard.engine.precision import FULL_PRECISION, MixedPrecision
-from layershard.engine.quantized import check_quantized, disable_cpu_repacking, is_packed
+from layershard.engine.quantized import (
+    check_quantized,
+    disable_cpu_repacking,
+    is_packed,
+    release,
+)
 from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import CPUOffload, Sharding
 from layershard.engine.strategy import resolve as resolve_strategy
@@ -168,7 +173,7 @@ def shard(
         for use in sl.uses:
             use.module._parameters.pop(use.attr, None)
         if not p.is_meta:  # (a meta DTensor takes no plain tensor as .data, and holds nothing)
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the full copy
+            release(p)  # free the full copy
         _sharded_away[id(p)] = p
     model.to(device)  # module buffers only: parameters are no longer registered
     for fl in storage.flats:

@@ -191,7 +191,7 @@ def _make_flats(
         ]
         if group:
             world = experts[0] if expert else shard[0]
-            how = [Packed.of(p) if packed else None for p, _ in group]
+            how = [Packed.of(p, device) if packed else None for p, _ in group]
             numels = [
                 tensor.local_shape(p).numel() if k is None else k.carrier_numel(carrier)
                 for (p, _), k in zip(group, how)

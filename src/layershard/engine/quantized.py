@@ -1,4 +1,5 @@
-"""Frozen 4-bit weights (bitsandbytes ``Params4bit``, NF4 or FP4): stored as their packed bytes.
+"""Frozen 4-bit weights (bitsandbytes ``Params4bit``, NF4 or FP4; torchao ``NF4Tensor``): stored as
+their packed bytes.
 
 A QLoRA model's base weights are packed 4-bit codes (two per byte) plus a quantization state
 (``absmax`` per block of 64, the code book, with double quantization ``absmax`` in 8 bits and its
@@ -18,6 +19,21 @@ would save that fraction per rank but must rebind the state's tensors for every 
 backward reads the state from the autograd context (``MatMul4Bit`` keeps the state object, not its
 tensors), so it must stay valid from forward to backward. Kept whole, it is.
 
+Note: torchao's ``NF4Tensor`` (torchtune's QLoRA: a Linear whose weight is one, computing
+``linear_nf4(x, weight)``) is the same design: its ``quantized_data`` (uint8, two codes per byte)
+goes into the packed flat group, and its state (``quantized_scalers``: int8 per block of 64,
+``quantization_factor`` per scaler block, ``scaler_mean``, the 16-entry ``nf4`` code book, block
+sizes, shape and stride: ~1/32 of the bytes at torchtune's block sizes) stays whole on every rank.
+At each bind the weight is an ``NF4Tensor`` built over the slot's bytes (``__tensor_unflatten__``
+with the gathered view as ``quantized_data``: no copy, nothing dequantized but by ``linear_nf4``
+per matmul). torchtune under FSDP2 shards each NF4 tensor along dim 0 instead (its
+``fsdp_pre_all_gather`` gathers bytes, scalers and factors as three tensors, which needs the row
+count to split into whole scaler blocks per rank); here a unit's weights are one flat buffer split
+anywhere, so the bytes, which need no alignment to blocks, are split and the state, which would,
+is not. ``LinearNF4`` saves the weight with ``save_for_backward``: the saved-tensor hooks keep it
+as a detached ``NF4Tensor`` over the same slot storage, which the engine gathers the unit into
+again before its backward reads it (the next note), as for ``MatMul4Bit``.
+
 Note: ``MatMul4Bit`` keeps the weight view in its autograd context (not a saved tensor), so its
 backward reads the unit's gather slot: the engine gathers the unit again before its backward
 (invariant 3), into the same slot (invariant 1). A unit larger than a block (storage allocated per
@@ -29,7 +45,7 @@ leave that view on old storage: both are refused or raise (``check_quantized``,
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,23 +59,86 @@ def params4bit_class() -> type | None:
     return getattr(mod, "Params4bit", None) if mod is not None else None
 
 
+# where torchao defines NF4Tensor: 0.18's module, then the one of earlier releases
+_NF4_MODULES = (
+    "torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
+    "torchao.dtypes.nf4tensor",
+)
+
+
+def nf4_classes() -> list[type]:
+    """torchao's ``NF4Tensor`` classes among the modules imported (never imported here)."""
+    mods = (sys.modules.get(name) for name in _NF4_MODULES)
+    return [c for m in mods if m is not None and (c := getattr(m, "NF4Tensor", None)) is not None]
+
+
+def is_nf4(p: torch.Tensor) -> bool:
+    return any(isinstance(p, c) for c in nf4_classes())
+
+
 def is_packed(p: torch.Tensor) -> bool:
+    """A frozen 4-bit weight stored as its packed bytes: bitsandbytes or torchao NF4."""
     cls = params4bit_class()
-    return cls is not None and isinstance(p, cls)
+    return (cls is not None and isinstance(p, cls)) or is_nf4(p)
+
+
+@dataclass
+class NF4State:
+    """What an ``NF4Tensor`` holds besides its bytes, whole: its class, the tensors of its
+    state and the metadata of ``__tensor_flatten__`` (block sizes, shape, stride, dtype)."""
+
+    cls: Any  # NF4Tensor
+    inner: dict[str, torch.Tensor]
+    meta: Any
+    size: torch.Size
+    stride: tuple[int, ...]
+
+    @staticmethod
+    def of(p: Any, device: torch.device) -> NF4State:  # an NF4Tensor: torch's stubs lack it
+        names, meta = p.__tensor_flatten__()
+        inner = {n: getattr(p, n).to(device) for n in names if n != "quantized_data"}
+        tmeta = meta.get("tensor_meta")
+        if getattr(tmeta, "device", device) != device:  # a dataclass (SubclassTensorArgs)
+            meta = {**meta, "tensor_meta": replace(tmeta, device=device)}
+        return NF4State(type(p), inner, meta, p.size(), p.stride())
+
+    def wrap(self, data: torch.Tensor) -> torch.Tensor:
+        """The ``NF4Tensor`` whose bytes are ``data`` (a view of a gather slot: not copied)."""
+        inner = {**self.inner, "quantized_data": data}
+        return self.cls.__tensor_unflatten__(inner, self.meta, self.size, self.stride)
+
+
+def packed_bytes(p: Any) -> torch.Tensor:
+    """The tensor holding ``p``'s packed bytes: an ``NF4Tensor``'s ``quantized_data``, else
+    ``p`` (a ``Params4bit``, or bytes as ``full_state_dict`` gives them)."""
+    return p.quantized_data if is_nf4(p) else p
+
+
+def release(p: Any) -> None:
+    """Free the full copy of an original parameter that ``shard()`` has stored."""
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    if is_nf4(p):  # its bytes live in an attribute, not in its (wrapper) storage
+        p.quantized_data = torch.empty(0, dtype=torch.uint8, device=p.device)
 
 
 @dataclass
 class Packed:
     """A 4-bit weight's bytes: its shape and dtype as stored, its byte count, and the
-    quantization state (whole, shared by every view)."""
+    quantization state (whole, shared by every view): a bitsandbytes ``QuantState``, or the
+    state of an ``NF4Tensor`` (``nf4``)."""
 
     shape: torch.Size
     dtype: torch.dtype
     nbytes: int
     quant_state: Any
+    nf4: NF4State | None = None
 
     @staticmethod
-    def of(p: torch.Tensor) -> Packed:
+    def of(p: Any, device: torch.device | None = None) -> Packed:
+        if is_nf4(p):
+            data = p.quantized_data
+            state = NF4State.of(p, device if device is not None else data.device)
+            return Packed(data.shape, data.dtype, data.numel() * data.element_size(), None, state)
         state = getattr(p, "quant_state")  # noqa: B009 - a Params4bit attribute torch's stubs lack
         return Packed(p.shape, p.dtype, p.numel() * p.element_size(), state)
 
@@ -70,7 +149,7 @@ class Packed:
 
     def to_carrier(self, p: torch.Tensor, carrier: torch.dtype) -> torch.Tensor:
         """``p``'s bytes as a 1-D tensor of the carrier dtype (a copy, zero-padded)."""
-        raw = p.detach().contiguous().reshape(-1).view(torch.uint8)
+        raw = packed_bytes(p).detach().contiguous().reshape(-1).view(torch.uint8)
         size = torch.empty(0, dtype=carrier).element_size()
         out = torch.zeros(self.carrier_numel(carrier) * size, dtype=torch.uint8, device=p.device)
         out[: self.nbytes].copy_(raw)
@@ -82,7 +161,10 @@ class Packed:
 
 
 def attach_state(t: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """What ``Linear4bit.forward`` reads from its weight besides the bytes."""
+    """The weight a module computes with, from its bytes ``t``: for bitsandbytes ``t`` with what
+    ``Linear4bit.forward`` reads besides the bytes; for torchao the ``NF4Tensor`` over ``t``."""
+    if packed.nf4 is not None:
+        return packed.nf4.wrap(t)
     t.quant_state = packed.quant_state  # type: ignore[attr-defined]
     return t
 
@@ -101,12 +183,21 @@ def check_quantized(specs: list, largest_block_numel: int | None = None) -> None
             if not is_packed(p):
                 continue
             name = uses[0].name
+            kind = "torchao NF4" if is_nf4(p) else "bitsandbytes"
             if p.requires_grad:
                 raise ValueError(
-                    f"shard(): {name} is a 4-bit (bitsandbytes) weight with requires_grad=True; "
+                    f"shard(): {name} is a 4-bit ({kind}) weight with requires_grad=True; "
                     "4-bit weights are frozen (no gradient, no optimizer state): freeze the base "
-                    "and train adapters (peft.get_peft_model with a LoraConfig) before ls.shard()"
+                    "and train adapters (peft.get_peft_model with a LoraConfig, or LoRA beside "
+                    "torchtune's frozen NF4 linears) before ls.shard()"
                 )
+            if is_nf4(p):
+                if p.quantized_data.is_meta:
+                    raise ValueError(
+                        f"shard(): {name} is a torchao NF4Tensor on the meta device; quantize "
+                        "materialized weights (to_nf4) before ls.shard()"
+                    )
+                continue
             if p.is_meta or not getattr(p, "bnb_quantized", False) or p.quant_state is None:
                 raise ValueError(
                     f"shard(): {name} is a bitsandbytes Params4bit that is not quantized yet; "

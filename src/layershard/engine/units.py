@@ -241,8 +241,8 @@ class Unit:
         """Make the modules' weight attributes resolve to ``tensors`` (plain tensors, which
         shadow the registered slices while bound)."""
         for slot, t in zip(self.param_slots, tensors):
-            if slot.packed is not None:  # Linear4bit.forward reads weight.quant_state
-                attach_state(t, slot.packed)
+            if slot.packed is not None:  # weight.quant_state, or the NF4Tensor over the bytes
+                t = attach_state(t, slot.packed)
             if slot.tp is not None:  # the DTensor over the local shard (parallel/tensor.py)
                 t = tensor.wrap(slot.tp, t)
             for use in slot.uses:

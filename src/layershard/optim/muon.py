@@ -231,7 +231,7 @@ class Muon(torch.optim.Optimizer):
             on_base = [n for n in muon_params if n in set(base)]
             if on_base:
                 raise ValueError(
-                    f"Muon(muon_params=...): {on_base[:3]} are frozen 4-bit (bitsandbytes) "
+                    f"Muon(muon_params=...): {on_base[:3]} are frozen 4-bit (bitsandbytes, torchao NF4) "
                     "weights: no optimizer steps them; Muon can step the adapters (the default "
                     "takes every trainable 2-D weight of the blocks)"
                 )
