@@ -29,14 +29,17 @@ def test_train_qlora_from_a_model_folder(tmp_path):
     base = tmp_path / "base"  # a model folder with its tokenizer.json, as --init-from reads
     args = ["--steps", "1", "--eval-interval", "0", *TINY]
     assert train_main(["--run-dir", str(base), "--hf-config", str(tmp_path / "hf"), *args]) == 0
-    run = tmp_path / "qlora"
-    args = ["--steps", "6", "--eval-interval", "0", "--lr", "1e-2", *TINY]
-    assert (
-        train_main(["--run-dir", str(run), "--init-from", str(base / "final"), "--qlora", *args])
-        == 0
-    )
+    run, resumed = tmp_path / "qlora", tmp_path / "resumed"
+    args = ["--steps", "6", "--eval-interval", "0", "--lr", "1e-2", "--checkpoint-interval", "3",
+            "--init-from", str(base / "final"), "--qlora", *TINY]  # fmt: skip
+    assert train_main(["--run-dir", str(run), *args]) == 0
     val = _metric(run, "val_loss")
     assert val[-1] < val[0]  # the adapters learned
+    # stopped after step 3's checkpoint and resumed: steps 4-6 as the uninterrupted run's (the
+    # base read again in 4 bits from --init-from, the adapters and AdamW from the checkpoint)
+    assert train_main(["--run-dir", str(resumed), *args, "--stop-at-step", "3"]) == 0
+    assert train_main(["--run-dir", str(resumed), *args, "--resume"]) == 0
+    assert _metric(resumed, "loss") == _metric(run, "loss")
     files = sorted(p.name for p in (run / "final").iterdir())
     assert "adapter_model.safetensors" in files and not any(f.startswith("model") for f in files)
     four_bit = transformers.AutoModelForCausalLM.from_pretrained(
