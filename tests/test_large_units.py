@@ -285,12 +285,77 @@ def _head_reduction_waited_only_when_needed(rank: int, world: int) -> None:
     assert waited_by == [f"backward of {last_block}"], waited_by
 
 
+def _scratch_sized_for_each_reduction(rank: int, world: int) -> None:
+    """A gradient slot's reduce scratch is allocated at the size the reduction needs and grown
+    by a larger one: the final norm, reduced first in backward, allocated its slot's whole
+    block-sized scratch for a few elements of gradient, on top of the head's reduce-scatter
+    buffers still in flight (issue 32's EP peak)."""
+    model = _untied()
+    held: list[tuple[str, int, int, int]] = []  # (unit, need, storage, largest need so far)
+    doing: list[str] = []
+    reduce_now = model._schedule.reducer._reduce_now
+
+    def tracked_reduce(u, f, pairs):
+        doing.append(u.name)
+        try:
+            reduce_now(u, f, pairs)
+        finally:
+            doing.pop()
+
+    model._schedule.reducer._reduce_now = tracked_reduce
+    for gs in model._schedule.reducer.grad_slots:
+        get_scratch, most = gs.get_scratch, [0]
+
+        def scratch(numel: int, gs=gs, get_scratch=get_scratch, most=most):
+            if gs.scratch is None:  # a new backward: the slot's buffers were freed
+                most[0] = 0
+            most[0] = max(most[0], numel)
+            out = get_scratch(numel)
+            held.append((doing[-1], numel, out.untyped_storage().nbytes() // 4, most[0]))
+            return out
+
+        gs.get_scratch = scratch
+    _train(model, steps=2, rank=rank, world=world)
+    assert any(u == "norm" for u, *_ in held), held
+    assert all(storage == most for _, _, storage, most in held), held
+
+
+def _norm_backward_holds_one_block_slot(rank: int, world: int) -> None:
+    """In the final norm's backward (after the head's, whose reduce-scatter may still be in
+    flight) only the last block's gather slot has its storage back: the block before it is
+    gathered from the last block's backward, after the head's reduce-scatter buffers are freed
+    there. The norm's backward gathered it into the other slot, on top of those buffers (issue
+    32's EP peak)."""
+    from layershard.engine import schedule
+
+    model = _untied()
+    turns = list({id(u.slot): u.slot for u in model.units if u.slot.in_turns}.values())
+    held: list[list[int]] = []
+    begin = schedule.Schedule.begin_backward_use
+
+    def tracked_begin(self, u, use):
+        begin(self, u, use)
+        if u.name == "norm":
+            held.append(sorted(s.alias.untyped_storage().nbytes() for s in turns))
+
+    schedule.Schedule.begin_backward_use = tracked_begin
+    try:
+        _train(model, steps=2, rank=rank, world=world)
+    finally:
+        schedule.Schedule.begin_backward_use = begin
+    capacity = turns[0].capacity
+    assert len(turns) == 2 and turns[1].capacity == capacity
+    assert held == [[0, capacity]] * 2, (held, capacity)
+
+
 pairs = RankChecks(world_size=2)
 for _fn in (
     _spare_storage_is_handed_on,
     _shard_sized_scratch_takes_no_large_block,
     _large_gradient_reduced_without_copy,
     _head_reduction_waited_only_when_needed,
+    _scratch_sized_for_each_reduction,
+    _norm_backward_holds_one_block_slot,
 ):
     pairs.check(_fn)
 pairs.collect(globals())

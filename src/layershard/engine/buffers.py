@@ -370,11 +370,16 @@ class GradSlot:
             self.spare.give(t)
 
     def get_scratch(self, numel: int) -> torch.Tensor:
-        """The reduce-scatter's scratch, ``numel`` elements of it (a transient slot allocates
-        just that; a shared one its full size, once per backward)."""
+        """The reduce-scatter's scratch, ``numel`` elements of it: allocated at that size and
+        grown when a larger unit's reduction takes the slot, as the buffer is (``acquire``).
+        Sized for the slot's largest unit at once, the final norm's reduction (first in
+        backward, a few KiB of gradient) allocated a block-sized scratch on top of the head's
+        reduce-scatter buffers: the EP bench's peak (issue 32); and a slot that only dense
+        flats take (the units' experts go to the other) held an experts-sized one."""
         if self.scratch is None or self.scratch.numel() < numel:
-            self._give(self.scratch)  # grow: a transient slot taken by a larger unit
-            self.scratch = self._new(numel if self.transient else self.scratch_numel)
+            self._give(self.scratch)  # grow: taken by a larger unit
+            self.scratch = None  # let go before allocating
+            self.scratch = self._new(numel)
         return self.scratch[:numel]
 
     def get_staging(self) -> torch.Tensor:

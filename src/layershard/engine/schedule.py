@@ -490,11 +490,15 @@ class Schedule:
         if nxt is not None:
             self.gather(nxt, phase)
             # In backward the unit after it too, when its slot was given back between the
-            # passes (a small unit between: the final norm): the last block's gather then
+            # passes and the next is a small unit (the final norm): the last block's gather then
             # overlaps the head's reduce-scatter and the norm's backward, not only the norm's.
+            # Not after a block: the unit after it has that block's backward to overlap, and
+            # from the norm's backward this regrew the other slot under the head's
+            # reduce-scatter buffers, which the last block's backward waits for (issue 32).
             after = self._step(nxt, phase)
             if (
                 phase is Phase.BACKWARD
+                and not nxt.slot.in_turns
                 and after is not None
                 and after.slot not in (u.slot, nxt.slot)
                 and after.slot.owner is None
