@@ -46,7 +46,6 @@ from torch.distributed.tensor import (
     distribute_module,
     distribute_tensor,
 )
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -128,10 +127,17 @@ def local_of_full(tp: TPInfo, full: torch.Tensor) -> torch.Tensor:
     """This rank's local shard of the whole parameter ``full``: a view of it where it lies (no
     communication, and no copy of the whole tensor to the mesh's device, which
     ``distribute_tensor`` makes: meta init slices whole CPU tensors of a CUDA mesh's model)."""
-    if any(type(p) not in (Shard, Replicate) for p in tp.placements):  # _StridedShard...
+    (placement,) = tp.placements  # a 1-D TP mesh (``info`` refuses others)
+    if type(placement) is Replicate:
+        return full
+    if type(placement) is not Shard:  # _StridedShard...
         return distribute_tensor(full, tp.mesh, tp.placements, src_data_rank=None).to_local()
-    shape, offset = compute_local_shape_and_global_offset(full.shape, tp.mesh, tp.placements)
-    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    # torch's Shard splits as torch.chunk does: ceil(n / size) each, the last ones fewer or none
+    d, size = placement.dim % full.ndim, tp.mesh.size()
+    n = full.shape[d]
+    step = -(-n // size)
+    start = min(step * dist.get_rank(tp.group), n)
+    return full.narrow(d, start, min(step, n - start))
 
 
 def check_groups(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> None:
