@@ -84,3 +84,20 @@ def packed_weights(model) -> dict[str, torch.Tensor]:
     from bitsandbytes.nn import Params4bit
 
     return {n: p for n, p in model.named_parameters() if isinstance(p, Params4bit)}
+
+
+def check_base_untrained(model, opt) -> None:
+    """A sharded QLoRA model's packed base after training (bitsandbytes or NF4): the packed flat
+    groups have no gradient, their registered slices are bytes (uint8) without one, and no
+    optimizer state belongs to them (the optimizer's state is the trainable parameters')."""
+    packed = [f for f in model.flat_params if f.packed]
+    assert packed and all(not f.requires_grad and f.grad is None for f in packed)
+    packed_params = {id(p) for f in packed for p in f.shard_params}
+    for f in packed:
+        for p in f.shard_params:
+            assert p.dtype == torch.uint8 and not p.requires_grad and p.grad is None
+    for p, st in opt.state.items():
+        assert id(p) not in packed_params and all(
+            not isinstance(v, torch.Tensor) or v.dtype != torch.uint8 for v in st.values()
+        )
+    assert len(opt.state) == sum(p.requires_grad for p in model.parameters())

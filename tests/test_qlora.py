@@ -29,6 +29,7 @@ from _parity import (  # noqa: E402
 )
 from _qlora import (  # noqa: E402
     V,
+    check_base_untrained,
     load_4bit,
     lora_config,
     packed_weights,
@@ -120,17 +121,7 @@ def _bytes_never_trained(rank: int, world: int) -> None:
     model = ls.shard(base)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     _train(model, _data(3), rank, world, opt)
-    packed = [f for f in model.flat_params if f.packed]
-    assert packed and all(not f.requires_grad and f.grad is None for f in packed)
-    packed_params = {id(p) for f in packed for p in f.shard_params}
-    for f in packed:
-        for p in f.shard_params:
-            assert p.dtype == torch.uint8 and not p.requires_grad and p.grad is None
-    for p, st in opt.state.items():
-        assert id(p) not in packed_params and all(
-            not isinstance(v, torch.Tensor) or v.dtype != torch.uint8 for v in st.values()
-        )
-    assert len(opt.state) == sum(p.requires_grad for p in model.parameters())
+    check_base_untrained(model, opt)
     full = model.full_state_dict(rank0_only=False)
     for k, v in originals.items():
         assert torch.equal(full[k], v), k

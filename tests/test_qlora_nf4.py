@@ -29,6 +29,7 @@ from _parity import (  # noqa: E402
     shard_grad_error,
     train_in_orders,
 )
+from _qlora import check_base_untrained  # noqa: E402
 
 import layershard as ls  # noqa: E402
 from layershard.engine.flat import ALIGN  # noqa: E402
@@ -123,14 +124,8 @@ def _bytes_never_trained(rank: int, world: int) -> None:
     model = ls.shard(base)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     _train(model, batches(3), rank, world, opt)
-    packed = [f for f in model.flat_params if f.packed]
-    assert packed and all(not f.requires_grad and f.grad is None for f in packed)
-    packed_params = {id(p) for f in packed for p in f.shard_params}
-    for f in packed:
-        for p in f.shard_params:
-            assert p.dtype == torch.uint8 and not p.requires_grad and p.grad is None
-    assert opt.state and not any(id(p) in packed_params for p in opt.state)
-    assert len(opt.state) == sum(p.requires_grad for p in model.parameters())
+    assert opt.state
+    check_base_untrained(model, opt)
     full = model.full_state_dict(rank0_only=False)
     for k, v in originals.items():
         assert torch.equal(full[k], v), k
