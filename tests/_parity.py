@@ -85,6 +85,19 @@ def lm_loss(model, x: torch.Tensor) -> torch.Tensor:
     return model(x, labels=x).loss
 
 
+def train_losses(model, data: list[torch.Tensor], rank: int, world: int, opt, loss=lm_loss):
+    """A sharded ``model`` trained a step per global batch of ``data`` (this rank's part of each);
+    the global mean loss of every step."""
+    losses = []
+    for x in data:
+        step_loss = loss(model, local(x, rank, world))
+        step_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(step_loss))
+    return losses
+
+
 def max_diff(full_sd: dict, reference: torch.nn.Module) -> tuple[float, str]:
     """Largest |ours - reference| over parameters, and the parameter where it occurs."""
     worst, where = 0.0, ""

@@ -19,13 +19,14 @@ from _dist import RankChecks, shared_tmp  # noqa: E402
 from _parity import (  # noqa: E402
     EPS,
     SPREAD_FACTOR,
-    global_mean,
     grad_error,
     grads_in_orders,
+    local,
     loss_bound,
     param_bound,
     shard_grad_error,
     train_in_orders,
+    train_losses,
 )
 from _qlora import (  # noqa: E402
     V,
@@ -56,23 +57,6 @@ def _loss(model, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
 
-def _mine(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    b = x.shape[0] // world
-    return x[rank * b : (rank + 1) * b]
-
-
-def _train(model, data, rank: int, world: int, opt) -> list[float]:
-    """The sharded model's global mean loss at every step."""
-    losses = []
-    for x in data:
-        loss = _loss(model, _mine(x, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-    return losses
-
-
 def _parity(rank: int, world: int, quant_type: str, double_quant: bool, steps: int = STEPS) -> None:
     """Every loss over 20 steps, the first step's adapter gradients and the final adapters
     within the spread of other legitimate orders of the reference's sums (tests/_parity.py);
@@ -84,13 +68,13 @@ def _parity(rank: int, world: int, quant_type: str, double_quant: bool, steps: i
     model = ls.shard(copy.deepcopy(base))
     # every parameter, as a user passes them: the 4-bit slices are frozen bytes, never stepped
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    _loss(model, _mine(data[0], rank, world)).backward()
+    _loss(model, local(data[0], rank, world)).backward()
     # AdamW divides a gradient's scale out: check the first gradients themselves
     err = shard_grad_error(model, ref_grads)
     grad_bound = SPREAD_FACTOR * max(grad_error(g, ref_grads) for g in grad_runs) + EPS
     assert err <= grad_bound, (err, grad_bound)
     opt.zero_grad()
-    losses = _train(model, data, rank, world, opt)
+    losses = train_losses(model, data, rank, world, opt, loss=_loss)
     reference = runs[0]  # rank order: the reference's own sum
     bound = loss_bound(reference.losses, runs[1:]) if len(runs) > 1 else 1e-5
     worst = max(abs(x - r) / r for x, r in zip(losses, reference.losses))
@@ -120,7 +104,7 @@ def _bytes_never_trained(rank: int, world: int) -> None:
     originals = {k: p.data.clone() for k, p in packed_weights(base).items()}
     model = ls.shard(base)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    _train(model, _data(3), rank, world, opt)
+    train_losses(model, _data(3), rank, world, opt, loss=_loss)
     check_base_untrained(model, opt)
     full = model.full_state_dict(rank0_only=False)
     for k, v in originals.items():
@@ -172,7 +156,9 @@ def _memory_per_rank(rank: int, world: int) -> None:
 
     layer = model.module.base_model.model.model.layers[1].mlp
     handle = layer.register_forward_pre_hook(no_float_copy)
-    _train(model, _data(1), rank, world, torch.optim.AdamW(model.parameters(), lr=LR))
+    train_losses(
+        model, _data(1), rank, world, torch.optim.AdamW(model.parameters(), lr=LR), loss=_loss
+    )
     no_float_copy()
     handle.remove()
     assert not seen, seen
@@ -198,7 +184,7 @@ def _bf16_carrier_keeps_bytes(rank: int, world: int) -> None:
 
     for m in modules:
         m.register_forward_pre_hook(same_bytes)
-    x = _mine(_data(1)[0], rank, world)
+    x = local(_data(1)[0], rank, world)
     loss = _loss(model, x)
     assert torch.isfinite(loss)
     loss.backward()
@@ -224,7 +210,9 @@ def _refusals(rank: int, world: int) -> None:
     p.requires_grad_(False)
     originals = {k: q.data.clone() for k, q in packed_weights(base).items()}
     model = ls.shard(base)  # bf16 storage is bytes too: it trains, its bytes unchanged
-    _train(model, _data(2), rank, world, torch.optim.AdamW(model.parameters(), lr=LR))
+    train_losses(
+        model, _data(2), rank, world, torch.optim.AdamW(model.parameters(), lr=LR), loss=_loss
+    )
     full = model.full_state_dict(rank0_only=False)
     for k, v in originals.items():  # bytes: bf16 NaN patterns are not equal to themselves
         assert full[k].dtype == torch.bfloat16, k
@@ -251,7 +239,9 @@ def _saving(rank: int, world: int) -> None:
     torch.manual_seed(1)
     base = peft.get_peft_model(load_4bit(str(folder)), lora_config())
     model = ls.shard(base)
-    _train(model, _data(3), rank, world, torch.optim.AdamW(model.parameters(), lr=LR))
+    train_losses(
+        model, _data(3), rank, world, torch.optim.AdamW(model.parameters(), lr=LR), loss=_loss
+    )
     ls.hf.save_adapter(model, shared_tmp("adapter"))
     ls.hf.export_merged(model, shared_tmp("merged"))
     x = _data(1)[0][:2]
@@ -292,13 +282,13 @@ def _checkpoint_resumes(rank: int, world: int) -> None:
     data = _data(4)
     model = ls.shard(qlora_model())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    _train(model, data[:2], rank, world, opt)
+    train_losses(model, data[:2], rank, world, opt, loss=_loss)
     ls.save_checkpoint(shared_tmp("ckpt"), model, opt)
-    after = _train(model, data[2:], rank, world, opt)
+    after = train_losses(model, data[2:], rank, world, opt, loss=_loss)
     again = ls.shard(qlora_model())
     opt2 = torch.optim.AdamW([p for p in again.parameters() if p.requires_grad], lr=LR)
     ls.load_checkpoint(shared_tmp("ckpt"), again, opt2)
-    assert _train(again, data[2:], rank, world, opt2) == after
+    assert train_losses(again, data[2:], rank, world, opt2, loss=_loss) == after
     with pytest.raises(ValueError, match="export_merged") as e:
         ls.export_hf(again, shared_tmp("hf"))
     assert "\n" not in str(e.value)

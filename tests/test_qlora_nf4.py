@@ -19,7 +19,6 @@ from _parity import (  # noqa: E402
     LR,
     SPREAD_FACTOR,
     batches,
-    global_mean,
     grad_error,
     grads_in_orders,
     lm_loss,
@@ -28,6 +27,7 @@ from _parity import (  # noqa: E402
     param_bound,
     shard_grad_error,
     train_in_orders,
+    train_losses,
 )
 from _qlora import check_base_untrained  # noqa: E402
 
@@ -35,18 +35,6 @@ import layershard as ls  # noqa: E402
 from layershard.engine.flat import ALIGN  # noqa: E402
 
 STEPS = 10
-
-
-def _train(model, data, rank: int, world: int, opt) -> list[float]:
-    """The sharded model's global mean loss at every step."""
-    losses = []
-    for x in data:
-        loss = lm_loss(model, local(x, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-    return losses
 
 
 def _bound_weights(model) -> dict[int, torch.Tensor]:
@@ -96,7 +84,7 @@ def _parity(rank: int, world: int, steps: int = STEPS) -> None:
     bound = SPREAD_FACTOR * max(grad_error(g, ref_grads) for g in grad_runs) + EPS
     assert err <= bound, (err, bound)
     opt.zero_grad()
-    losses = _train(model, data, rank, world, opt)
+    losses = train_losses(model, data, rank, world, opt)
     reference = runs[0]
     lbound = loss_bound(reference.losses, runs[1:])
     worst = max(abs(x - r) / r for x, r in zip(losses, reference.losses))
@@ -123,7 +111,7 @@ def _bytes_never_trained(rank: int, world: int) -> None:
     originals = {k: p.quantized_data.clone() for k, p in nf4_weights(base).items()}
     model = ls.shard(base)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    _train(model, batches(3), rank, world, opt)
+    train_losses(model, batches(3), rank, world, opt)
     assert opt.state
     check_base_untrained(model, opt)
     full = model.full_state_dict(rank0_only=False)
@@ -170,7 +158,7 @@ def _memory_per_rank(rank: int, world: int) -> None:
     handle = model.module.layers[1].mlp.register_forward_pre_hook(no_float_copy)
     # 12 tokens a row: no activation of a rank's (4 x 12, dim) tokens has a weight's shape
     x = torch.randint(0, 96, (8, 12), generator=torch.Generator().manual_seed(1))
-    _train(model, [x], rank, world, torch.optim.AdamW(model.parameters(), lr=LR))
+    train_losses(model, [x], rank, world, torch.optim.AdamW(model.parameters(), lr=LR))
     no_float_copy()
     handle.remove()
     assert not seen, seen
@@ -241,13 +229,13 @@ def _checkpoint_resumes(rank: int, world: int) -> None:
     data = batches(4)
     model = ls.shard(nf4_llama())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    _train(model, data[:2], rank, world, opt)
+    train_losses(model, data[:2], rank, world, opt)
     ls.save_checkpoint(shared_tmp("ckpt"), model, opt)
-    after = _train(model, data[2:], rank, world, opt)
+    after = train_losses(model, data[2:], rank, world, opt)
     again = ls.shard(nf4_llama())
     opt2 = torch.optim.AdamW([p for p in again.parameters() if p.requires_grad], lr=LR)
     ls.load_checkpoint(shared_tmp("ckpt"), again, opt2)
-    assert _train(again, data[2:], rank, world, opt2) == after
+    assert train_losses(again, data[2:], rank, world, opt2) == after
     with again.full_weights():
         w = again.module.layers[0].attn.wq.weight
         assert isinstance(w, nf4().NF4Tensor) and w.shape == (32, 32)

@@ -72,8 +72,9 @@ the backward of the last unit of the forward (the LM head): its weights are need
 else's. So at the last unit's post-forward (a forward that records a graph, under a strategy
 that gathers again in backward) the two slots in turns give their storage back (``vacate``:
 the last block, say, is gathered again for its backward, overlapping the head's backward, as
-under FSDP2, or, after a head larger than a block, its reduce-scatter: schedule.py), except the last unit's own slot, which keeps only its weights (``trim``: a head smaller
-than a block holds a head's bytes, not a block's). The next gather into either slot regrows it
+under FSDP2, or, after a head larger than a block, its reduce-scatter: schedule.py), except the
+last unit's own slot, which keeps only its weights (``trim``: a head smaller than a block holds a
+head's bytes, not a block's). The next gather into either slot regrows it
 (``take``), without copying. So at the plain loss the gather buffers hold the head's weights at
 most, which is what FSDP2 keeps there (its root and tail stay gathered), instead of two blocks
 (the chunked loss runs inside the head's call, before this). The
