@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 TOLERANCE = 0.01  # relative, at every evaluation
 COMMON = [
     "--model", "small", "--steps", "300", "--eval-interval", "50", "--seq-len", "128",
-    "--micro-batch", "2", "--nproc-per-node", "2", "--sample-tokens", "0", "--seed", "0",
+    "--micro-batch", "2", "--nproc-per-node", "2", "--sample-tokens", "0",
 ]  # fmt: skip
 OPTIONS: dict[str, tuple[list[str], dict[str, str]]] = {
     "exact": ([], {}),
@@ -45,10 +45,20 @@ OPTIONS: dict[str, tuple[list[str], dict[str, str]]] = {
 }
 
 
-def run_one(name: str, out: Path) -> dict:
+def key(name: str, seed: int) -> str:
+    """A run's name in curve.json: the option, and the seed when it is not 0."""
+    return name if seed == 0 else f"{name} @ seed {seed}"
+
+
+def option_and_seed(run: str) -> tuple[str, int]:
+    name, _, seed = run.partition(" @ seed ")
+    return name, int(seed or 0)
+
+
+def run_one(name: str, out: Path, seed: int = 0) -> dict:
     flags, env = OPTIONS[name]
-    run_dir = out / name.replace(" ", "_").replace(",", "").replace("+", "and")
-    cmd = [sys.executable, "-m", "layershard", "train", *COMMON, *flags]
+    run_dir = out / key(name, seed).replace(" ", "_").replace(",", "").replace("+", "and")
+    cmd = [sys.executable, "-m", "layershard", "train", *COMMON, "--seed", str(seed), *flags]
     cmd += ["--run-dir", str(run_dir), "--overwrite"]
     t0, load = time.time(), os.getloadavg()[0]
     p = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
@@ -57,6 +67,7 @@ def run_one(name: str, out: Path) -> dict:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m}
     return {
+        "seed": seed,
         "flags": flags,
         "env": env,
         "val_loss": val,
@@ -67,11 +78,13 @@ def run_one(name: str, out: Path) -> dict:
 
 
 def verdicts(runs: dict) -> dict[str, dict]:
-    exact = runs["exact"]["val_loss"]
+    """Each run against the exact run of its seed."""
     out = {}
     for name, r in runs.items():
-        if name == "exact":
+        option, seed = option_and_seed(name)
+        if option == "exact" or key("exact", seed) not in runs:
             continue
+        exact = runs[key("exact", seed)]["val_loss"]
         rel = {s: abs(v - exact[s]) / exact[s] for s, v in r["val_loss"].items() if s in exact}
         out[name] = {"max_rel": max(rel.values()), "rel": rel, "ok": max(rel.values()) <= TOLERANCE}
     return out
@@ -85,7 +98,7 @@ def plot(runs: dict, path: Path) -> None:
 
     fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
     exact = runs.get("exact", {}).get("val_loss", {})
-    for i, (name, r) in enumerate(runs.items()):
+    for i, (name, r) in enumerate((n, r) for n, r in runs.items() if " @ seed " not in n):
         color = f"C{i}"  # one color per option in both panels
         steps = sorted(int(s) for s in r["val_loss"])
         ax.plot(steps, [r["val_loss"][str(s)] for s in steps], marker="o", label=name, color=color)
@@ -112,6 +125,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     p.add_argument("--runs", default="/tmp/wire-curve", help="run folders (not kept)")
+    p.add_argument("--seed", type=int, default=0, help="train's --seed (the data order, init)")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
     record = HERE / "curve.json"
@@ -119,11 +133,13 @@ def main() -> int:
     if not args.report_only:
         for name in args.options:
             print(f"{name} ...", flush=True)
-            r = run_one(name, Path(args.runs))
-            runs[name] = json.loads(json.dumps(r))  # step keys as strings, as read back
+            r = run_one(name, Path(args.runs), args.seed)
+            runs[key(name, args.seed)] = json.loads(
+                json.dumps(r)
+            )  # step keys as strings, as read back
             record.write_text(json.dumps({"runs": runs}, indent=1))
             print(f"  {r['seconds']:.0f} s, val {r['val_loss']}", flush=True)
-    if "exact" not in runs:
+    if "exact" not in runs:  # the plot and the seed-0 verdicts compare with it
         return 0
     v = verdicts(runs)
     record.write_text(json.dumps({"runs": runs, "verdicts": v, "tolerance": TOLERANCE}, indent=1))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from layershard.engine.float8 import SavedFloat8
 from layershard.parallel import tensor
 
 if TYPE_CHECKING:
@@ -231,6 +232,8 @@ def weight_saving_hooks(
         if lo <= p < hi and t.dtype == dtype:
             key = ((p - lo) // size, t.shape, t.stride())
             return WeightView(*key, keys.get(key, -1))
+        if type(t) is not torch.Tensor and (f8 := SavedFloat8.of(t, lo, hi)) is not None:
+            return f8  # a Float8Linear's weight over the gathered bytes (engine/float8.py)
         # a DTensor (a subclass: no data of its own) is a weight's when its local tensor is a
         # view of them
         if type(t) is not torch.Tensor and (split := tensor.split_dtensor(t)) is not None:
@@ -251,6 +254,8 @@ def weight_saving_hooks(
             return x.of(*backward_weights())
         if type(x) is SavedDTensor:
             return tensor.wrap(x.spec, x.view.of(*backward_weights()))
+        if type(x) is SavedFloat8:
+            return x.of_buffer(backward_weights()[1])
         return x if outer_unpack is None else outer_unpack(x)
 
     return saved_tensors_hooks(pack, unpack)

@@ -12,6 +12,7 @@ from torch import nn
 from layershard.engine.buffers import GatherSlot, GradSlot, Spare
 from layershard.engine.collectives import Comm
 from layershard.engine.flat import FlatParam, ParamSlot, expert_part, layout
+from layershard.engine.float8 import Float8Weight
 from layershard.engine.gather_slots import (
     OWN,
     TURNS,
@@ -25,7 +26,7 @@ from layershard.engine.reducer import Reducer
 from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import Sharding
 from layershard.engine.units import Unit, UnitSpec, backward_needs_weights
-from layershard.engine.wire import WireGather
+from layershard.engine.wire import FP8, WireGather
 from layershard.parallel import tensor
 
 
@@ -83,7 +84,15 @@ def build_schedule(
     comm = Comm(sharding, group, device)
     comm.host_sync = offload
     if precision.gather_dtype is not None:
-        comm.wire = WireGather(precision.gather_dtype, [f for fl in storage.flats for f in fl])
+        flats = [f for fl in storage.flats for f in fl]
+        comm.wire = WireGather(precision.gather_dtype, flats)
+        # fp8 bytes to torchao's Float8Linear as they are gathered (float8.py); not where the
+        # backward re-gathers the forward's dequantized weights (reshard_after_forward=K)
+        if precision.gather_dtype == FP8 and sharding.hpz_group is None:
+            for f in flats:
+                if comm.communicates(f.over):
+                    for slot in f.slots:
+                        slot.float8 = Float8Weight.of(slot)
     host = storage.flats[0][0].shard.device if storage.flats else device
     root_spec = specs[0] if specs[0].module is None else None
     others = [

@@ -31,6 +31,7 @@ from torch import nn
 from layershard.engine.quantized import Packed
 
 if TYPE_CHECKING:
+    from layershard.engine.float8 import Float8Weight
     from layershard.parallel.tensor import TPInfo
 
 ALIGN = 8  # elements: 16 bytes of bf16/fp16, 32 bytes of fp32
@@ -78,6 +79,7 @@ class ParamSlot:
     packed: Packed | None = None  # a 4-bit weight: ``shape`` is its carrier elements
     expert: ExpertPart | None = None  # this rank's experts of a larger parameter
     tp: TPInfo | None = None  # a DTensor (parallel/tensor.py): ``shape`` is its local shard's
+    float8: Float8Weight | None = None  # a Float8Linear's weight handed fp8 bytes (float8.py)
 
     @property
     def name(self) -> str:

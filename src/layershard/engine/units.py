@@ -245,6 +245,8 @@ class Unit:
                 t = attach_state(t, slot.packed)
             if slot.tp is not None:  # the DTensor over the local shard (parallel/tensor.py)
                 t = tensor.wrap(slot.tp, t)
+            if slot.float8 is not None:  # its gathered e4m3 bytes, as torchao's tensor
+                t = slot.float8.wrap(t)
             for use in slot.uses:
                 use.module.__dict__[use.attr] = t
         self.bound = True

@@ -116,6 +116,12 @@ class Scales:
         self.flat = flat
         self.set([1.0] * len(flat.slots))
 
+    @property
+    def handoffs(self) -> list:
+        """Per parameter, its ``Float8Weight`` when its bytes go to a ``Float8Linear`` as they
+        are (float8.py; None: dequantized)."""
+        return [slot.float8 for slot in self.flat.slots]
+
     def local_amax(self) -> torch.Tensor:
         """Each parameter's amax over this rank's part of it (0 where it has none), on the
         shard's device: one tensor, no host synchronization per parameter."""
@@ -128,8 +134,12 @@ class Scales:
             parts.append(part.abs().max().float() if hi > lo else zero)
         return torch.stack(parts)
 
-    def set(self, scales: list[float]) -> None:
+    def set(self, scales: list[float], amax: torch.Tensor | None = None) -> None:
         self._floats = scales  # read per parameter at every gather
+        if amax is not None:  # a Float8Linear's weight takes torchao's scale (float8.py)
+            for i, h in enumerate(self.handoffs):
+                if h is not None:
+                    h.set_scale(amax[i])
 
     def quantize(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's slice ``src`` into ``out`` (uint8), each parameter's part by its scale
@@ -140,7 +150,10 @@ class Scales:
             lo, hi = f.local_range(slot)
             if hi > lo:
                 a, b = lo - f.shard_start, hi - f.shard_start
-                quantize_fp8(src[a:b], scale, out[a:b])
+                if slot.float8 is not None:
+                    slot.float8.quantize(src[a:b], out[a:b])
+                else:
+                    quantize_fp8(src[a:b], scale, out[a:b])
 
     def dequantize(self, q: torch.Tensor, out: torch.Tensor) -> None:
         """The gathered bytes ``q`` (``padded_numel``) into ``out`` (compute dtype)."""
@@ -148,7 +161,10 @@ class Scales:
         out.zero_()
         for slot, scale in zip(f.slots, self._floats):
             a, b = slot.offset, slot.offset + slot.numel
-            dequantize_fp8(q[a:b], scale, out[a:b])
+            if slot.float8 is not None:  # the bytes as they are, in the weight's first bytes
+                out[a:b].view(torch.uint8)[: b - a].copy_(q[a:b])
+            else:
+                dequantize_fp8(q[a:b], scale, out[a:b])
 
 
 def quantization_bound(dtype: torch.dtype, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -187,7 +203,7 @@ class WireGather:
         start = 0
         for s in scales:
             n = len(s.flat.slots)
-            s.set(values[start : start + n])
+            s.set(values[start : start + n], amax[start : start + n])
             start += n
         self._refreshed = True
 
