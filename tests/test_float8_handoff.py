@@ -155,6 +155,35 @@ def forward_and_gradients_equal_float8linear_on_one_process(rank: int, world: in
 
 
 @checks.check
+def strategies_checkpointing_and_offload(rank: int, world: int) -> None:
+    """The same gradients bit for bit under grad_op (the forward's gather kept for backward),
+    activation checkpointing (the forward recomputed, binding the bytes again) and CPU
+    offload; bf16 compute runs and hands the module bf16-sized carriers (no reference: the
+    module's own bf16 weights would round before the cast)."""
+    base = fp8_net()
+    x = data(1, world)[0]
+    _, ref_grads = per_rank_reference(base, x, world)
+    configs = {
+        "grad_op": {"strategy": "grad_op"},
+        "checkpointing": {"activation_checkpointing": 3},
+        "offload": {"offload": ls.CPUOffload()},
+    }
+    for label, kw in configs.items():
+        model = ls.shard(copy.deepcopy(base), mixed_precision=wire(), **kw)
+        loss_of(model, part(x, rank, world)).backward()
+        for name, g in full_grads(model).items():
+            assert torch.equal(g, ref_grads[name]), (label, name, (g - ref_grads[name]).abs().max())
+    mp = ls.MixedPrecision(torch.bfloat16, torch.float32, gather_dtype=FP8)
+    model = ls.shard(copy.deepcopy(base), mixed_precision=mp)
+    types = _bound_types(model)
+    loss = loss_of(model, part(x, rank, world))
+    loss.backward()
+    assert set(types) == {"Float8TrainingTensor"} and torch.isfinite(loss), (types, loss)
+    ref_loss = loss_of(copy.deepcopy(base), part(x, rank, world))
+    assert abs(loss.item() - ref_loss.item()) < 0.02 * ref_loss.item(), (loss, ref_loss)
+
+
+@checks.check
 def backward_reads_the_bytes_gathered_for_it(rank: int, world: int) -> None:
     """The head (storage of its own per gather) saved its weight for backward; the backward
     must read it from the buffer gathered for the backward. The forward's buffer is poisoned
