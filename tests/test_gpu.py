@@ -490,3 +490,38 @@ def test_qlora_parity(comm_path, offload):
     _report(
         f"qlora_{comm_path}_{'offload' if offload else 'device'}", {"loss": worst, "params": diff}
     )
+
+
+# ---- fp8 weights handed to torchao's Float8Linear (engine/float8.py) -------------------------------
+def test_float8_handoff(comm_path):
+    """``gather_dtype=fp8`` with torchao ``Float8Linear`` modules on the device: on the comm path
+    the weights reach the modules as ``Float8TrainingTensor`` over the gathered bytes (torch's
+    ``_scaled_mm`` on the GPU); either way logits and gradients bit for bit those of the same
+    model on one process without layershard. Unverified until run on a GPU: the CPU suite
+    (tests/test_float8_handoff.py) covers the same code on gloo at 2 ranks."""
+    pytest.importorskip("torchao.float8")
+    from test_float8_handoff import _bound_types, data, fp8_net, loss_of
+
+    base = fp8_net().to(DEVICE)
+    x = data(1, 1)[0].to(DEVICE)
+    reference = copy.deepcopy(base)
+    ref_logits = reference(x).detach()
+    loss_of(reference, x).backward()
+    mp = ls.MixedPrecision(torch.float32, torch.float32, gather_dtype=torch.float8_e4m3fn)
+    model = ls.shard(copy.deepcopy(base), device=DEVICE, mixed_precision=mp)
+    types = _bound_types(model)
+    assert torch.equal(model(x), ref_logits)
+    handed = comm_path == "comm"
+    assert ("Float8TrainingTensor" in types) == handed, types
+    loss_of(model, x).backward()
+    full = {}
+    for f in (f for f in model.flat_params if f.requires_grad):
+        for slot, p in zip(f.slots, f.shard_params):
+            full[slot.name] = p.grad.reshape(slot.shape)  # one rank: the slice is the whole
+    diff = max(
+        (full[n] - p.grad).abs().max().item()
+        for n, p in reference.named_parameters()
+        if p.requires_grad
+    )
+    _report(f"float8_handoff_{comm_path}", {"grad_max_abs_diff": diff, "handed": handed})
+    assert diff == 0.0, diff
