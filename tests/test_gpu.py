@@ -525,3 +525,33 @@ def test_float8_handoff(comm_path):
     )
     _report(f"float8_handoff_{comm_path}", {"grad_max_abs_diff": diff, "handed": handed})
     assert diff == 0.0, diff
+
+
+def test_torchao_nf4_parity(comm_path):
+    """torchao NF4 bases (torchtune's QLoRA linears, ``linear_nf4``) on the device: the NF4 bytes
+    gathered through the comm stream into the slot and an ``NF4Tensor`` bound over them, the
+    backward reading them from the slot. Losses within the spread of the reference trained in
+    other orders, adapters within param_bound, the NF4 bytes bitwise unchanged. Unverified until
+    run on a GPU: tests/test_qlora_nf4.py covers the same code on gloo."""
+    pytest.importorskip("torchao")
+    from _nf4 import nf4_llama, nf4_weights
+    from test_qlora_nf4 import _Params
+
+    base = nf4_llama().to(DEVICE)
+    originals = {n: p.quantized_data.clone() for n, p in nf4_weights(base).items()}
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 96, (4, 12), generator=g).to(DEVICE) for _ in range(10)]
+    runs = _orders(base, batches, 1)
+    reference = copy.deepcopy(base)
+    model = ls.shard(copy.deepcopy(base), device=DEVICE)
+    worst, ref_losses = _train_pair(model, reference, batches)
+    bound = max(loss_bound(ref_losses, runs), 1e-6)
+    assert worst <= bound, (worst, bound)
+    full = model.full_state_dict()
+    ref = {k: p.detach().cpu() for k, p in reference.named_parameters() if ".lora_" in k}
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.items())
+    adapters = {k: p.detach() for k, p in reference.named_parameters() if ".lora_" in k}
+    pbound = param_bound(_Params(adapters), *runs)  # an NF4Tensor has no subtraction
+    _report(f"torchao_nf4_{comm_path}", {"loss": worst, "params": diff, "bound": pbound})
+    assert diff <= pbound, (diff, pbound)
+    assert all(torch.equal(full[k], v.cpu()) for k, v in originals.items())
