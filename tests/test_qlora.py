@@ -143,7 +143,7 @@ def _memory_per_rank(rank: int, world: int) -> None:
     )
     plan = qlora_memory(shape, QLoRASettings(world=world, lora_rank=4, compute_dtype="fp32"))
     assert plan["packed_base"] <= mine <= limit
-    assert plan["frozen_fp32"] + plan["adapters"] <= others <= limit_fp32
+    assert plan["frozen_other"] + plan["adapters"] <= others <= limit_fp32
     grads = report["grads"]
     assert plan["adapter_grads"] <= grads <= plan["adapter_grads"] + units * 2 * pad * world
     seen = []

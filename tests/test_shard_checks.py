@@ -59,8 +59,8 @@ def shared_module_is_refused(rank: int, world: int) -> None:
 def bf16_parameter_is_refused(rank: int, world: int) -> None:
     m = _model()
     m.layers[0].mlp.w1.to(torch.bfloat16)
-    msg = _refused(m, r"parameter layers\.0\.mlp\.w1\.weight is bfloat16")
-    assert "unit layers.0 mixes bfloat16, float32" in msg and "MixedPrecision" in msg, msg
+    msg = _refused(m, r"trainable parameter layers\.0\.mlp\.w1\.weight is bfloat16")
+    assert "frozen parameters may stay bfloat16" in msg and "MixedPrecision" in msg, msg
     _refused(_model().to(torch.bfloat16), r"is bfloat16; layershard keeps fp32 master weights")
     # the documented recipe: fp32 parameters, bf16 compute
     _train_step(ls.shard(_model(), mixed_precision=ls.MixedPrecision(param_dtype=torch.bfloat16)))

@@ -94,6 +94,9 @@ class Meter(T.TrainerCallback):
         self.rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
     def on_step_begin(self, args, state, control, **kw):
+        if os.environ.get("QLORA_OPS") and state.global_step == WARMUP + 1 and dist.get_rank() == 0:
+            self._ops = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._ops.__enter__()  # the ops of two timed steps, rank 0 (QLORA_OPS: where to)
         if state.global_step == WARMUP:  # the process's peak RSS so far: loading and warm-up
             self.rss_warm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         if state.global_step == STEPS - 1:
@@ -111,6 +114,13 @@ class Meter(T.TrainerCallback):
         self.t0, self.c0 = time.perf_counter(), time.thread_time()
 
     def on_step_end(self, args, state, control, **kw):
+        ops = getattr(self, "_ops", None)
+        if ops is not None and state.global_step == WARMUP + 3:
+            ops.__exit__(None, None, None)
+            self._ops = None
+            table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            with open(os.environ["QLORA_OPS"], "w") as f:
+                f.write(table)
         dist.barrier()
         wall, cpu = time.perf_counter() - self.t0, time.thread_time() - self.c0
         if self._mt is not None:
@@ -159,12 +169,24 @@ def main() -> None:
         model=model, args=args, train_dataset=data(256), processing_class=tokenizer(),
         peft_config=lora, callbacks=[timer],
     )  # fmt: skip
-    trainer.train()
+    prof = os.environ.get("QLORA_PROFILE")  # cProfile of rank 0's training, written there
+    if prof and dist.get_rank() == 0:
+        import cProfile
+
+        with cProfile.Profile() as pr:
+            trainer.train()
+        pr.dump_stats(f"{prof}.{impl}.prof")
+    else:
+        trainer.train()
     mine = torch.tensor(
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, timer.peak / 2**20]
         + timer.times[WARMUP:] + timer.cpu[WARMUP:] + [timer.rss_before, timer.rss_warm],
         dtype=torch.float64,
     )  # fmt: skip
+    if os.environ.get("QLORA_MALLOC"):  # glibc's arenas: in use and kept free, to stderr
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_stats()
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     if dist.get_rank() == 0:

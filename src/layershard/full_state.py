@@ -64,7 +64,8 @@ def load_full_state_dict(
             assert state_dict is not None
             for slot in loaded:
                 value = _local(slot, slot.part_of(state_dict[by_slot[id(slot)]]))  # this rank's
-                dtype = torch.float32 if slot.packed is None else value.dtype  # bytes
+                # fp32, a frozen parameter's own dtype, or 4-bit bytes as they are
+                dtype = f.dtype if slot.packed is None else value.dtype
                 f.copy_from_full(slot, value.to(f.shard.device, dtype))
             continue
         if f.over == "expert":  # each EP rank takes another part: every expert travels

@@ -441,11 +441,12 @@ class ShardedModule(nn.Module):
                 yield key, getattr(ref[0], ref[1])
 
     @torch.no_grad()
-    def gather_flat(self, f: FlatParam, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``f`` whole (``padded_numel`` elements, in ``dtype``) on every rank. Collective: every
-        rank calls it for the same flat parameter. ``f.views(...)`` splits it by parameter."""
+    def gather_flat(self, f: FlatParam, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``f`` whole (``padded_numel`` elements, in ``dtype``: by default the dtype it is
+        stored in, fp32 or a frozen parameter's own) on every rank. Collective: every rank calls
+        it for the same flat parameter. ``f.views(...)`` splits it by parameter."""
         # on the device collectives run on (NCCL: not the host, where CPU offload keeps shards)
-        if f.packed:  # 4-bit bytes travel as they are, in their carrier dtype (quantized.py)
+        if f.packed or dtype is None:  # 4-bit bytes travel as they are (quantized.py)
             dtype = f.dtype
         out = torch.empty(f.padded_numel, dtype=dtype, device=self._schedule.comm.device)
         self._schedule.comm.all_gather(out, f.shard, "state_dict", "gather_flat", f.over).wait()

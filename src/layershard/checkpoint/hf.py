@@ -327,7 +327,7 @@ def export_checkpoint(
 
 
 def _export_tensors(folder: Path, info: dict, md, writer, rename, dtype: torch.dtype, cap: int):
-    entries = [(name, rec["shape"], "float32") for name, rec in info["params"].items()]
+    entries = [(name, rec["shape"], rec["dtype"]) for name, rec in info["params"].items()]
     entries += [(key, rec["shape"], rec["dtype"]) for key, rec in info["buffers"].items()]
     batch: list[tuple[str, list[int], str]] = []
 

@@ -85,7 +85,7 @@ def collect(model, optimizer: torch.optim.Optimizer | None, rank: int) -> Collec
         tensors[f"model/{slot.name}"] = sharded(model, f, slot, p.detach(), save=True)
         described[slot.name] = {
             "shape": list(slot.whole_shape),
-            "dtype": "float32",
+            "dtype": dtype_name(f.dtype),  # fp32, or a frozen parameter's own (build._by_dtype)
             "requires_grad": slot.requires_grad,
             "aliases": [u.name for u in slot.uses[1:]],
         }
@@ -307,14 +307,21 @@ def validate(model, optimizer, folder: Path, manifest: dict, md: Metadata, stric
         msg = names_diff("the model's parameters", list(ours), list(saved["params"]))
         if msg:
             raise CheckpointMismatchError(msg)
-    for name, (_, slot) in ours.items():
+    for name, (f, slot) in ours.items():
         rec = saved["params"][name]
         if list(rec["shape"]) != list(slot.whole_shape):
             raise CheckpointMismatchError(
                 f"model/{name}: the checkpoint has shape {tuple(rec['shape'])}, the model {tuple(slot.whole_shape)}"
             )
         key = f"model/{name}"
-        msg = check_tensor(md, key, stored(md, key, rec["shape"]), "float32", folder, sharded=True)
+        if rec["dtype"] != dtype_name(f.dtype):
+            raise CheckpointMismatchError(
+                f"{key}: the checkpoint holds it as {rec['dtype']}, the model as "
+                f"{dtype_name(f.dtype)}; load the model with the dtype it was saved with"
+            )
+        msg = check_tensor(
+            md, key, stored(md, key, rec["shape"]), rec["dtype"], folder, sharded=True
+        )
         if msg:
             raise CheckpointMismatchError(msg) if "expected" in msg else CheckpointCorruptError(msg)
     bufs = dict(buffers(model))

@@ -31,6 +31,8 @@ from layershard.checkpoint.errors import (
 from layershard.checkpoint.safe_read import read_dcp_metadata
 from layershard.checkpoint.shards import dtype_from_name
 
+_FROZEN_16 = ("bfloat16", "float16")  # what a frozen parameter may be stored as besides fp32
+
 
 class _Bad(Exception):
     """A manifest field of the wrong type or value (``where``: its JSON path)."""
@@ -83,7 +85,11 @@ def _structure(m: dict) -> None:
     _tensors(model.get("params"), "model.params")
     _tensors(model.get("buffers"), "model.buffers")
     for name, rec in model["params"].items():
-        _need(rec["dtype"] == "float32", f"model.params.{name}.dtype", '"float32"')
+        # fp32 masters; a frozen parameter may keep a 16-bit dtype (engine/build.py _by_dtype)
+        kept = ("float32",) if rec.get("requires_grad", True) else ("float32", *_FROZEN_16)
+        _need(
+            rec["dtype"] in kept, f"model.params.{name}.dtype", " or ".join(f'"{d}"' for d in kept)
+        )
     opt: Any = m.get("optimizer")
     if opt is not None:
         _need(isinstance(opt, dict), "optimizer", "an object or null")
@@ -236,7 +242,7 @@ def check_tensors(folder: Path, manifest: dict, md: Metadata) -> None:
     todo: list[tuple[str, list[int], str, bool]] = []
     for name, rec in model["params"].items():
         key = f"model/{name}"
-        todo.append((key, stored(md, key, rec["shape"]), "float32", True))
+        todo.append((key, stored(md, key, rec["shape"]), rec["dtype"], True))
     for key, rec in model["buffers"].items():
         todo.append((f"model/{key}", list(rec["shape"]), rec["dtype"], False))
     for name, kinds in ((manifest.get("optimizer") or {}).get("state") or {}).items():

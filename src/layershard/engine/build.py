@@ -176,6 +176,18 @@ _GROUPS = (
 )  # fmt: skip
 
 
+def _by_dtype(members: list, fp32_only: bool) -> list[tuple[torch.dtype, list]]:
+    """``members`` split into flat groups by the dtype their shards keep: fp32 (masters, and
+    4-bit bytes, which ``_make_flats`` carries in the gather dtype), but a frozen floating-point
+    parameter of another dtype (a model loaded in bf16, its embedding, head and norms frozen
+    under QLoRA) keeps its own: a group per dtype, fp32 first, none copied to fp32."""
+    by: dict[torch.dtype, list] = {}
+    for p, uses in members:
+        own = p.dtype if not fp32_only and p.is_floating_point() else torch.float32
+        by.setdefault(own, []).append((p, uses))
+    return sorted(by.items(), key=lambda kv: (kv[0] != torch.float32, str(kv[0])))
+
+
 def _make_flats(
     spec: UnitSpec,
     shard: tuple[int, int],
@@ -191,14 +203,14 @@ def _make_flats(
     original parameter went."""
     groups = []
     for requires_grad, packed, expert in _GROUPS:
-        group = [
+        members = [
             (p, uses)
             for p, uses in spec.params
             if p.requires_grad == requires_grad
             and is_packed(p) == packed
             and (expert_part(p) is not None) == expert
         ]
-        if group:
+        for kept, group in _by_dtype(members, packed or requires_grad):
             world = experts[0] if expert else shard[0]
             how = [Packed.of(p, device) if packed else None for p, _ in group]
             numels = [
@@ -206,12 +218,14 @@ def _make_flats(
                 for (p, _), k in zip(group, how)
             ]
             offsets, _, shard_numel = layout(numels, world)
-            groups.append((requires_grad, expert, group, offsets, shard_numel, how, numels))
+            groups.append((requires_grad, expert, group, offsets, shard_numel, how, numels, kept))
     buffer = None
-    if in_place:  # fp32 compute: the carrier is fp32 too
+    # fp32 compute: the carrier is fp32 too; a frozen group kept in another dtype cannot be a
+    # view of the fp32 buffer its slot computes on, so that unit gathers (casts) into a slot
+    if in_place and all(g[7] == torch.float32 for g in groups):
         buffer = torch.zeros(sum(g[4] * shard[0] for g in groups), device=device)
     flats, placed, start = [], [], 0
-    for requires_grad, expert, group, offsets, shard_numel, how, numels in groups:
+    for requires_grad, expert, group, offsets, shard_numel, how, numels, kept in groups:
         slots = [
             ParamSlot(
                 uses,
@@ -225,7 +239,7 @@ def _make_flats(
             for (p, uses), offset, k, n in zip(group, offsets, how, numels)
         ]
         storage = None if buffer is None else buffer[start : start + shard_numel]
-        dtype = carrier if how[0] is not None else torch.float32
+        dtype = carrier if how[0] is not None else kept
         world, rank = experts if expert else shard
         over = "expert" if expert else "shard"
         f = FlatParam(

@@ -362,7 +362,9 @@ class Comm:
         """A unit's gather of flat parameter ``flat`` over the shard group into ``out``: in the
         wire dtype when one is set and the group communicates, else ``all_gather`` of ``src``
         (default: the rank's slice)."""
-        if self.wire is not None and self.communicates(flat.over) and src is None:
+        # the wire quantizes fp32 masters; bytes and frozen weights kept in 16 bits go as they are
+        plain = flat.packed or flat.dtype != torch.float32
+        if self.wire is not None and not plain and self.communicates(flat.over) and src is None:
             return self.wire.gather(self, flat, out, phase, label)
         return self.all_gather(out, flat.shard if src is None else src, phase, label, flat.over)
 

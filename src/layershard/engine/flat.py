@@ -1,4 +1,5 @@
-"""FlatParam: one unit's parameters (all trainable, or all frozen) as a single flat fp32 tensor.
+"""FlatParam: one unit's parameters (all trainable, or all frozen) as a single flat fp32 tensor
+(a frozen group of another floating-point dtype keeps that dtype: ``build._by_dtype``).
 
 A unit's frozen 4-bit weights are a flat group of their own whose elements carry their packed
 bytes in the gather slot's dtype (``dtype``; ``ParamSlot.packed``): see ``quantized.py``.

@@ -4,12 +4,15 @@
   its parameters can live in one unit's flat storage only, so the other unit would run it with
   the rank's 1-D slice (a shape error in forward). Shared *parameters* are fine: they go to the
   root unit (tied embeddings);
-- a floating-point parameter that is not fp32 (bitsandbytes 4-bit weights aside: they are
-  stored as their packed bytes, see ``quantized.py``, which also says what it refuses): layershard keeps fp32 master weights (the flat
-  storage, the gradients and the optimizer state are fp32), so a bf16 parameter would be
+- a trainable floating-point parameter that is not fp32: layershard keeps fp32 master weights
+  (the flat storage, the gradients and the optimizer state are fp32), so a bf16 one would be
   converted silently, doubling its memory and changing the dtype its module computes in. FSDP2
   refuses a unit whose parameters have different dtypes; here the recipe is the one FSDP2
-  documents for bf16 training: fp32 parameters and ``mixed_precision=MixedPrecision(bf16)``;
+  documents for bf16 training: fp32 parameters and ``mixed_precision=MixedPrecision(bf16)``.
+  A *frozen* one (a model loaded in bf16, its embedding, head and norms frozen under QLoRA) has
+  no master, gradient or optimizer state: it is kept sharded in its own dtype in a flat group of
+  its own (``build._by_dtype``) and cast into the gather slot's (compute) dtype by the gather.
+  4-bit weights are stored as their packed bytes (``quantized.py``, which says what it refuses);
 - experts split for expert parallelism (parallel/expert.py) without the expert mesh that says
   which ranks hold the same experts, or split over a different number of ranks than its ``ep``;
 - ranks that disagree on the model or the options: every rank hashes its unit layout (units,
@@ -89,18 +92,19 @@ def check_shared_modules(model: nn.Module, specs: list[UnitSpec]) -> None:
 
 
 def check_dtypes(specs: list[UnitSpec]) -> None:
-    """Refuse floating-point parameters that are not fp32 (see the module docstring)."""
+    """Refuse trainable floating-point parameters that are not fp32 (see the module
+    docstring); frozen ones are kept in their dtype."""
     for s in specs:
         for p, uses in s.params:
             if is_packed(p):  # 4-bit bytes, whatever dtype carries them (quantized.py)
                 continue
-            if p.is_floating_point() and p.dtype != torch.float32:
-                dtypes = sorted({str(q.dtype).removeprefix("torch.") for q, _ in s.params})
-                mixed = f" (unit {s.name} mixes {', '.join(dtypes)})" if len(dtypes) > 1 else ""
+            if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+                dtype = str(p.dtype).removeprefix("torch.")
                 raise ValueError(
-                    f"shard(): parameter {uses[0].name} is {str(p.dtype).removeprefix('torch.')}"
-                    f"{mixed}; layershard keeps fp32 master weights and would convert it. Build "
-                    "or load the model in fp32 (model.float()) and pass mixed_precision="
+                    f"shard(): trainable parameter {uses[0].name} is {dtype}; layershard keeps "
+                    "fp32 master weights for what it trains (frozen parameters may stay "
+                    f"{dtype}). Make the trainable parameters fp32 (e.g. "
+                    "peft's autocast_adapter_dtype, or .float() on them) and pass mixed_precision="
                     "ls.MixedPrecision(param_dtype=torch.bfloat16) to compute in bf16"
                 )
 

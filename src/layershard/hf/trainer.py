@@ -238,9 +238,10 @@ class ShardedTrainerMixin(_TrainerBase):
 
 def _fp32_adapters(model: Any) -> None:
     """trl's QLoRA recipe casts the trainable adapters of a 4-bit model to bf16 (the QLoRA paper's
-    choice on one GPU); layershard keeps fp32 master weights (shard() refuses anything else) and
-    computes in the dtype ``ShardingPlugin(mixed_precision=...)`` or ``bf16=True`` picks. So the
-    adapters go back to fp32, each bf16 value exactly, once, with a warning."""
+    choice on one GPU); layershard keeps fp32 master weights (shard() refuses a trainable bf16
+    one; frozen ones keep their dtype) and computes in the dtype
+    ``ShardingPlugin(mixed_precision=...)`` or ``bf16=True`` picks. So the adapters go back to
+    fp32, each bf16 value exactly, once, with a warning."""
     if model is None or isinstance(model, ShardedModule):
         return
     if not any(is_packed(p) for p in model.parameters()):

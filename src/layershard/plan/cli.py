@@ -159,6 +159,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--qlora", action="store_true", help="memory per GPU for QLoRA fine-tuning")
     q.add_argument("--lora-rank", type=int, default=16, help="LoRA r on every block linear")
     q.add_argument("--no-double-quant", action="store_true", help="absmax in fp32 (4 B / 64)")
+    q.add_argument("--frozen-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="the dtype the embedding, head and norms are loaded in (ls.shard keeps "
+                   "frozen weights so; default: the compute dtype)")  # fmt: skip
     a = p.add_argument_group("model assumptions (defaults: per GPU type, see docs/plan.md)")
     a.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="memory kept free")
     a.add_argument("--compute-eff", type=float, help="achieved / peak FLOP/s")
@@ -369,6 +372,7 @@ def _qlora(args: argparse.Namespace, shape: ModelShape, gpu: GPU) -> int:
         seq_len=args.seq_len or min(4096, shape.max_seq_len),
         micro_batch=args.micro_batch,
         offload=args.offload,
+        frozen_dtype=args.frozen_dtype,
     )
     print(render_qlora(shape, settings, gpu.name, gpu.memory_bytes))
     return 0

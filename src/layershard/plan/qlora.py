@@ -4,7 +4,9 @@ adapters, as ``ls.shard`` stores it (engine/quantized.py):
 - every linear weight of the blocks as packed bytes (0.5 byte per weight), 1/N per rank;
 - its quantization state whole on every rank: absmax per block of 64 weights, 4 bytes, or with
   double quantization 1 byte plus 4 bytes per 256 of those (and the small code books);
-- the other frozen parameters (embedding, LM head, norms) in layershard's fp32 storage, 1/N;
+- the other frozen parameters (embedding, LM head, norms) 1/N in the dtype the model is loaded
+  in (``frozen_dtype``; default the compute dtype: ``from_pretrained(dtype=torch.bfloat16)``):
+  ``ls.shard`` keeps frozen parameters in their own dtype (engine/build.py ``_by_dtype``);
 - the adapters (r x (in + out) per targeted linear) as fp32 master weights, gradients and AdamW
   state, 1/N;
 - two block-sized gather slots in the compute dtype holding a block's packed bytes, norms and
@@ -48,6 +50,11 @@ class QLoRASettings:
     seq_len: int = 4096
     micro_batch: int = 1
     offload: bool = False
+    frozen_dtype: str | None = None  # the loaded dtype of embedding, head, norms; None: compute
+
+    @property
+    def frozen(self) -> str:
+        return self.frozen_dtype or self.compute_dtype
 
 
 def _linears(shape: ModelShape) -> list[tuple[int, int]]:
@@ -75,7 +82,7 @@ def qlora_memory(shape: ModelShape, s: QLoRASettings) -> dict[str, int]:
     m = {
         "packed_base": base_4bit // 2 // n,
         "quant_state": int(base_4bit / QUANT_BLOCK * per_absmax) + tensors * TENSOR_STATE,
-        "frozen_fp32": 4 * other_frozen // n,
+        "frozen_other": dtype_bytes(s.frozen) * other_frozen // n,
         "adapters": 4 * lora // n,
         "adapter_grads": 4 * lora // n,
         "optimizer": OPTIMIZER_BYTES * lora // n,
@@ -88,7 +95,7 @@ def qlora_memory(shape: ModelShape, s: QLoRASettings) -> dict[str, int]:
         "dequantized_weight": c * largest,
         "logits": tokens * logits_bytes_per_token(shape, s.compute_dtype),
     }
-    host = ("packed_base", "frozen_fp32", "adapters", "adapter_grads", "optimizer")
+    host = ("packed_base", "frozen_other", "adapters", "adapter_grads", "optimizer")
     on_host = sum(m[k] for k in host) if s.offload else 0
     m["model_states"] = sum(m[k] for k in (*host, "quant_state"))
     work = sum(m[k] for k in m if k not in (*host, "quant_state", "model_states"))
@@ -106,7 +113,7 @@ def usable(gpu_memory: int) -> int:
 LABELS = {
     "packed_base": "4-bit base, packed bytes / N",
     "quant_state": "quantization state (whole per GPU)",
-    "frozen_fp32": "embedding, head, norms (fp32) / N",
+    "frozen_other": "embedding, head, norms / N",
     "adapters": "LoRA adapters (fp32) / N",
     "adapter_grads": "adapter gradients / N",
     "optimizer": "AdamW state / N",
@@ -134,8 +141,9 @@ def render(shape: ModelShape, s: QLoRASettings, gpu_name: str, gpu_memory: int) 
         "",
         f"{'Memory per GPU':42s}{'GiB':>9s}",
     ]
-    host = ("packed_base", "frozen_fp32", "adapters", "adapter_grads", "optimizer")
+    host = ("packed_base", "frozen_other", "adapters", "adapter_grads", "optimizer")
     for k, label in LABELS.items():
+        label = label.replace("norms", f"norms ({s.frozen})") if k == "frozen_other" else label
         lines.append(f"  {label:40s}{m[k] / GIB:9.2f}{where if k in host else ''}")
     verdict = "fits" if m["peak"] <= budget else "DOES NOT FIT"
     lines += [
