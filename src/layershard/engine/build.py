@@ -84,15 +84,14 @@ def build_schedule(
     comm = Comm(sharding, group, device)
     comm.host_sync = offload
     if precision.gather_dtype is not None:
-        flats = [f for fl in storage.flats for f in fl]
+        flats = [f for fl in storage.flats for f in fl if comm.quantizable(f)]
         comm.wire = WireGather(precision.gather_dtype, flats)
         # fp8 bytes to torchao's Float8Linear as they are gathered (float8.py); not where the
         # backward re-gathers the forward's dequantized weights (reshard_after_forward=K)
         if precision.gather_dtype == FP8 and sharding.hpz_group is None:
             for f in flats:
-                if comm.communicates(f.over):
-                    for slot in f.slots:
-                        slot.float8 = Float8Weight.of(slot)
+                for slot in f.slots:
+                    slot.float8 = Float8Weight.of(slot)
     host = storage.flats[0][0].shard.device if storage.flats else device
     root_spec = specs[0] if specs[0].module is None else None
     others = [

@@ -362,11 +362,15 @@ class Comm:
         """A unit's gather of flat parameter ``flat`` over the shard group into ``out``: in the
         wire dtype when one is set and the group communicates, else ``all_gather`` of ``src``
         (default: the rank's slice)."""
-        # the wire quantizes fp32 masters; bytes and frozen weights kept in 16 bits go as they are
-        plain = flat.packed or flat.dtype != torch.float32
-        if self.wire is not None and not plain and self.communicates(flat.over) and src is None:
+        if self.wire is not None and src is None and self.quantizable(flat):
             return self.wire.gather(self, flat, out, phase, label)
         return self.all_gather(out, flat.shard if src is None else src, phase, label, flat.over)
+
+    def quantizable(self, flat) -> bool:
+        """Would ``flat``'s unit gathers travel in a wire dtype? fp32 masters over a group that
+        communicates would; 4-bit bytes and frozen weights kept in 16 bits go as they are."""
+        plain = flat.packed or flat.dtype != torch.float32
+        return not plain and self.communicates(flat.over)
 
     def all_gather_packed(
         self,
