@@ -284,6 +284,29 @@ def representable_weights_gather_exactly(rank: int, world: int) -> None:
 
 
 @checks.check
+def four_bit_bytes_travel_as_they_are(rank: int, world: int) -> None:
+    """A QLoRA base under a wire dtype: its packed 4-bit bytes are gathered as they are (a
+    quantized gather would read them as floats and hand Linear4bit other codes)."""
+    from _qlora import packed_weights, qlora_model
+    from bitsandbytes.nn import Linear4bit
+
+    base = qlora_model()
+    originals = {n: p.data.clone() for n, p in packed_weights(base).items()}
+    model = ls.shard(clone(base), mixed_precision=_wire(FP8))
+    seen: dict[str, torch.Tensor] = {}
+    for name, m in model.module.named_modules():
+        if isinstance(m, Linear4bit):  # bitsandbytes' (PEFT's LoRA layer has the same name)
+            m.register_forward_pre_hook(
+                lambda mod, a, k=f"{name}.weight": seen.__setitem__(k, mod.weight.detach().clone())
+            )
+    x = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=x)
+    assert seen.keys() == originals.keys(), sorted(set(seen) ^ set(originals))[:4]
+    for k, v in originals.items():
+        assert torch.equal(seen[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+@checks.check
 def masters_after_a_step_equal_an_fp32_wire_step(rank: int, world: int) -> None:
     """Given the same gradients, a step leaves the masters (and AdamW's state) of a quantized
     model bit for bit where an exact one's land: the wire dtype touches only the gathered
