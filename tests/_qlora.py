@@ -79,6 +79,17 @@ def qlora_model(
     return model
 
 
+def batches(steps: int, seed: int, batch: int = 8, seq: int = 12) -> list[torch.Tensor]:
+    """Token batches of the QLoRA model's vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (batch, seq), generator=g) for _ in range(steps)]
+
+
+def causal_loss(model, x: torch.Tensor) -> torch.Tensor:
+    """The HF model's own causal-LM loss on ``x``."""
+    return model(input_ids=x, labels=x).loss
+
+
 def packed_weights(model) -> dict[str, torch.Tensor]:
     """Every 4-bit weight by name (the live Params4bit objects)."""
     from bitsandbytes.nn import Params4bit

@@ -21,7 +21,7 @@ from _parity import (  # noqa: E402
     train_in_orders,
     train_losses,
 )
-from _qlora import V, qlora_model  # noqa: E402
+from _qlora import V, batches, causal_loss, qlora_model  # noqa: E402
 
 import layershard as ls  # noqa: E402
 from layershard.engine.flat import ALIGN  # noqa: E402
@@ -33,12 +33,10 @@ STEPS, BATCH, SEQ, LR = 6, 8, 12, 1e-2
 
 
 def _data(steps: int = STEPS) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(2)
-    return [torch.randint(0, V, (BATCH, SEQ), generator=g) for _ in range(steps)]
+    return batches(steps, seed=2, batch=BATCH, seq=SEQ)
 
 
-def _loss(model, x: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=x, labels=x).loss
+_loss = causal_loss
 
 
 def _bf16_frozen() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

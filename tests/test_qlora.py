@@ -30,6 +30,8 @@ from _parity import (  # noqa: E402
 )
 from _qlora import (  # noqa: E402
     V,
+    batches,
+    causal_loss,
     check_base_untrained,
     load_4bit,
     lora_config,
@@ -49,12 +51,10 @@ STEPS, BATCH, SEQ, LR = 20, 8, 12, 1e-2
 
 
 def _data(steps: int = STEPS) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, V, (BATCH, SEQ), generator=g) for _ in range(steps)]
+    return batches(steps, seed=1, batch=BATCH, seq=SEQ)
 
 
-def _loss(model, x: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=x, labels=x).loss
+_loss = causal_loss
 
 
 def _parity(rank: int, world: int, quant_type: str, double_quant: bool, steps: int = STEPS) -> None:
