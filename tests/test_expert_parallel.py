@@ -37,6 +37,7 @@ from _parity import (
     relative_distance,
     shard_grad_error,
     train_in_orders,
+    train_losses,
 )
 from test_moe import STEPS, matches_one_process, tiny_moe, tiny_qwen3_moe
 from test_wire_dtypes import representable
@@ -338,14 +339,7 @@ def bf16_compute_with_ep(rank: int, world: int) -> None:
     runs = []
     for model in (one_d, ep):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for batch in data:
-            loss = lm_loss(model, local(batch, rank, world))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(global_mean(loss))
-        runs.append(losses)
+        runs.append(train_losses(model, data, rank, world, opt))
     assert seen == [torch.bfloat16] * len(data), seen
     worst = max(abs(a - b) / abs(a) for a, b in zip(*runs))
     assert worst <= 1e-3, runs

@@ -116,12 +116,6 @@ class Scales:
         self.flat = flat
         self.set([1.0] * len(flat.slots))
 
-    @property
-    def handoffs(self) -> list:
-        """Per parameter, its ``Float8Weight`` when its bytes go to a ``Float8Linear`` as they
-        are (float8.py; None: dequantized)."""
-        return [slot.float8 for slot in self.flat.slots]
-
     def local_amax(self) -> torch.Tensor:
         """Each parameter's amax over this rank's part of it (0 where it has none), on the
         shard's device: one tensor, no host synchronization per parameter."""
@@ -137,9 +131,9 @@ class Scales:
     def set(self, scales: list[float], amax: torch.Tensor | None = None) -> None:
         self._floats = scales  # read per parameter at every gather
         if amax is not None:  # a Float8Linear's weight takes torchao's scale (float8.py)
-            for i, h in enumerate(self.handoffs):
-                if h is not None:
-                    h.set_scale(amax[i])
+            for slot, a in zip(self.flat.slots, amax):
+                if slot.float8 is not None:
+                    slot.float8.set_scale(a)
 
     def quantize(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's slice ``src`` into ``out`` (uint8), each parameter's part by its scale
