@@ -555,3 +555,26 @@ def test_torchao_nf4_parity(comm_path):
     _report(f"torchao_nf4_{comm_path}", {"loss": worst, "params": diff, "bound": pbound})
     assert diff <= pbound, (diff, pbound)
     assert all(torch.equal(full[k], v.cpu()) for k, v in originals.items())
+
+
+# ---- bf16 reductions summed in fp32 (engine/collectives.py) ---------------------------------------
+def test_bf16_reduce_sums_in_fp32(comm_path):
+    """``reduce_dtype=bf16`` reduces through an all-to-all and an fp32 sum on every backend (under
+    NCCL: ``all_to_all_single``, the sum on the comm stream), with a whole unit of receive
+    scratch per gradient slot (as the planner predicts for NCCL at 2+ ranks). One rank: the sum of one chunk,
+    so the gradients equal the copy path's bit for bit. The 2-4 rank sums are checked on gloo's
+    two code paths (tests/test_wire_dtypes.py); unverified here until run on a GPU."""
+    mp = ls.MixedPrecision(torch.float32, torch.bfloat16)
+    x = _batches(1, SMALL["vocab_size"], 2, 64)[0]
+    grads = {}
+    for path in ("copy", "comm"):
+        os.environ["LAYERSHARD_FORCE_COMM"] = "1" if path == "comm" else "0"
+        model = ls.shard(_llama(SMALL), device=DEVICE, mixed_precision=mp)
+        _plain_step(model, x)
+        grads[path] = [p.grad.clone() for p in model.parameters()]
+        if path == "comm":  # whole units received: the scratch is the gradient slots' size
+            report = model.memory_report()
+            assert report["reduce_scratch"] == report["grad_buffers"] > 0, report
+    os.environ["LAYERSHARD_FORCE_COMM"] = "1" if comm_path == "comm" else "0"
+    assert all(torch.equal(a, b) for a, b in zip(grads["copy"], grads["comm"], strict=True))
+    _report(f"bf16_reduce_{comm_path}", {"equal": True})

@@ -11,6 +11,8 @@ them once more, as it rounds exact weights)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,7 +39,7 @@ from layershard.engine.wire import (
     quantize_fp8,
     quantize_int8,
 )
-from layershard.plan import collectives_per_step
+from layershard.plan import collectives_per_step, predict_memory
 
 FP32, BF16 = torch.float32, torch.bfloat16
 MARGIN = 1 + 1e-6  # fp32 rounding of the int8 scale and of q * scale (a few ulp)
@@ -458,42 +460,63 @@ def hybrid_and_hpz_backward_uses_the_forwards_weights(rank: int, world: int) -> 
 
 @checks4.check
 def bf16_reduce_sums_in_fp32(rank: int, world: int) -> None:
-    """The engine's reduce-scatter of bf16 gradients (gloo: all-to-all, then the sum) equals the
+    """The engine's reduce-scatter of bf16 gradients (an all-to-all, then the sum) equals the
     fp32 sum of every rank's bf16 chunk, in rank order, rounded to bf16 once; a sum rounded after
     each add (bf16 accumulation) differs from it at 3 and 4 ranks, so the check tells them apart
-    (two terms round once either way). Groups of 2, 3 and 4 of the ranks."""
-    for size in (2, 3, 4):
-        group = dist.new_group(list(range(size)))  # collective: every rank makes every group
-        if rank >= size:
-            continue
-        mp = ls.MixedPrecision(FP32, BF16)
-        model = ls.shard(tiny_llama(), mixed_precision=mp, process_group=group)
-        comm, n = model._schedule.comm, 4096 * size
-        gens = [torch.Generator().manual_seed(100 + r) for r in range(size)]
-        # magnitudes spread over 2**-8..2**8: sums whose bf16 rounding depends on the order
-        inputs = [
-            torch.randn(n, generator=g) * torch.exp2(torch.randint(-8, 9, (n,), generator=g))
-            for g in gens
-        ]
-        inputs = [x.to(BF16) for x in inputs]
-        got: list[torch.Tensor] = []
-        comm.reduce_scatter(
-            inputs[rank].clone(),
-            torch.empty(n, dtype=BF16),
-            "backward",
-            "test",
-            got.append,  # the chunk of the sum (the buffer is not reused after)
-        ).wait()
-        mine = slice(rank * (n // size), (rank + 1) * (n // size))
-        fp32_sum, bf16_sum = torch.zeros(n), inputs[0].clone()
-        for x in inputs:
-            fp32_sum += x.float()
-        for x in inputs[1:]:
-            bf16_sum += x
-        expected = fp32_sum.to(BF16)[mine]
-        assert torch.equal(got[0], expected), (size, (got[0] - expected).abs().max())
-        if size > 2:
-            assert (bf16_sum[mine] != expected).any(), size
+    (two terms round once either way). Groups of 2, 3 and 4 of the ranks; on gloo's path and on
+    NCCL's (``LAYERSHARD_GLOO_NATIVE=1``: there a 16-bit reduction is an all-to-all too, its
+    receive scratch a whole unit, as the planner says)."""
+    groups = {size: dist.new_group(list(range(size))) for size in (2, 3, 4)}  # every rank makes
+    grads = {}
+    for native in (False, True):
+        os.environ["LAYERSHARD_GLOO_NATIVE"] = "1" if native else "0"
+        try:
+            for size, group in groups.items():
+                if rank < size:
+                    _bf16_sum_over(group, rank, size, native)
+            # the engine's reductions on both paths (slots in turns, the head's own buffer)
+            model = ls.shard(tiny_llama(), mixed_precision=ls.MixedPrecision(FP32, BF16))
+            lm_loss(model, local(batches(1)[0], rank, world)).backward()
+            grads[native] = [p.grad.clone() for p in model.parameters()]
+        finally:
+            del os.environ["LAYERSHARD_GLOO_NATIVE"]
+    assert all(torch.equal(a, b) for a, b in zip(*grads.values(), strict=True))
+
+
+def _bf16_sum_over(group, rank: int, size: int, native: bool) -> None:
+    mp = ls.MixedPrecision(FP32, BF16)
+    model = ls.shard(tiny_llama(), mixed_precision=mp, process_group=group)
+    comm, n = model._schedule.comm, 4096 * size
+    assert comm.gloo_workaround is not native
+    if native:  # the engine's reduce scratch: whole units (what the planner predicts)
+        cfg = model.module.config
+        pred = predict_memory(cfg, size, FP32, BF16, None, backend="nccl", rank=rank)
+        assert model.memory_report()["reduce_scratch"] == pred["reduce_scratch"], size
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(size)]
+    # magnitudes spread over 2**-8..2**8: sums whose bf16 rounding depends on the order
+    inputs = [
+        torch.randn(n, generator=g) * torch.exp2(torch.randint(-8, 9, (n,), generator=g))
+        for g in gens
+    ]
+    inputs = [x.to(BF16) for x in inputs]
+    got: list[torch.Tensor] = []
+    comm.reduce_scatter(
+        inputs[rank].clone(),
+        torch.empty(n, dtype=BF16),
+        "backward",
+        "test",
+        got.append,  # the chunk of the sum (the buffer is not reused after)
+    ).wait()
+    mine = slice(rank * (n // size), (rank + 1) * (n // size))
+    fp32_sum, bf16_sum = torch.zeros(n), inputs[0].clone()
+    for x in inputs:
+        fp32_sum += x.float()
+    for x in inputs[1:]:
+        bf16_sum += x
+    expected = fp32_sum.to(BF16)[mine]
+    assert torch.equal(got[0], expected), (size, (got[0] - expected).abs().max())
+    if size > 2:
+        assert (bf16_sum[mine] != expected).any(), size
 
 
 checks4.collect(globals())

@@ -126,7 +126,8 @@ def build_schedule(
     grad_numel = max((f.padded_numel for f in shared), default=0)
     shard_numel = max((f.shard_numel for f in shared), default=0)
     scratch = max(
-        (comm.scratch_numel(f.padded_numel, f.shard_numel, f.over) for f in shared), default=0
+        (comm.scratch_numel(f.padded_numel, f.shard_numel, f.over, rdtype) for f in shared),
+        default=0,
     )
     grad_slots = [
         GradSlot(grad_numel, rdtype, device, shard_numel, scratch, host_dev)
@@ -135,7 +136,9 @@ def build_schedule(
     own = None
     if large:  # one gradient buffer at a time, of the size of the unit being reduced
         big = max(large, key=lambda f: f.padded_numel)
-        big_scratch = max(comm.scratch_numel(f.padded_numel, f.shard_numel, f.over) for f in large)
+        big_scratch = max(
+            comm.scratch_numel(f.padded_numel, f.shard_numel, f.over, rdtype) for f in large
+        )
         own = GradSlot(
             big.padded_numel, rdtype, device, big.shard_numel, big_scratch, host_dev, True, spare
         )

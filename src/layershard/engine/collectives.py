@@ -28,12 +28,18 @@ the output buffer (about half the time of an all_reduce-based gather under the s
 bitwise exact). A reduce-scatter is an ``all_to_all_single`` (rank r receives chunk r of every
 rank's buffer, into the gradient slot's receive scratch) and a local sum of the N chunks, in rank
 order, into the first of them in fp32 (the buffer is only read: it may be autograd's gradient),
-into the rank's own chunk of the (by then sent) buffer in 16-bit dtypes. It sends (N-1)/N of the buffer where an all_reduce
-sends twice that (16.8 MB, 2 ranks: 7.2 against 11.5 ms; 4 ranks: 13.3 against 28.2 ms). On 2
+into the rank's own chunk of the (by then sent) buffer in 16-bit dtypes. It sends (N-1)/N of the
+buffer where an all_reduce sends twice that (16.8 MB, 2 ranks: 7.2 against 11.5 ms; 4 ranks: 13.3 against 28.2 ms). On 2
 cores that CPU time is taken from compute, so it matters. Counts in ``CommStats`` stay logical
 (one all-gather, one reduce-scatter). ``LAYERSHARD_GLOO_NATIVE=1`` uses the native collectives
 instead: the same code path as NCCL (a shard-sized scratch per gradient slot), which is how the
 CUDA path's buffer logic is tested on CPU.
+
+16-bit reductions (``reduce_dtype=bf16``/fp16) take the all-to-all on every backend, NCCL too: the
+chunks travel in 16 bits and the receiving rank sums them in fp32 and rounds once, where NCCL's
+native bf16 reduce-scatter rounds its running sum at every hop of its ring. The same bytes cross
+the links; the price is memory, a whole unit in the 16-bit dtype as receive scratch per gradient
+slot instead of a shard (together with the 16-bit gradient buffer, what an fp32 reduction holds).
 """
 
 from __future__ import annotations
@@ -268,14 +274,23 @@ class Comm:
         self.control_size = dist.get_world_size(full_group)
         self.wire: WireGather | None = None  # when weights travel quantized (engine/wire.py)
 
-    def scratch_numel(self, numel: int, shard_numel: int, over: str = "shard") -> int:
-        """Elements of the scratch a reduce-scatter of a ``numel`` buffer over group ``over``
-        needs (``shard_numel`` per rank): the received chunks of every rank (gloo's
-        all-to-all), the reduced chunk (native reduce-scatter), or none (a one-rank group
-        copies)."""
+    def scratch_numel(
+        self, numel: int, shard_numel: int, over: str = "shard", dtype: torch.dtype = torch.float32
+    ) -> int:
+        """Elements of the scratch a reduce-scatter of a ``numel`` buffer in ``dtype`` over group
+        ``over`` needs (``shard_numel`` per rank): the received chunks of every rank (an
+        all-to-all: gloo, and 16-bit reductions everywhere), the reduced chunk (native fp32
+        reduce-scatter), or none (a one-rank group copies)."""
         if not self.communicates(over):
             return 0
-        return numel if self.gloo_workaround else shard_numel
+        return numel if self.by_all_to_all(dtype) else shard_numel
+
+    def by_all_to_all(self, dtype: torch.dtype) -> bool:
+        """Is a reduction in ``dtype`` an all-to-all and a local sum? Always on gloo (faster
+        than its native reduce-scatter), and for 16-bit dtypes on every backend: a native
+        16-bit reduce-scatter (NCCL's ring) rounds the running sum at every hop, where the
+        issue's contract is one rounding of the fp32 sum (see ``reduce_scatter``)."""
+        return self.gloo_workaround or dtype != torch.float32
 
     def members(self, over: str) -> tuple[dist.ProcessGroup | None, int, int]:
         return self._members[over]
@@ -439,7 +454,7 @@ class Comm:
         else:
             self.stats.record("reduce_scatter", phase, inp.numel() * inp.element_size(), over)
             assert scratch is not None, "the reduce-scatter needs its gradient slot's scratch"
-            if self.gloo_workaround:  # all-to-all, then this rank sums what it received
+            if self.by_all_to_all(inp.dtype):  # all-to-all, then this rank sums what it got
                 recv = scratch[: inp.numel()]
                 first = lambda a: dist.all_to_all_single(recv, inp, group=group, async_op=a)  # noqa: E731
                 if inp.dtype == torch.float32:  # into the first received chunk: inp is read only

@@ -7,8 +7,9 @@ all-gathers that: half the bytes on the wire. ``gather_dtype`` (fp8 e4m3 or int8
 sends one byte per weight instead, quantized from the fp32 slice at every gather and dequantized
 into ``param_dtype`` after it; ``None`` (the default) sends ``param_dtype``, exactly. Gradients are
 computed in ``param_dtype``, copied (cast) into the gradient buffer in ``reduce_dtype``,
-reduce-scattered and accumulated into fp32 slices; with ``reduce_dtype=bf16`` on gloo each rank's
-chunk travels in bf16 and the chunks are summed in fp32, rounded to bf16 once (collectives.py).
+reduce-scattered and accumulated into fp32 slices; with ``reduce_dtype=bf16`` each rank's chunk
+travels in bf16 and the chunks are summed in fp32, rounded to bf16 once, on every backend (an
+all-to-all: collectives.py).
 """
 
 from __future__ import annotations

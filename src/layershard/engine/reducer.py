@@ -155,7 +155,7 @@ class Reducer:
             host_post = partial(scale_into, grad, staging, post_factor, fresh)
         else:
             post = lambda chunk: scale_into(grad, chunk, post_factor, fresh)  # noqa: E731
-        need = self.comm.scratch_numel(f.padded_numel, f.shard_numel, f.over)
+        need = self.comm.scratch_numel(f.padded_numel, f.shard_numel, f.over, buf.dtype)
         scratch = gs.get_scratch(need) if need else None
         pending = self.comm.reduce_scatter(
             buf, scratch, "backward", u.name, post, host_post, over=f.over

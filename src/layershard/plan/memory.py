@@ -16,14 +16,15 @@ gradient slots), ``c`` = bytes per element of the compute (param) dtype, ``r`` =
                                         turns in it, a slot per small unit (S: their sum; the
                                         engine's buffers.assign_gather_slots), + the root unit's
     grad_buffers    2 r G_max           two gradient slots taken in turn (held during backward only)
-    reduce_scratch  2 r max_u S_u       each gradient slot's reduce-scatter output (NCCL); on gloo
-                    (2 r G_max)         each slot's all-to-all receive buffer; held during
-                                        backward only
+    reduce_scratch  2 r max_u S_u       each gradient slot's reduce-scatter output (NCCL, fp32);
+                    (2 r G_max)         on gloo, or a 16-bit r, each slot's all-to-all receive
+                                        buffer; held during backward only
     large_gather    c L_max             the gathered weights of a unit larger than every block
                                         (an embedding or LM head of a large vocabulary): storage
                                         of its own, held only while it runs, one at a time
-    large_grad      r (L_max + X)       its gradient buffer and reduce scratch X (L_max on gloo,
-                                        L_max / N on NCCL), from its reduction to the next one
+    large_grad      r (L_max + X)       its gradient buffer and reduce scratch X (L_max on gloo
+                                        or 16-bit r, L_max / N otherwise), from its reduction to
+                                        the next one
     module_buffers  4 * 2 T hd          Rotary's fp32 cos/sin tables (T = max_seq_len)
     no_sync         4 sum_u N S_u       unsharded fp32 accumulators, only if ``no_sync()`` was used
 
@@ -185,8 +186,9 @@ def predict_memory(
     accumulators that ``ShardedModule.no_sync()`` allocates. ``rank`` (global) matters only for
     the optimizer state, which is per parameter view and so skips the padding on the last ranks
     of a shard group. Activations are not included (see ``predict_activations``).
-    ``backend="gloo"`` (CPU) reduce-scatters through an all-to-all: its ``reduce_scratch``
-    receives whole units, not shards.
+    ``backend="gloo"`` (CPU) reduce-scatters through an all-to-all, and so does a 16-bit
+    ``reduce_dtype`` on every backend (fp32 sums): its ``reduce_scratch`` receives whole units,
+    not shards.
 
     ``strategy``: ``full`` (ZeRO-3; ``reshard_after_forward=K`` adds each unit's 1/K kept for
     the backward), ``grad_op`` (ZeRO-2: a gather buffer per unit, the whole model in the compute
@@ -246,7 +248,9 @@ def predict_memory(
     def scratch(u) -> int:
         if s_n == 1:
             return 0
-        return u.padded_numel(s_n) if backend == "gloo" else u.shard_numel(s_n)
+        # an all-to-all receives whole units: on gloo, and for 16-bit reductions everywhere
+        whole = backend == "gloo" or r < 4
+        return u.padded_numel(s_n) if whole else u.shard_numel(s_n)
 
     shared = [u for u in us if u.padded_numel(s_n) <= limit]
     big = max((u for u in us if u.padded_numel(s_n) > limit), key=lambda u: u.padded_numel(s_n),

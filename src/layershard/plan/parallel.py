@@ -175,7 +175,8 @@ def predict_mesh_memory(
         mem["gather_buffers"] += 0 if in_place else 2 * c * padded
         mem["grad_buffers"] += 2 * r * padded
         if n > 1:
-            mem["reduce_scratch"] += 2 * r * (padded if backend == "gloo" else shard)
+            whole = backend == "gloo" or r < 4  # an all-to-all (engine/collectives.py)
+            mem["reduce_scratch"] += 2 * r * (padded if whole else shard)
         if no_sync:
             mem["no_sync"] += 4 * L * padded
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
