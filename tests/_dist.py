@@ -30,6 +30,8 @@ import os
 import socket
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -212,3 +214,18 @@ class RankChecks:
                 verdicts[name] = [crash]
                 break
         return verdicts
+
+
+def die_with_launcher() -> None:
+    """Exit when torchrun's agent is gone. It starts each rank in a session of its own, so the
+    test's timeout, which kills the agent's process group, does not reach the ranks: a rank
+    left waiting in a collective would live on, holding the test's output pipe open (pytest
+    then waited for it forever)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="die-with-launcher").start()

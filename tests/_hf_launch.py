@@ -49,8 +49,11 @@ def results(job: str) -> dict:
     try:
         output, _ = proc.communicate(timeout=TIMEOUT_S[job])
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGKILL)  # the agent; its ranks follow (die_with_launcher)
+        try:
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a rank still holds the pipe: report without it
+            output = ""
         pytest.fail(f"{job}: torchrun timed out after {TIMEOUT_S[job]} s\n{output[-6000:]}")
     path = _out() / f"{job}.json"
     if proc.returncode != 0 or not path.is_file():

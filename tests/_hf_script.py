@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers as T
+from _dist import die_with_launcher
 
 import layershard as ls
 
@@ -208,7 +209,7 @@ def parity(out: Path) -> dict:
             finals[impl] = state_of(trainer)
             if extra == "full":
                 r["best"] = Path(trainer.state.best_model_checkpoint).name
-                r["checkpoints"] = sorted(p.name for p in d.glob("checkpoint-*"))
+                r["checkpoints"] = [n for n in listing(d) if n.startswith("checkpoint-")]
                 r["checkpoint_files"] = sorted(os.listdir(d / r["checkpoints"][-1]))
                 r["eval"] = trainer.evaluate()["eval_loss"]
                 pred = trainer.predict(sequences(6, seed=7))
@@ -302,6 +303,14 @@ def tensor_parallel(out: Path) -> dict:
     return res
 
 
+def listing(path: Path) -> list[str]:
+    """The files in ``path``, which rank 0 alone may have just written (a stock Trainer's or
+    accelerate's ``save_model`` returns at once on the other ranks): after every rank is here."""
+    if dist.is_initialized():
+        dist.barrier()
+    return sorted(os.listdir(path))
+
+
 def saved_model_check(trainer, path: Path) -> dict:
     """trainer.save_model() output, loaded by from_pretrained, against the sharded model."""
     trainer.save_model(str(path))
@@ -309,7 +318,7 @@ def saved_model_check(trainer, path: Path) -> dict:
     trainer.model.eval()
     with torch.no_grad():
         live = trainer.model(input_ids=x).logits
-    res = {"files": sorted(os.listdir(path))}
+    res = {"files": listing(path)}
     if RANK == 0:
         loaded = T.AutoModelForCausalLM.from_pretrained(str(path))
         with torch.no_grad():
@@ -338,7 +347,7 @@ def lora(out: Path) -> dict:
         trainer.model.eval()
         with torch.no_grad():
             live = trainer.model(input_ids=x).logits
-        r = {"logged": logged(trainer), "files": sorted(os.listdir(d / "final"))}
+        r = {"logged": logged(trainer), "files": listing(d / "final")}
         if RANK == 0:
             from safetensors.torch import load_file
 
@@ -545,8 +554,8 @@ def accelerate_loop(out: Path) -> dict:
         acc.save_model(model, str(out / f"accel-model-{impl}"))
         r = {"losses": first, "replay": replay}
         r["replay_param_diff"] = max_param_diff(again, finals[impl])
-        r["state_files"] = sorted(os.listdir(state_dir))
-        r["model_files"] = sorted(os.listdir(out / f"accel-model-{impl}"))
+        r["state_files"] = listing(state_dir)
+        r["model_files"] = listing(out / f"accel-model-{impl}")
         if RANK == 0 and impl == "ls":
             loaded = T.AutoModelForCausalLM.from_pretrained(str(out / f"accel-model-{impl}"))
             r["saved_diff"] = max_param_diff(
@@ -769,6 +778,7 @@ def run_sections(sections, out: Path, result: Path | None) -> None:
     """Run each section (a function of ``out``) on this rank, an error reported in its place;
     rank 0 writes the results to ``result`` (if any); then leave as our spawned ranks do."""
     torch.set_num_threads(1)
+    die_with_launcher()
     res: dict = {}
     for section in sections:
         try:

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _hf_script import args, chat_tokenizer, completions, logged, run_sections, sequences
+from _hf_script import (
+    args,
+    chat_tokenizer,
+    completions,
+    listing,
+    logged,
+    run_sections,
+    sequences,
+)
 from _qlora import bnb_config, lora_config, save_base
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -74,7 +82,7 @@ def trainer(out: Path) -> dict:
         again.train(resume_from_checkpoint=str(d / f"checkpoint-{STEPS // 2}"))
         resumed = logged(again)
     t.save_model(str(d / "final"))
-    res = {"logged": logged(t), "files": sorted(os.listdir(d / "final"))}
+    res = {"logged": logged(t), "files": listing(d / "final")}
     res.update(resumed=resumed, resumed_steps=ran)
     x = torch.tensor([r["input_ids"].tolist() for r in sequences(2, seed=9)])
     t.model.eval()

@@ -17,9 +17,18 @@ parity tests' (tests/_parity.py), these bounds are calibrated, not measured in t
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from _hf_launch import section
 from _parity import LOSS_RTOL
+
+TESTS = Path(__file__).resolve().parent
 
 GRAD_NORM_RTOL = 1e-5
 PARAM_TOL = 1e-4
@@ -210,3 +219,47 @@ def test_misuse_is_refused_in_one_line(case: str) -> None:
     assert got is not None, f"{case}: accepted"
     kind, message = got
     assert kind == "ValueError" and MISUSE[case] in message and "\n" not in message
+
+
+def test_a_rank_dies_with_its_launcher(tmp_path: Path) -> None:
+    """torchrun starts each rank in a session of its own, so the launch's timeout, which kills
+    the agent's process group, does not reach the ranks: a rank left waiting in a collective
+    once lived on holding pytest's output pipe, and the suite hung. ``die_with_launcher`` (every
+    HF rank runs it) makes a rank exit once its launcher is gone. Here the launcher starts one
+    such rank in a new session and is killed; the rank must be gone within seconds."""
+    ready = tmp_path / "ready"
+    rank = (
+        f"import sys, time; sys.path.insert(0, {str(TESTS)!r}); "
+        "from _dist import die_with_launcher; die_with_launcher(); "
+        f"open({str(ready)!r}, 'w').close(); time.sleep(120)"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+         f"p = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True); "
+         "print(p.pid, flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert launcher.stdout is not None
+    pid = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ready.exists(), "the rank did not start"
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the rank outlived its launcher"
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a container's init may not reap orphans)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
