@@ -410,7 +410,8 @@ def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]
         env["OMP_NUM_THREADS"] = str(threads)
     env["LAYERSHARD_BENCH_WATCHDOG_S"] = str(int(args.timeout))
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
-    # Own session: on timeout the launcher and its ranks go together (their process group).
+    # Own session, killed on timeout: that is the launcher only, as torchrun starts each rank in
+    # a session of its own; the ranks end themselves at ``args.timeout`` (the worker's watchdog).
     p = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -419,6 +420,9 @@ def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]
         output, _ = p.communicate(timeout=args.timeout + 60)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        output, _ = p.communicate()
+        try:
+            output, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # a rank outlived its watchdog and holds the pipe
+            output = ""
         return 124, f"timed out after {args.timeout + 60:.0f} s\n{output[-20000:]}"
     return p.returncode, output[-20000:]
