@@ -29,8 +29,8 @@ bitwise exact). A reduce-scatter is an ``all_to_all_single`` (rank r receives ch
 rank's buffer, into the gradient slot's receive scratch) and a local sum of the N chunks, in rank
 order, into the first of them in fp32 (the buffer is only read: it may be autograd's gradient),
 into the rank's own chunk of the (by then sent) buffer in 16-bit dtypes. It sends (N-1)/N of the
-buffer where an all_reduce sends twice that (16.8 MB, 2 ranks: 7.2 against 11.5 ms; 4 ranks: 13.3 against 28.2 ms). On 2
-cores that CPU time is taken from compute, so it matters. Counts in ``CommStats`` stay logical
+buffer where an all_reduce sends twice that (16.8 MB, 2 ranks: 7.2 against 11.5 ms; 4 ranks:
+13.3 against 28.2 ms). On 2 cores that CPU time is taken from compute, so it matters. Counts in ``CommStats`` stay logical
 (one all-gather, one reduce-scatter). ``LAYERSHARD_GLOO_NATIVE=1`` uses the native collectives
 instead: the same code path as NCCL (a shard-sized scratch per gradient slot), which is how the
 CUDA path's buffer logic is tested on CPU.
@@ -39,7 +39,7 @@ CUDA path's buffer logic is tested on CPU.
 chunks travel in 16 bits and the receiving rank sums them in fp32 and rounds once, where NCCL's
 native bf16 reduce-scatter rounds its running sum at every hop of its ring. The same bytes cross
 the links; the price is memory, a whole unit in the 16-bit dtype as receive scratch per gradient
-slot instead of a shard (together with the 16-bit gradient buffer, what an fp32 reduction holds).
+slot instead of a shard (with the 16-bit gradient buffer, less than an fp32 reduction holds).
 """
 
 from __future__ import annotations

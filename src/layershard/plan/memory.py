@@ -163,6 +163,12 @@ def bytes_per_param(param_dtype: Any = "bf16", optimizer: str = "adamw") -> dict
 # --- layershard's layout -----------------------------------------------------------------------
 
 
+def receives_whole_units(backend: str, reduce_bytes: int) -> bool:
+    """Does a reduce-scatter receive every rank's whole chunk (an all-to-all, then a local sum)?
+    On gloo, and for 16-bit reductions on every backend (``Comm.by_all_to_all``)."""
+    return backend == "gloo" or reduce_bytes < 4
+
+
 def predict_memory(
     config: Any,
     world_size: int,
@@ -248,8 +254,7 @@ def predict_memory(
     def scratch(u) -> int:
         if s_n == 1:
             return 0
-        # an all-to-all receives whole units: on gloo, and for 16-bit reductions everywhere
-        whole = backend == "gloo" or r < 4
+        whole = receives_whole_units(backend, r)
         return u.padded_numel(s_n) if whole else u.shard_numel(s_n)
 
     shared = [u for u in us if u.padded_numel(s_n) <= limit]

@@ -55,6 +55,7 @@ from layershard.plan.memory import (
     optimizer_bytes,
     predict_activations,
     predict_memory,
+    receives_whole_units,
     released_between_passes,
     unit_grad_bytes,
 )
@@ -175,7 +176,7 @@ def predict_mesh_memory(
         mem["gather_buffers"] += 0 if in_place else 2 * c * padded
         mem["grad_buffers"] += 2 * r * padded
         if n > 1:
-            whole = backend == "gloo" or r < 4  # an all-to-all (engine/collectives.py)
+            whole = receives_whole_units(backend, r)
             mem["reduce_scratch"] += 2 * r * (padded if whole else shard)
         if no_sync:
             mem["no_sync"] += 4 * L * padded
