@@ -229,3 +229,13 @@ def die_with_launcher() -> None:
         os._exit(3)
 
     threading.Thread(target=watch, daemon=True, name="die-with-launcher").start()
+
+
+def listing(path: Path) -> list[str]:
+    """The files in ``path``, which rank 0 alone may have just written (a stock Trainer's or
+    accelerate's ``save_model`` returns at once on the other ranks): after every rank is here."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    return sorted(os.listdir(path))

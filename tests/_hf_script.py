@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers as T
-from _dist import die_with_launcher
+from _dist import die_with_launcher, listing
 
 import layershard as ls
 
@@ -301,14 +301,6 @@ def tensor_parallel(out: Path) -> dict:
             res["resumed"]["param_diff"] = max_param_diff(state_of(again), finals[impl])
     res["param_diff"] = max_param_diff(finals["ls"], finals["ddp"])
     return res
-
-
-def listing(path: Path) -> list[str]:
-    """The files in ``path``, which rank 0 alone may have just written (a stock Trainer's or
-    accelerate's ``save_model`` returns at once on the other ranks): after every rank is here."""
-    if dist.is_initialized():
-        dist.barrier()
-    return sorted(os.listdir(path))
 
 
 def saved_model_check(trainer, path: Path) -> dict:

@@ -18,15 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _hf_script import (
-    args,
-    chat_tokenizer,
-    completions,
-    listing,
-    logged,
-    run_sections,
-    sequences,
-)
+from _dist import listing
+from _hf_script import args, chat_tokenizer, completions, logged, run_sections, sequences
 from _qlora import bnb_config, lora_config, save_base
 
 RANK = int(os.environ.get("RANK", "0"))

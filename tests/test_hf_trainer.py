@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _dist import listing, run_ranks
 from _hf_launch import section
 from _parity import LOSS_RTOL
 
@@ -263,3 +264,18 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
+
+
+def _list_what_rank_0_writes(rank: int, world: int, folder: str) -> None:
+    if rank == 0:  # rank 0 writes late, as a stock Trainer's save_model does on rank 0 only
+        time.sleep(1.0)
+        Path(folder).mkdir()
+        (Path(folder) / "model.safetensors").touch()
+    assert listing(Path(folder)) == ["model.safetensors"]
+
+
+def test_listing_sees_what_rank_0_wrote(tmp_path: Path) -> None:
+    """The HF scripts list a folder rank 0 alone writes only after every rank is there
+    (``_dist.listing``): rank 1 once listed it first, got FileNotFoundError, left the section,
+    and rank 0 waited for it in the next collective until the suite hung."""
+    run_ranks(_list_what_rank_0_writes, 2, str(tmp_path / "final"))
