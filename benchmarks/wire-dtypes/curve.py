@@ -2,7 +2,9 @@
 the bundled corpus (Python's stdlib sources), 2 ranks, 300 steps, validation loss every 50 steps,
 once per option; each option's validation loss must stay within 1% (relative) of the exact run's
 at every evaluation, and a deliberately broken scale (fp8 with the first step's amax kept:
-LAYERSHARD_FP8_STALE_SCALES=1) must fail that.
+LAYERSHARD_FP8_STALE_SCALES=1) must fail that. The runs named "exact, ..." are exact too and
+differ from "exact" only in fp32 rounding (one rank, another CPU capability): how far two correct
+runs drift apart at this batch size.
 
 Run it from a snapshot of the tree (the runs import the code they measure):
 
@@ -42,6 +44,12 @@ OPTIONS: dict[str, tuple[list[str], dict[str, str]]] = {
     "bf16 reduce": (["--reduce-dtype", "bf16"], {}),
     "fp8 gather": (["--gather-dtype", "fp8"], {}),
     "int8 gather": (["--gather-dtype", "int8"], {}),
+    # Exact runs that differ from "exact" only in fp32 rounding: how far apart two legitimate
+    # runs drift at this batch size (the same global batch and data order on one rank; another
+    # CPU capability's vector kernels).
+    "exact, 1 rank": (["--nproc-per-node", "1", "--micro-batch", "4"], {}),
+    "exact, ATEN_CPU_CAPABILITY=default": ([], {"ATEN_CPU_CAPABILITY": "default"}),
+    "exact, rerun": ([], {}),  # is the machine the one "exact" ran on (bitwise the same curve)?
 }
 
 
@@ -100,12 +108,21 @@ def plot(runs: dict, path: Path) -> None:
     exact = runs.get("exact", {}).get("val_loss", {})
     for i, (name, r) in enumerate((n, r) for n, r in runs.items() if " @ seed " not in n):
         color = f"C{i}"  # one color per option in both panels
+        # the exact runs that differ from "exact" only in rounding: dashed
+        style = "--" if name.startswith("exact,") else "-"
         steps = sorted(int(s) for s in r["val_loss"])
-        ax.plot(steps, [r["val_loss"][str(s)] for s in steps], marker="o", label=name, color=color)
+        ax.plot(
+            steps,
+            [r["val_loss"][str(s)] for s in steps],
+            style,
+            marker="o",
+            label=name,
+            color=color,
+        )
         if name != "exact" and exact:
             common = [s for s in steps if str(s) in exact]
             diff = [(r["val_loss"][str(s)] - exact[str(s)]) / exact[str(s)] for s in common]
-            rel.plot(common, [100 * d for d in diff], marker="o", label=name, color=color)
+            rel.plot(common, [100 * d for d in diff], style, marker="o", label=name, color=color)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
     ax.set_title("small, 2 ranks, bundled corpus")
@@ -115,7 +132,9 @@ def plot(runs: dict, path: Path) -> None:
     rel.set_xlabel("step")
     rel.set_ylabel("(loss - exact) / exact, %")
     rel.set_title("against the exact run")
-    rel.legend()
+    lo, hi = rel.get_ylim()
+    rel.set_ylim(lo, hi + 0.6 * (hi - lo))  # room for the legend above the curves
+    rel.legend(fontsize=7, ncol=2, loc="upper right")
     rel.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
