@@ -30,10 +30,10 @@ rank's buffer, into the gradient slot's receive scratch) and a local sum of the 
 order, into the first of them in fp32 (the buffer is only read: it may be autograd's gradient),
 into the rank's own chunk of the (by then sent) buffer in 16-bit dtypes. It sends (N-1)/N of the
 buffer where an all_reduce sends twice that (16.8 MB, 2 ranks: 7.2 against 11.5 ms; 4 ranks:
-13.3 against 28.2 ms). On 2 cores that CPU time is taken from compute, so it matters. Counts in ``CommStats`` stay logical
-(one all-gather, one reduce-scatter). ``LAYERSHARD_GLOO_NATIVE=1`` uses the native collectives
-instead: the same code path as NCCL (a shard-sized scratch per gradient slot), which is how the
-CUDA path's buffer logic is tested on CPU.
+13.3 against 28.2 ms). On 2 cores that CPU time is taken from compute, so it matters. Counts in
+``CommStats`` stay logical (one all-gather, one reduce-scatter). ``LAYERSHARD_GLOO_NATIVE=1`` uses
+the native collectives instead: the same code path as NCCL (a shard-sized scratch per gradient
+slot), which is how the CUDA path's buffer logic is tested on CPU.
 
 16-bit reductions (``reduce_dtype=bf16``/fp16) take the all-to-all on every backend, NCCL too: the
 chunks travel in 16 bits and the receiving rank sums them in fp32 and rounds once, where NCCL's
