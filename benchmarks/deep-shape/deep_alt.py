@@ -1,10 +1,13 @@
 """layershard and DDP in one process, steps alternating (host speed drift hits both alike):
-per-step wall and main-thread CPU ratios layershard / DDP on the deep shape."""
+per-step wall and main-thread CPU ratios layershard / DDP on the deep shape, the process's CPU
+(every thread: gloo's too) and the main thread's CPU by phase (forward with the loss, backward,
+optimizer step; medians in ms, layershard then DDP)."""
 
 import argparse
 import copy
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -52,25 +55,33 @@ def worker(rank, world, port, a):
     impls = {"layershard": ls.shard(copy.deepcopy(base)), "ddp": DDP(copy.deepcopy(base))}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in impls.items()}
     g = torch.Generator().manual_seed(1)
-    rec = {k: {"wall": [], "cpu": []} for k in impls}
+    rec = {k: {m: [] for m in ("wall", "cpu", "proc", "fwd", "bwd", "opt")} for k in impls}
+
+    def proc_cpu() -> float:  # user + system time of every thread of this rank
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
     order = list(impls)
     for step in range(a.warmup + a.steps):
         x = torch.randint(0, 4096, (a.batch, a.seq), generator=g)
         for name in order if step % 2 == 0 else order[::-1]:
             model, opt = impls[name], opts[name]
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), proc_cpu()
             logits = model(x).logits
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)
             )
+            cf = time.thread_time()
             loss.backward()
+            cb = time.thread_time()
             opt.step()
             opt.zero_grad()
-            t1, c1 = time.perf_counter(), time.thread_time()
+            t1, c1, p1 = time.perf_counter(), time.thread_time(), proc_cpu()
             if step >= a.warmup:
-                rec[name]["wall"].append(t1 - t0)
-                rec[name]["cpu"].append(c1 - c0)
+                for m, v in (("wall", t1 - t0), ("cpu", c1 - c0), ("proc", p1 - p0),
+                             ("fwd", cf - c0), ("bwd", cb - cf), ("opt", c1 - cb)):  # fmt: skip
+                    rec[name][m].append(v)
     if rank == 0:
         ls_w, dd_w = rec["layershard"]["wall"], rec["ddp"]["wall"]
         ratio = [x / y for x, y in zip(ls_w, dd_w)]
@@ -81,6 +92,11 @@ def worker(rank, world, port, a):
             "ratio_median": round(statistics.median(ratio), 4),
             "ratio_pooled": round(sum(ls_w) / sum(dd_w), 4),
             "cpu_ratio": round(sum(rec["layershard"]["cpu"]) / sum(rec["ddp"]["cpu"]), 4),
+            "proc_cpu_ratio": round(sum(rec["layershard"]["proc"]) / sum(rec["ddp"]["proc"]), 4),
+            "cpu_ms": {  # medians, [layershard, DDP]
+                m: [round(1000 * statistics.median(rec[k][m]), 1) for k in impls]
+                for m in ("proc", "cpu", "fwd", "bwd", "opt")
+            },
             "load": round(os.getloadavg()[0], 2),
         }
         print(json.dumps(out), flush=True)
