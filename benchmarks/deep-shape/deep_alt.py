@@ -21,6 +21,19 @@ sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 
 
+class Blocks(torch.nn.Module):
+    """Consecutive blocks run as one module: shard() takes it as one unit."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x, cos, sin):
+        for b in self.blocks:
+            x = b(x, cos, sin)
+        return x
+
+
 def worker(rank, world, port, a):
     from _ranks import init_gloo_rank, leave_rank
 
@@ -28,6 +41,16 @@ def worker(rank, world, port, a):
     import torch.distributed as dist
 
     import layershard as ls
+
+    if a.no_gathers:  # timing only, wrong numbers: each rank copies its own chunk, nothing moves
+        from layershard.engine import collectives
+
+        def local_copy(self, out, src, phase, label, over="shard"):
+            _, r, _ = self.members(over)
+            out[r * src.numel() : (r + 1) * src.numel()].copy_(src)
+            return collectives.DONE
+
+        collectives.Comm.all_gather = local_copy
 
     if a.model_src:
         import importlib.util
@@ -50,9 +73,15 @@ def worker(rank, world, port, a):
         ffn_dim=a.ffn,
     )
     base = LlamaForCausalLM(cfg)
+    if a.blocks_per_unit > 1:  # the same computation, in units of K consecutive blocks
+        blocks, k = list(base.layers), a.blocks_per_unit
+        base.layers = torch.nn.ModuleList(
+            [Blocks(blocks[i : i + k]) for i in range(0, len(blocks), k)]
+        )
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    impls = {"layershard": ls.shard(copy.deepcopy(base)), "ddp": DDP(copy.deepcopy(base))}
+    ours = ls.shard(copy.deepcopy(base), strategy=a.strategy)
+    impls = {"layershard": ours, "ddp": DDP(copy.deepcopy(base))}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in impls.items()}
     g = torch.Generator().manual_seed(1)
     rec = {k: {m: [] for m in ("wall", "cpu", "proc", "fwd", "bwd", "opt")} for k in impls}
@@ -114,6 +143,11 @@ if __name__ == "__main__":
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model-src", default=None)
+    p.add_argument("--strategy", default="full", help="layershard's sharding strategy")
+    p.add_argument("--blocks-per-unit", type=int, default=1, help="K blocks in one unit")
+    p.add_argument(
+        "--no-gathers", action="store_true", help="timing only: no all-gather moves data"
+    )
     a = p.parse_args()
     from _dist import free_port
 
