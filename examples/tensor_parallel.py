@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import layershard as ls
 from layershard.models import LlamaConfig, LlamaForCausalLM
-from layershard.parallel.tensor import parallelize_llama
+from layershard.models.llama_tp import parallelize_llama
 
 TP = 2
 

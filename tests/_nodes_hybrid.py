@@ -1,4 +1,4 @@
-"""A rank of test_multinode's hybrid test, started by `layershard.train.agent` (torchrun) on each of
+"""A rank of test_multinode's hybrid test, started by `layershard.train.launch.agent` (torchrun) on each of
 two simulated nodes: ``ls.shard(strategy="hybrid")`` with the default shard size shards within a
 node and replicates across nodes, and trains like the single-process reference."""
 

@@ -47,7 +47,7 @@ def load_4bit(path: str, quant_type: str = "nf4", double_quant: bool = True, sto
     )  # fmt: skip
     # bitsandbytes swaps in a bf16 CPU kernel (and repacks the weight in place) for an eval-mode
     # forward without grad on AVX512-BF16 CPUs: another computation than the training one. The
-    # reference must compute what ls.shard computes (which always turns it off: quantized.py).
+    # reference must compute what ls.shard computes (which always turns it off: four_bit.py).
     for m in model.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False

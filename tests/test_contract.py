@@ -388,7 +388,7 @@ def _save_decision_is_rank0s(rank: int, world: int) -> None:
 
     from _dist import shared_tmp
 
-    from layershard.train.trainer import Trainer
+    from layershard.train.loop.trainer import Trainer
 
     run = shared_tmp()
     ckpt = run / "checkpoints" / "step_000005"
@@ -498,7 +498,7 @@ def _stall_reports_name_the_wait(rank: int, world: int) -> None:
 
     from _dist import shared_tmp
 
-    from layershard.train.faults import describe_stack, main_thread_stack
+    from layershard.train.loop.faults import describe_stack, main_thread_stack
 
     torch.manual_seed(0)
     base = AuxHead()

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from layershard.train import prepare, sources
 from layershard.train.config import resolve
-from layershard.train.data import TokenSplit
-from layershard.train.prepare import bpe_texts, corpus_hash, prepare_splits
-from layershard.train.sources import PIECE, SPLIT_BLOCK, find_files, plan_split, source_names
-from layershard.train.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_or_load_bpe
+from layershard.train.data import prepare, sources
+from layershard.train.data.batches import TokenSplit
+from layershard.train.data.prepare import bpe_texts, corpus_hash, prepare_splits
+from layershard.train.data.sources import PIECE, SPLIT_BLOCK, find_files, plan_split, source_names
+from layershard.train.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_or_load_bpe
 
 
 @pytest.fixture(autouse=True)

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from layershard.train import fingerprint
-from layershard.train.cache import exclusive
 from layershard.train.config import resolve
-from layershard.train.data import TokenSplit
-from layershard.train.fingerprint import corpus_change
-from layershard.train.prepare import (
+from layershard.train.data import fingerprint
+from layershard.train.data.batches import TokenSplit
+from layershard.train.data.cache import exclusive
+from layershard.train.data.fingerprint import corpus_change
+from layershard.train.data.prepare import (
     bpe_texts,
     corpus_hash,
     entry_folder,
@@ -29,8 +29,8 @@ from layershard.train.prepare import (
     lock_path,
     prepare_splits,
 )
-from layershard.train.sources import find_files
-from layershard.train.tokenizer import train_or_load_bpe
+from layershard.train.data.sources import find_files
+from layershard.train.data.tokenizer import train_or_load_bpe
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -56,10 +56,10 @@ def corpus(tmp_path, monkeypatch):
 CHILD = textwrap.dedent(
     """
     import json, os, sys, time
-    from layershard.train import prepare
+    from layershard.train.data import prepare
     from layershard.train.config import resolve
-    from layershard.train.sources import find_files
-    from layershard.train.tokenizer import load_tokenizer
+    from layershard.train.data.sources import find_files
+    from layershard.train.data.tokenizer import load_tokenizer
     if os.environ.get("SLOW"):
         prepare.TASK_BYTES = 8192
         fast = prepare.LocalEncoder.map
@@ -231,8 +231,8 @@ def test_a_file_rewritten_while_it_is_tokenized_is_never_cached(tmp_path, monkey
     a cache entry that recorded the old file's size and hash over tokens of neither version.
     Preparation now compares each file's size and full hash after reading with what it
     recorded before, and refuses (one line naming the file) without caching anything."""
-    from layershard.train import sources
     from layershard.train.config import ConfigError
+    from layershard.train.data import sources
 
     monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("LAYERSHARD_PREPARE_WORKERS", raising=False)
@@ -269,7 +269,7 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_the_space(tmp_path, monke
     with one line naming the cache folder and the space needed, and leaves no scratch folder."""
     from _train import train_main
 
-    from layershard.train import prepare
+    from layershard.train.data import prepare
 
     monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("LAYERSHARD_PREPARE_WORKERS", raising=False)

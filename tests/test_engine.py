@@ -434,7 +434,8 @@ def _two_reduce_scatters_in_flight(rank: int, world: int, collective: str) -> No
     ``collective``: the ``layershard.engine.collectives`` function the reduce-scatter runs on."""
     import layershard.engine.collectives as collectives
 
-    owner = collectives if collective.startswith("_") else collectives.dist
+    ours = collective in ("all_gather_single", "reduce_scatter_single")  # else torch's
+    owner = collectives if ours else collectives.dist
     real = getattr(owner, collective)
 
     class Finished:
@@ -471,7 +472,7 @@ def _native(rank: int, world: int) -> None:
     os.environ["LAYERSHARD_GLOO_NATIVE"] = "1"
     from test_parity import _llama_parity
 
-    _two_reduce_scatters_in_flight(rank, world, "_reduce_scatter")
+    _two_reduce_scatters_in_flight(rank, world, "reduce_scatter_single")
     _llama_parity(rank, world)
 
 

@@ -43,9 +43,9 @@ from test_moe import STEPS, matches_one_process, tiny_moe, tiny_qwen3_moe
 from test_wire_dtypes import representable
 
 import layershard as ls
-from layershard.parallel import tensor
+from layershard.engine import dtensor
 from layershard.parallel.expert import ExpertGroup
-from layershard.parallel.mesh import split_experts
+from layershard.parallelize import split_experts
 
 checks = RankChecks(world_size=4)
 EP = 2
@@ -477,7 +477,7 @@ def _whole_grads(model) -> dict[str, torch.Tensor]:
         dist.all_gather(parts, f.grad, group=group) if n > 1 else parts.__setitem__(0, f.grad)
         for slot, g in zip(f.slots, f.views(torch.cat(parts))):
             if slot.tp is not None:
-                g = tensor.full_tensor(slot.tp, g)
+                g = dtensor.full_tensor(slot.tp, g)
             if slot.expert is not None:
                 pieces = [torch.empty_like(g) for _ in range(sh.ep_size)]
                 dist.all_gather(pieces, g.contiguous(), group=sh.ep_group)
@@ -520,7 +520,7 @@ def _tp_ep_matches_one_process(base, steps: int, rank: int, world: int, q_proj: 
     counts = torch.tensor([held[k] for k in sorted(held)])
     dist.all_reduce(counts)
     for k, n in zip(sorted(held), counts.tolist()):
-        split = tensor.split_over_tp(names[k])  # TP-sharded or experts (not Qwen3's q/k norms)
+        split = dtensor.split_over_tp(names[k])  # TP-sharded or experts (not Qwen3's q/k norms)
         assert n == base.get_parameter(k).numel() * (1 if split else 2), (k, n)
 
     opt = optimizer(model.parameters())

@@ -25,7 +25,7 @@ from _qlora import V, batches, causal_loss, qlora_model  # noqa: E402
 
 import layershard as ls  # noqa: E402
 from layershard.engine.flat import ALIGN  # noqa: E402
-from layershard.engine.quantized import is_packed  # noqa: E402
+from layershard.engine.four_bit import is_packed  # noqa: E402
 from layershard.plan.model import ModelShape  # noqa: E402
 from layershard.plan.qlora import QLoRASettings, qlora_memory  # noqa: E402
 

@@ -452,7 +452,7 @@ def test_cpu_offload_places_and_trains_exactly(comm_path):
     assert worst <= 1e-5 and dev <= bound, (dev, bound)
 
 
-# ---- QLoRA: 4-bit bases (engine/quantized.py) ------------------------------------------------------
+# ---- QLoRA: 4-bit bases (engine/four_bit.py) ------------------------------------------------------
 @pytest.mark.parametrize("offload", [False, True])
 def test_qlora_parity(comm_path, offload):
     """A 4-bit (NF4, double quant) PEFT model on the device: bitsandbytes' CUDA kernels, the packed

@@ -29,7 +29,7 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     such as ``ls.hf`` and ``ls.save_checkpoint``, which run only when a user asks for the
     attribute (the modules behind them use the package's public names, ``ls.shard``); and a
     module-level ``if __name__ == "__main__":`` block, which runs as ``__main__``, a module
-    nothing imports (``python -m layershard.train.rank`` imports its own module there)."""
+    nothing imports (``python -m layershard.train.loop.rank`` imports its own module there)."""
     tree = ast.parse(path.read_text())
     skipped = [
         node

@@ -24,7 +24,7 @@ import torch
 from test_train_faults import SITE, TINY, final_weights, losses, processes_using, train_main
 
 from layershard.train import status as st
-from layershard.train.report import read_metrics
+from layershard.train.loop.report import read_metrics
 
 # The same model, data and global batch as test_train_faults' reference (8 steps, checkpoints
 # every 2), one rank per node; --batch-tokens keeps the global batch at every world size.
@@ -270,7 +270,7 @@ def test_elastic_a_node_leaves_then_joins_and_the_loss_curve_continues(
 
 def test_hybrid_shards_within_a_node_and_replicates_across_nodes(tmp_path, no_leftovers):
     """Two nodes x 2 ranks, each node's ranks started by `layershard train`'s torchrun agent
-    (`layershard.train.agent`, static rendezvous on 127.0.0.1): `ls.shard(strategy="hybrid")`
+    (`layershard.train.launch.agent`, static rendezvous on 127.0.0.1): `ls.shard(strategy="hybrid")`
     with the default shard size shards within each node (its LOCAL_WORLD_SIZE ranks) and
     replicates across the nodes; gathers and reduce-scatters run on the node's group only, one
     all-reduce per reduction across nodes; 3 AdamW steps match the single-process reference
@@ -278,7 +278,7 @@ def test_hybrid_shards_within_a_node_and_replicates_across_nodes(tmp_path, no_le
     port, script = _free_port(), Path(__file__).parent / "_nodes_hybrid.py"
     procs = []
     for k in (0, 1):
-        cmd = [sys.executable, "-m", "layershard.train.agent", str(tmp_path), "--nnodes", "2",
+        cmd = [sys.executable, "-m", "layershard.train.launch.agent", str(tmp_path), "--nnodes", "2",
                "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--nproc-per-node", "2", str(script), str(tmp_path)]  # fmt: skip
         env = dict(_env("", k), OMP_NUM_THREADS="1", LAYERSHARD_TIMEOUT_S="60")
@@ -321,7 +321,7 @@ def test_node_options_are_refused_before_launch(capsys, tmp_path):
 
 
 def test_torchrun_command_node_0_hosts_the_rendezvous_on_loopback():
-    from layershard.train.launch import LaunchOptions, torchrun_command
+    from layershard.train.launch.launcher import LaunchOptions, torchrun_command
 
     def conf(**kw):
         cmd = torchrun_command(Path("run"), LaunchOptions(nproc_per_node=1, **kw))
@@ -350,7 +350,7 @@ def test_torchrun_command_node_0_hosts_the_rendezvous_on_loopback():
 
 
 def test_the_nodes_settings_differences_name_each_key():
-    from layershard.train.rendezvous import differences
+    from layershard.train.launch.rendezvous import differences
 
     a = {"seq_len": 64, "strategy": "full", "seed": 0}
     b = {"seq_len": 32, "strategy": "full", "seed": 0, "model_overrides.n_layers": 3}
@@ -430,8 +430,8 @@ def test_rounds_agree_across_agents_and_republish_the_ranks_store():
         RendezvousStoreInfo,
     )
 
-    from layershard.train.agent import Rounds
-    from layershard.train.faults import ROUND_ENV, attempt
+    from layershard.train.launch.agent import Rounds
+    from layershard.train.loop.faults import ROUND_ENV, attempt
 
     base = dist.HashStore()
     base.set_timeout(timedelta(seconds=5))

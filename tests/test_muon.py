@@ -165,7 +165,7 @@ def _plain(model, prefix: str = "") -> dict[str, torch.Tensor]:
 def _set_grads(model, grads: dict[str, torch.Tensor]) -> None:
     """Each rank's gradient slices, cut from the reference's full gradients (of this rank's TP
     part, under tensor parallelism)."""
-    from layershard.parallel import tensor
+    from layershard.engine import dtensor
 
     for f in model.flat_params:
         if not f.requires_grad:
@@ -174,7 +174,7 @@ def _set_grads(model, grads: dict[str, torch.Tensor]) -> None:
             a, b = f.local_param_range(slot)
             g = grads[slot.name]
             if slot.tp is not None:
-                g = tensor.local_of_full(slot.tp, g)
+                g = dtensor.local_of_full(slot.tp, g)
             p.grad = g.reshape(-1)[a:b].clone()
 
 
@@ -639,7 +639,7 @@ def test_train_with_muon(tmp_path, tmp_path_factory, monkeypatch, tp):
     import json
 
     from layershard.train import cli as train_cli
-    from layershard.train.report import read_metrics
+    from layershard.train.loop.report import read_metrics
 
     # the tokenizer cache test_train_cli.py uses, when both run in one session
     monkeypatch.setenv("LAYERSHARD_CACHE", str(tmp_path_factory.getbasetemp() / "ls-cache"))

@@ -1,5 +1,5 @@
 """QLoRA: a 4-bit (bitsandbytes) frozen base with LoRA adapters, sharded by ``ls.shard`` against
-the same PEFT model trained on one process on the same global batch (engine/quantized.py)."""
+the same PEFT model trained on one process on the same global batch (engine/four_bit.py)."""
 
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def _bf16_carrier_keeps_bytes(rank: int, world: int) -> None:
 def _refusals(rank: int, world: int) -> None:
     """A 4-bit base on a path that cannot take it fails with one line before training."""
     # units larger than every block get storage per gather, freed after forward: 4-bit weights
-    # there would leave Linear4bit's backward reading freed bytes (quantized.py)
+    # there would leave Linear4bit's backward reading freed bytes (four_bit.py)
     small = qlora_model()
     norms = [b.input_layernorm for b in small.base_model.model.model.layers]
     with pytest.raises(ValueError, match="larger than every block") as e:

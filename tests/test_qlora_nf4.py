@@ -1,6 +1,6 @@
 """QLoRA on torchao NF4 weights (torchtune's way: ``linear_nf4`` on a frozen ``NF4Tensor``, LoRA
 beside it), sharded by ``ls.shard`` against the same model trained on one process on the same
-global batch (engine/quantized.py)."""
+global batch (engine/four_bit.py)."""
 
 from __future__ import annotations
 

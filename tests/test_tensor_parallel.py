@@ -1,4 +1,4 @@
-"""Tensor parallelism under layershard (parallel/tensor.py, issue 32): the built-in Llama's blocks
+"""Tensor parallelism under layershard (engine/dtensor.py, issue 32): the built-in Llama's blocks
 parallelized by torch (``parallelize_module``, ``parallelize_llama``) over a TP mesh, layershard
 sharding each unit's local TP shards over the data-parallel group (the ranks with the same TP
 coordinate, ``data_parallel(mesh)``). At 2 ranks TP 2 alone (dp_shard 1), at 4 ranks TP 2 x
@@ -45,8 +45,11 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import layershard as ls
-from layershard.parallel import tensor
-from layershard.parallel.tensor import data_parallel, parallelize_hf, parallelize_llama
+from layershard.engine import dtensor
+from layershard.meshes import data_parallel
+from layershard.models import hf_tp
+from layershard.models.hf_tp import parallelize_hf
+from layershard.models.llama_tp import parallelize_llama
 
 TP = 2
 STEPS = 4
@@ -84,7 +87,7 @@ def full_grads(model, dp_group) -> dict[str, torch.Tensor]:
         parts = [torch.empty_like(f.grad) for _ in range(dist.get_world_size(dp_group))]
         dist.all_gather(parts, f.grad, group=dp_group)
         for slot, g in zip(f.slots, f.views(torch.cat(parts))):
-            out[slot.name] = g if slot.tp is None else tensor.full_tensor(slot.tp, g)
+            out[slot.name] = g if slot.tp is None else dtensor.full_tensor(slot.tp, g)
     return out
 
 
@@ -107,7 +110,7 @@ def hf_llama(tied: bool = False):
 
 def hf_qwen3():
     """A tiny transformers Qwen3 (untied): its plan's q/k norms are
-    ``replicated_with_grad_allreduce`` (``tensor.ReplicatedOverHeads``); their weights moved off
+    ``replicated_with_grad_allreduce`` (``hf_tp.ReplicatedOverHeads``); their weights moved off
     one so that their gradients are not all alike."""
     import transformers
 
@@ -192,7 +195,7 @@ def _parity(rank: int, world: int, strategy: str, kind: str = "ours", **options)
     counts = torch.tensor([held[k] for k in sorted(held)])
     dist.all_reduce(counts)
     for k, n in zip(sorted(held), counts.tolist()):
-        expect = reference.get_parameter(k).numel() * (1 if tensor.split_over_tp(names[k]) else TP)
+        expect = reference.get_parameter(k).numel() * (1 if dtensor.split_over_tp(names[k]) else TP)
         expect *= replicas
         assert n == expect, (k, n, expect)
 
@@ -290,7 +293,7 @@ def _hf(rank: int, world: int) -> None:
 def _qwen3(rank: int, world: int) -> None:
     """A transformers Qwen3 by its own plan, whose q/k norms are replicated over TP with their
     gradients all-reduced (transformers' ``replicated_with_grad_allreduce``, here
-    ``tensor.ReplicatedOverHeads``): matches one process, those norms' gradients included."""
+    ``hf_tp.ReplicatedOverHeads``): matches one process, those norms' gradients included."""
     _parity(rank, world, "full", "qwen3")
 
 
@@ -304,9 +307,9 @@ def _qwen3_norm_control(rank: int, world: int) -> None:
     ref_grads = {k: p.grad for k, p in reference.named_parameters()}
     errors = []
     for heads_split in (False, True):
-        apply = tensor.ReplicatedOverHeads._apply
+        apply = hf_tp.ReplicatedOverHeads._apply
         if not heads_split:  # the input replicated: DTensor sees no sum over other ranks' heads
-            tensor.ReplicatedOverHeads._apply = lambda self, module, mesh: tensor.distribute_module(
+            hf_tp.ReplicatedOverHeads._apply = lambda self, module, mesh: hf_tp.distribute_module(
                 module,
                 mesh,
                 input_fn=lambda m, x, mesh: (DTensor.from_local(x[0], mesh, [Replicate()]),),
@@ -315,7 +318,7 @@ def _qwen3_norm_control(rank: int, world: int) -> None:
         try:
             model, dp_group, dp_rank, dp = _tp_model(base, world, parallelize=parallelize_hf)
         finally:
-            tensor.ReplicatedOverHeads._apply = apply
+            hf_tp.ReplicatedOverHeads._apply = apply
         lm_loss(model, local(batch, dp_rank, dp)).backward()
         grads = full_grads(model, dp_group)
         norms = [k for k in grads if k.endswith("norm.weight") and "_norm" in k]
@@ -387,7 +390,7 @@ def _large_head(rank: int, world: int) -> None:
 
     with saved_tensors_hooks(pack, lambda t: t):
         loss = lm_loss(model, local(batch, dp_rank, dp))
-    # the engine saves them as places in the unit's buffer (backward.py, WeightView), so that
+    # the engine saves them as places in the unit's buffer (backward_hooks.py, WeightView), so that
     # a unit's storage is not held from its forward to its backward
     assert not held, f"{len(held)} DTensor weights saved as tensors"
     loss.backward()
@@ -513,12 +516,12 @@ def _norm_control(rank: int, world: int) -> None:
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item()
     model, _, dp_rank, dp = _tp_model(base, world)
     lm_loss(model, local(batch, dp_rank, dp)).backward()
-    split = tensor.split_over_tp
+    split = dtensor.split_over_tp
     try:
-        tensor.split_over_tp = lambda tp: True
+        dtensor.split_over_tp = lambda tp: True
         wrong = model.clip_grad_norm_(1e9).item()
     finally:
-        tensor.split_over_tp = split
+        dtensor.split_over_tp = split
     assert _rel(wrong, ref_norm) > 100 * RTOL, (wrong, ref_norm)
     assert _rel(model.clip_grad_norm_(1e9).item(), ref_norm) <= RTOL
 
@@ -528,13 +531,13 @@ def _rewrap_control(rank: int, world: int) -> None:
     expect their DTensor weights), the forward fails; it is never a silent wrong number."""
     base = tiny_llama()
     model, _, dp_rank, dp = _tp_model(base, world)
-    wrap = tensor.wrap
+    wrap = dtensor.wrap
     try:
-        tensor.wrap = lambda tp, t: t  # type: ignore[assignment]
+        dtensor.wrap = lambda tp, t: t  # type: ignore[assignment]
         with pytest.raises(RuntimeError, match="DTensor"):
             lm_loss(model, local(batches(1)[0], dp_rank, dp))
     finally:
-        tensor.wrap = wrap
+        dtensor.wrap = wrap
 
 
 def _same_runs(models, data) -> None:
@@ -660,9 +663,9 @@ def _local_of_full(rank: int, world: int) -> None:
     two_d = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
     for tp_mesh in (init_device_mesh("cpu", (world,)), two_d["tp"]):
         for placement in (Shard(0), Shard(1), Replicate()):
-            spec = tensor.TPInfo(tp_mesh, (placement,), full.shape, full.stride())
+            spec = dtensor.TPInfo(tp_mesh, (placement,), full.shape, full.stride())
             want = distribute_tensor(full, tp_mesh, [placement], src_data_rank=None).to_local()
-            got = tensor.local_of_full(spec, full)
+            got = dtensor.local_of_full(spec, full)
             assert got.shape == want.shape and torch.equal(got, want), (placement, got, want)
 
 
@@ -746,12 +749,12 @@ def test_hf_plan_styles():
     Qwen3-MoE's experts, which expert parallelism splits instead) is refused."""
     import transformers
 
-    plan = tensor.hf_tp_plan(transformers.LlamaConfig())
+    plan = hf_tp.hf_tp_plan(transformers.LlamaConfig())
     assert isinstance(plan["layers.*.self_attn.q_proj"], ColwiseParallel)
     assert isinstance(plan["layers.*.mlp.down_proj"], RowwiseParallel)
-    plan = tensor.hf_tp_plan(transformers.Qwen3Config())
-    assert isinstance(plan["layers.*.self_attn.q_norm"], tensor.ReplicatedOverHeads)
+    plan = hf_tp.hf_tp_plan(transformers.Qwen3Config())
+    assert isinstance(plan["layers.*.self_attn.q_norm"], hf_tp.ReplicatedOverHeads)
     with pytest.raises(NotImplementedError, match="packed_colwise"):
-        tensor.hf_tp_plan(transformers.Qwen3MoeConfig())
-    plan = tensor.hf_tp_plan(transformers.Qwen3MoeConfig(), experts=False)
+        hf_tp.hf_tp_plan(transformers.Qwen3MoeConfig())
+    plan = hf_tp.hf_tp_plan(transformers.Qwen3MoeConfig(), experts=False)
     assert not any(".experts" in k for k in plan)

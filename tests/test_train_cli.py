@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from layershard.train import cli as train_cli
-from layershard.train.report import read_metrics
+from layershard.train.loop.report import read_metrics
 
 # A small slice of the default corpus and a very small model: quick, and still learns.
 TINY = [
@@ -64,7 +64,7 @@ def test_default_run_learns_and_fills_the_run_folder(tmp_path, capfd):
     # The exported model is a transformers Llama that reproduces the trained model's loss.
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(run / "final")).eval()
-    from layershard.train.data import TokenSplit, read_windows
+    from layershard.train.data.batches import TokenSplit, read_windows
 
     launch = json.loads((run / "launch.json").read_text())
     val_split = TokenSplit.from_dict(launch["data"]["val"])

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from layershard.train import cli as train_cli
 from layershard.train import status as st
-from layershard.train.report import read_metrics
+from layershard.train.loop.report import read_metrics
 
 SITE = Path(__file__).parent / "faults_site"
 TINY = [

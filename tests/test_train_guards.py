@@ -21,9 +21,9 @@ from _train import TINY, refused_one_line, train_main
 
 import layershard as ls
 from layershard.train import status as st
-from layershard.train.faults import StopRequest
-from layershard.train.launch import DEFAULT_TIMEOUT_S, LaunchOptions, prepare, rank_env
-from layershard.train.report import read_metrics
+from layershard.train.launch.launcher import DEFAULT_TIMEOUT_S, LaunchOptions, prepare, rank_env
+from layershard.train.loop.faults import StopRequest
+from layershard.train.loop.report import read_metrics
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +105,7 @@ def test_shard_refuses_a_module_that_contains_a_sharded_module():
 
 @pytest.fixture
 def trainer(tmp_path):
-    from layershard.train.trainer import Trainer
+    from layershard.train.loop.trainer import Trainer
 
     ls.init_distributed(backend="gloo")
     layer = {"max_files": 40, "val_fraction": 0.2, "vocab_size": 512, "seq_len": 64,
@@ -148,7 +148,7 @@ def test_one_host_read_per_step_whatever_the_micro_batches(trainer, monkeypatch)
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run_without_saving(trainer, capsys):
-    from layershard.train.trainer import StopRun
+    from layershard.train.loop.trainer import StopRun
 
     model = trainer.model.module
     forward = model.forward
@@ -239,7 +239,7 @@ def test_default_timeout_reaches_the_ranks(monkeypatch):
 
 def _stall(rank: int, world: int, out: str) -> None:
     from layershard.models import LlamaConfig, LlamaForCausalLM
-    from layershard.train.faults import Watchdog, connect_store
+    from layershard.train.loop.faults import Watchdog, connect_store
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64,
@@ -293,7 +293,7 @@ def test_a_stalled_collective_is_reported_with_the_ranks_missing(tmp_path):
 def test_the_final_line_explains_how_the_ranks_ended(tmp_path):
     """What `layershard train` says from the run folder's records: a stop on request, non-finite
     steps, a fixable error, a rank's error, a rank that died by a signal."""
-    from layershard.train.launch import outcome
+    from layershard.train.launch.launcher import outcome
 
     run, opts = tmp_path / "run", LaunchOptions(launch_id="L1")
     state = run / ".layershard"

@@ -25,7 +25,7 @@ from _dist import run_ranks
 from _train import train_main
 
 from layershard.cli import main as layershard_main
-from layershard.train.report import read_metrics
+from layershard.train.loop.report import read_metrics
 
 STEPS = 20
 # A 2-layer, 64-wide Llama on 40 corpus files (as tests/test_train_cli.py), evaluated twice.
@@ -156,10 +156,10 @@ def _api_runs(rank: int, world: int, cases: list, out_path: str) -> None:
 
     import layershard as ls
     from layershard.train.config import read_run_config
-    from layershard.train.data import BatchLoader, TokenSplit
+    from layershard.train.data.batches import BatchLoader, TokenSplit
+    from layershard.train.data.tokenizer import load_tokenizer
+    from layershard.train.loop.optimizer import lr_at, param_groups
     from layershard.train.modeling import build_model, model_spec
-    from layershard.train.optimizer import lr_at, param_groups
-    from layershard.train.tokenizer import load_tokenizer
 
     results = {}
     for name, run_dir, options, precision in cases:
@@ -345,7 +345,7 @@ def test_tp_combinations_that_cannot_run_are_refused_before_launch(tmp_path, cap
 def test_without_tensorboard_metrics_go_to_jsonl_with_a_note(tmp_path, capsys, monkeypatch):
     import sys
 
-    from layershard.train.report import MetricsLog
+    from layershard.train.loop.report import MetricsLog
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
     log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=tmp_path / "tensorboard")

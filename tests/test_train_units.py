@@ -12,11 +12,17 @@ import pytest
 import torch
 
 from layershard.train import cli as train_cli
-from layershard.train import sft
 from layershard.train.config import ConfigError, TrainConfig, grad_accum_for, load_yaml, resolve
-from layershard.train.data import BatchLoader, TokenSplit, find_files, is_val, read_windows
-from layershard.train.optimizer import lr_at, param_groups
-from layershard.train.tokenizer import bpe_cache_path, train_or_load_bpe
+from layershard.train.data.batches import (
+    BatchLoader,
+    TokenSplit,
+    find_files,
+    is_val,
+    read_windows,
+    sft,
+)
+from layershard.train.data.tokenizer import bpe_cache_path, train_or_load_bpe
+from layershard.train.loop.optimizer import lr_at, param_groups
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -225,7 +231,7 @@ def test_cli_errors_are_one_line_and_touch_nothing(tmp_path, capsys, cache):
 
 @pytest.mark.parametrize("packing", ["pack", "pad"])
 def test_sft_pipeline_labels_only_responses(tmp_path, cache, packing):
-    from layershard.train.prepare import prepare_splits
+    from layershard.train.data.prepare import prepare_splits
 
     data = tmp_path / "chat.jsonl"
     rows = [{"prompt": f"Q{i}: add {i} and 1", "response": f"A{i}: {i + 1}"} for i in range(40)]

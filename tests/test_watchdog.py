@@ -12,7 +12,7 @@ import threading
 import torch.distributed as dist
 
 from layershard.engine.waits import waiting
-from layershard.train.faults import Watchdog
+from layershard.train.loop.faults import Watchdog
 
 
 def _watch_while(hold: list[str], device_label: str) -> tuple[str, str]:

@@ -1,7 +1,7 @@
 """Weights over the all-gather in fp8 (e4m3, a scale per parameter) or int8 (a scale per 256
-elements), and gradients reduced in bf16 with fp32 sums (issue 34; engine/wire.py).
+elements), and gradients reduced in bf16 with fp32 sums (issue 34; engine/wire_dtype.py).
 
-Bounds (engine/wire.py): e4m3 with a power-of-two scale per parameter rounds each element to 3
+Bounds (engine/wire_dtype.py): e4m3 with a power-of-two scale per parameter rounds each element to 3
 mantissa bits, |error| <= 2**-4 |x| for a normal number and <= 2**-10 * scale below e4m3's smallest
 normal; int8 blocks round to half a step, |error| <= amax_block / 254 (the issue's bound,
 amax / 127, with a factor 2 to spare), plus fp32's rounding of the scale and of the product
@@ -29,7 +29,7 @@ from _parity import (
 )
 
 import layershard as ls
-from layershard.engine.wire import (
+from layershard.engine.wire_dtype import (
     BLOCK,
     FP8,
     chunk_bytes,
@@ -399,7 +399,7 @@ CURVE_RTOL = {"int8": 0.01, "fp8": 0.04}
 def _curve(base, mp, rank: int, world: int, stale: bool = False) -> list[float]:
     """Validation loss (held-out progressions) every CURVE_EVERY steps of AdamW."""
     model = ls.shard(clone(base), mixed_precision=mp)
-    if stale:  # the broken scale: the first forward's amax kept (engine/wire.py)
+    if stale:  # the broken scale: the first forward's amax kept (engine/wire_dtype.py)
         assert model._schedule.comm.wire is not None
         model._schedule.comm.wire.stale = True
     opt = torch.optim.AdamW(model.parameters(), lr=CURVE_LR)

@@ -10,7 +10,7 @@ from layershard.distributed import init_distributed
 from layershard.engine.precision import GradScaler, MixedPrecision
 from layershard.engine.strategy import CPUOffload
 from layershard.loss import chunked_loss
-from layershard.parallel.mesh import parallelize
+from layershard.parallelize import parallelize
 from layershard.sharded import ShardedModule, shard
 
 __version__ = "0.1.0"

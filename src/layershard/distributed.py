@@ -78,3 +78,9 @@ def default_device(process_group: dist.ProcessGroup | None = None) -> torch.devi
             torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def local_world_size(world: int) -> int:
+    """Ranks per node (torchrun's LOCAL_WORLD_SIZE) when it divides ``world``; else ``world``."""
+    k = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return k if 0 < k <= world and world % k == 0 else world

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from layershard.engine import dtensor
 from layershard.engine.agreement import agreed
 from layershard.engine.waits import waiting
-from layershard.parallel import tensor
 
 
 def load_full_state_dict(
@@ -27,7 +27,7 @@ def load_full_state_dict(
         has = [False] * world
         with waiting("agreement on which ranks pass a state dict"):
             dist.all_gather_object(has, state_dict is not None, group=group)
-    tp_group = tensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
+    tp_group = dtensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
     if tp_group is not None:  # each TP coordinate's group loads alone: all or none of them
         flag = torch.tensor([int(has[0])], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp_group)
@@ -96,7 +96,7 @@ def load_full_state_dict(
 
 def _local(slot, value: torch.Tensor) -> torch.Tensor:
     """What of the whole ``value`` this rank's slot holds: a DTensor parameter's local shard."""
-    return value if slot.tp is None else tensor.local_of_full(slot.tp, value)
+    return value if slot.tp is None else dtensor.local_of_full(slot.tp, value)
 
 
 def _validate(model, sd: dict, strict: bool) -> str:
@@ -138,7 +138,7 @@ def whole(model, slot, part: torch.Tensor) -> torch.Tensor:
     rank's experts, along dim 0; collective over the EP group), a tensor-parallel one's (over the
     TP group), any other as it is."""
     if slot.tp is not None:
-        return tensor.full_tensor(slot.tp, part)
+        return dtensor.full_tensor(slot.tp, part)
     if slot.expert is None:
         return part
     sharding = model.sharding
@@ -153,7 +153,7 @@ def whole(model, slot, part: torch.Tensor) -> torch.Tensor:
 def full_state_dict(model, rank0_only: bool, cpu: bool, packed: bool) -> dict[str, torch.Tensor]:
     """``ShardedModule.full_state_dict`` (its docstring says what)."""
     keep = not rank0_only or dist.get_rank(model.process_group) == 0
-    tp_group = tensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
+    tp_group = dtensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
     if tp_group is not None and rank0_only:  # one TP coordinate keeps the whole tensors
         keep = keep and dist.get_rank(tp_group) == 0
     full: dict[int, torch.Tensor] = {}

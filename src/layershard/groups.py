@@ -40,6 +40,13 @@ When a group goes:
   reset by peer", or a send timeout).
 - An NCCL group (hpZ, hybrid) is kept and reused too: destroying one waits until every member
   destroys it (``ncclCommFinalize``), and garbage is not found at the same point on every rank.
+
+Groups that no one model owns: the meshes of an N-D run (``device_mesh``: ``ls.parallelize``,
+``ShardingPlugin``'s data mesh) and the data-parallel groups of a TP mesh (``process_wide``:
+``meshes.data_parallel``) are made here too, by every rank of the world in the same order, once
+per process and layout, and kept: a second ``ls.parallelize`` of the same layout reuses them
+instead of making (and leaking) another set, as torch's own ``init_device_mesh`` would. They end
+with the default group (``destroy_process_group()``), which ends every group.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # LAYERSHARD_FORCE_CONTROL_GROUP=1: make the control group on gloo too (as under NCCL), so that
 # tests walk the NCCL path's group creation on CPU.
@@ -62,6 +70,8 @@ Partition = list[list[int]]  # groups of global ranks, together every rank of th
 
 # Groups kept for the process, by (purpose, backend, partition): this rank's group of it.
 _KEPT: dict[tuple, dist.ProcessGroup | None] = {}
+# Meshes kept for the process, by (default group, device type, shape, dim names).
+_MESHES: dict[tuple, DeviceMesh] = {}
 
 
 def blocks(ranks: list[int], size: int) -> Partition:
@@ -190,3 +200,28 @@ def _destroy(group: dist.ProcessGroup) -> None:
     with contextlib.suppress(Exception):  # e.g. every group was destroyed already
         if dist.is_initialized():
             dist.destroy_process_group(group)
+
+
+def process_wide(
+    purpose: str, partition: Partition, backend: str | None = None
+) -> dist.ProcessGroup | None:
+    """This rank's group of ``partition`` (None if it is in none), a partition of the whole
+    world made once per process and ``purpose`` and kept (the module docstring). Collective over
+    the world: every rank makes every group of it, in order, the first time."""
+    backend = backend or dist.get_backend()
+    key = (id(c10d._get_default_group()), purpose, backend, tuple(map(tuple, partition)))
+    if key not in _KEPT:
+        world = dist.group.WORLD
+        assert world is not None, "process_wide(): no default process group"
+        _KEPT[key] = Groups(world)._new(partition, backend)
+    return _KEPT[key]
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """torch's ``init_device_mesh(device_type, shape, mesh_dim_names=names)`` over the world,
+    made once per process and layout and kept (the module docstring). Collective over the world
+    the first time."""
+    key = (id(c10d._get_default_group()), device_type, tuple(shape), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    return _MESHES[key]

@@ -20,12 +20,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from layershard import full_state
+from layershard import full_state, meshes
 from layershard.distributed import default_device
+from layershard.engine import dtensor
 from layershard.engine.agreement import agreed
 from layershard.engine.buffers import nbytes
 from layershard.engine.build import build_schedule, make_storage
 from layershard.engine.flat import FlatParam
+from layershard.engine.four_bit import (
+    check_quantized,
+    disable_cpu_repacking,
+    is_packed,
+    release,
+)
 from layershard.engine.init import fill_shards
 from layershard.engine.model_checks import (
     check_dtypes,
@@ -35,18 +42,11 @@ from layershard.engine.model_checks import (
     layout,
 )
 from layershard.engine.precision import FULL_PRECISION, MixedPrecision
-from layershard.engine.quantized import (
-    check_quantized,
-    disable_cpu_repacking,
-    is_packed,
-    release,
-)
 from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import CPUOffload, Sharding
 from layershard.engine.strategy import resolve as resolve_strategy
 from layershard.engine.units import Unit, find_units
 from layershard.engine.waits import waiting
-from layershard.parallel import tensor
 
 CLIP = "all-reduce of the gradient norm"
 _sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # their hooks are installed
@@ -118,8 +118,8 @@ def shard(
         )
     if not dist.is_initialized():
         raise RuntimeError("shard(): call ls.init_distributed() first (it works without torchrun)")
-    if expert_mesh is None:  # a TP x DP mesh: its data-parallel group (parallel/tensor.py)
-        process_group, strategy, mesh = tensor.from_mesh(mesh, process_group, strategy)
+    if expert_mesh is None:  # a TP x DP mesh: its data-parallel group (engine/dtensor.py)
+        process_group, strategy, mesh = meshes.from_mesh(mesh, process_group, strategy)
     group = process_group or dist.group.WORLD
     assert group is not None
     precision = mixed_precision or FULL_PRECISION
@@ -145,7 +145,7 @@ def shard(
         check_dtypes(specs)
         check_quantized(specs)
         if expert_mesh is None:  # else the meshes give every group (engine/strategy.py)
-            tensor.check_groups((p for spec in specs for p, _ in spec.params), group)
+            dtensor.check_groups((p for spec in specs for p, _ in spec.params), group)
     disable_cpu_repacking(model)
     shard_options = dict(
         strategy=strategy, shard_size=shard_size, reshard_after_forward=reshard_after_forward,
@@ -214,7 +214,7 @@ def shard(
 def _is_quant_state_key(key: str, packed_keys: set[str]) -> bool:
     """A key a bitsandbytes 4-bit layer adds to its ``state_dict()`` beside its weight
     (``<weight>.absmax``, ``<weight>.quant_map``, ``<weight>.quant_state.bitsandbytes__nf4``...):
-    its quantization state, kept whole on every rank (``engine/quantized.py``)."""
+    its quantization state, kept whole on every rank (``engine/four_bit.py``)."""
     return any(key[:i] in packed_keys for i, c in enumerate(key) if c == ".")
 
 
@@ -401,8 +401,8 @@ class ShardedModule(nn.Module):
         ]
         device = self.flat_params[0].shard.device
         norm_type = float(norm_type)
-        tp_group = tensor.tp_group(s.tp for f in self.flat_params for s in f.slots)
-        if tp_group is not None:  # TP x DP: sharded parts summed over TP too (parallel/tensor.py)
+        tp_group = dtensor.tp_group(s.tp for f in self.flat_params for s in f.slots)
+        if tp_group is not None:  # TP x DP: sharded parts summed over TP too (engine/dtensor.py)
             terms = [
                 (s, p.grad)
                 for f in self.flat_params
@@ -410,7 +410,7 @@ class ShardedModule(nn.Module):
                 if p.grad is not None and p.grad.numel() > 0
             ]
             reduce = partial(self._schedule.comm.all_reduce, phase="clip", what=CLIP)
-            total = tensor.grad_norm(terms, norm_type, reduce, tp_group, device)
+            total = dtensor.grad_norm(terms, norm_type, reduce, tp_group, device)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             if grads:
                 torch._foreach_mul_(grads, coef)
@@ -446,7 +446,7 @@ class ShardedModule(nn.Module):
         stored in, fp32 or a frozen parameter's own) on every rank. Collective: every rank calls
         it for the same flat parameter. ``f.views(...)`` splits it by parameter."""
         # on the device collectives run on (NCCL: not the host, where CPU offload keeps shards)
-        if f.packed or dtype is None:  # 4-bit bytes travel as they are (quantized.py)
+        if f.packed or dtype is None:  # 4-bit bytes travel as they are (four_bit.py)
             dtype = f.dtype
         out = torch.empty(f.padded_numel, dtype=dtype, device=self._schedule.comm.device)
         self._schedule.comm.all_gather(out, f.shard, "state_dict", "gather_flat", f.over).wait()

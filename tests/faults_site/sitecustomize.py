@@ -60,7 +60,7 @@ def _patch(loop, faults: list[tuple[str, int, int, int]]) -> None:
 
 
 def _install(faults: list[tuple[str, int, int, int]]) -> None:
-    """Patch layershard.train.trainer when it is imported (the rank's `-m layershard.train.rank`
+    """Patch layershard.train.loop.trainer when it is imported (the rank's `-m layershard.train.loop.rank`
     imports it as a module to run it); importing it here would upset runpy."""
     import importlib.abc
     import importlib.machinery
@@ -68,7 +68,7 @@ def _install(faults: list[tuple[str, int, int, int]]) -> None:
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "layershard.train.trainer":
+            if name != "layershard.train.loop.trainer":
                 return None
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             real_exec = spec.loader.exec_module

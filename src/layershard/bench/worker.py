@@ -184,10 +184,10 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
             return model, partial(torch.autocast, device.type, dtype=torch.bfloat16), notes
         return model, no_autocast, notes
     if impl == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
+        from layershard.groups import device_mesh
 
         model.to(device)
-        tail = _fully_shard(model, init_device_mesh(device.type, (world,)), bf16)
+        tail = _fully_shard(model, device_mesh(device.type, (world,), ("dp_shard",)), bf16)
         notes["groups"] = f"{len(block_list(model))} blocks, {len(tail)}-module tail, root"
         return model, no_autocast, notes
     if impl == "fsdp1":
@@ -232,7 +232,8 @@ def _wrap_ep(impl: str, model: nn.Module, device: torch.device, bf16: bool, worl
     as transformers' ``apply_fully_sharded_data_parallelism`` applies it, on the same meshes
     and the same expert split)."""
     import layershard as ls
-    from layershard.parallel.mesh import make_meshes, split_experts
+    from layershard.meshes import make_meshes
+    from layershard.parallelize import split_experts
 
     if impl in ("layershard-ep", TP_IMPL):  # TP_IMPL: ``ep`` is the TP size
         mp = ls.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None

@@ -92,7 +92,7 @@ def part_offsets(slot) -> tuple[int, ...]:
         at[0] = slot.expert.offset // max(math.prod(whole[1:]), 1)
     tp = slot.tp
     if tp is not None:
-        (placement,) = tp.placements  # a 1-D TP mesh (parallel/tensor.py refuses others)
+        (placement,) = tp.placements  # a 1-D TP mesh (engine/dtensor.py refuses others)
         if isinstance(placement, Shard):
             d = placement.dim % len(whole)
             step = -(-whole[d] // tp.mesh.size())

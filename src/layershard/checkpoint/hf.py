@@ -40,9 +40,9 @@ from layershard.checkpoint.manifest import check_tensor, model_config, model_kin
 from layershard.checkpoint.safe_read import dcp_load
 from layershard.checkpoint.shards import buffers, dtype_from_name, params
 from layershard.checkpoint.validate import open_checkpoint
+from layershard.engine import dtensor
 from layershard.engine.agreement import agreed
 from layershard.engine.waits import waiting
-from layershard.parallel import tensor
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -226,7 +226,7 @@ def export_hf(
     ``out_dir`` (rank 0 writes; collective). Streams one flat group at a time. Loadable by
     ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` for our Llama and for
     transformers models. Returns ``out_dir`` on rank 0, None elsewhere."""
-    everyone = tensor.checkpoint_group(model, "export_hf()")  # every rank of a TP model
+    everyone = dtensor.checkpoint_group(model, "export_hf()")  # every rank of a TP model
     if any(f.packed for f in model.flat_params):  # every rank sees the same flats
         raise ValueError(
             "export_hf: this model has 4-bit (bitsandbytes) weights; ls.hf.export_merged writes "
@@ -393,7 +393,7 @@ def load_hf(model, src_dir: str | os.PathLike, strict: bool = True) -> None:
     and file) before anything is copied; a truncated or corrupt file raises naming the file."""
     from safetensors import safe_open
 
-    group = tensor.checkpoint_group(model, "load_hf()")  # every rank of a TP model
+    group = dtensor.checkpoint_group(model, "load_hf()")  # every rank of a TP model
     src = Path(src_dir)
     kind = model_kind(model.module)
     rename = _namer(kind)

@@ -29,8 +29,8 @@ from layershard.checkpoint.phases import Phases
 from layershard.checkpoint.safe_read import dcp_load
 from layershard.checkpoint.shards import buffers, dtype_from_name, params, sharded
 from layershard.checkpoint.validate import check_files, open_checkpoint
+from layershard.engine import dtensor
 from layershard.engine.waits import waiting
-from layershard.parallel import tensor
 
 log = logging.getLogger("layershard")
 
@@ -82,7 +82,7 @@ def load_checkpoint(
     "model_config", "layershard_version"}``.
     """
     t0 = time.perf_counter()
-    ph = Phases(tensor.checkpoint_group(model, "load_checkpoint()"))  # every rank of a TP model
+    ph = Phases(dtensor.checkpoint_group(model, "load_checkpoint()"))  # every rank of a TP model
     rank, world = ph.rank, ph.world
     model.quiesce()  # no gather in flight still reads a shard this overwrites
     # read: rank 0 finds the checkpoint, reads its manifest and checks what needs no data

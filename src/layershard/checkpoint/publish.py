@@ -265,9 +265,5 @@ def leftovers(parent: Path) -> list[Path]:
     )
 
 
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
 def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=1, sort_keys=False)

@@ -43,8 +43,8 @@ from layershard.checkpoint.errors import CheckpointError
 from layershard.checkpoint.manifest import Collected, collect
 from layershard.checkpoint.phases import Phases
 from layershard.checkpoint.shards import Chunked, jsonable
+from layershard.engine import dtensor
 from layershard.engine.waits import waiting
-from layershard.parallel import tensor
 
 log = logging.getLogger("layershard")
 
@@ -234,7 +234,7 @@ def _stop(group: dist.ProcessGroup, destroy: Callable[[], None]) -> None:
 
 def _background(model, everyone: dist.ProcessGroup | None) -> _Background:
     """``model``'s background saves over the ranks of ``everyone`` (the model's, or the whole
-    world of a tensor-parallel model: ``tensor.checkpoint_group``); the first call makes their
+    world of a tensor-parallel model: ``dtensor.checkpoint_group``); the first call makes their
     group (collective over those ranks)."""
     groups = model.sharding.groups
     ranks = dist.get_process_group_ranks(everyone) if everyone is not None else groups.ranks
@@ -358,7 +358,7 @@ def save_checkpoint(
     is in flight: a new save (either kind) waits for it.
     """
     t0 = time.perf_counter()
-    everyone = tensor.checkpoint_group(model, "save_checkpoint()")  # every rank of a TP model
+    everyone = dtensor.checkpoint_group(model, "save_checkpoint()")  # every rank of a TP model
     final = Path(path).absolute()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint(keep_last={keep_last}): must be at least 1")

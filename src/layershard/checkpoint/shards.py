@@ -23,7 +23,7 @@ from layershard.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
 )
-from layershard.parallel import tensor
+from layershard.engine import dtensor
 
 # ---- shards as DCP-native sharded tensors -------------------------------------------------------
 
@@ -137,7 +137,7 @@ _TP_RANK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> it
 def tp_rank(model) -> int:
     """``model``'s rank in its TP group (0 without tensor parallelism)."""
     if model not in _TP_RANK:
-        group = tensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
+        group = dtensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
         _TP_RANK[model] = 0 if group is None else dist.get_rank(group)
     return _TP_RANK[model]
 
@@ -161,7 +161,7 @@ def sharded(model, f, slot, local: torch.Tensor, save: bool, size=None) -> torch
             f"internal: a local slice of {local.numel()} elements for the range [{a}, {b})"
         )
     replica = not model.sharding.writes_slices or (
-        tp_rank(model) != 0 and not tensor.split_over_tp(slot)  # experts differ over TP
+        tp_rank(model) != 0 and not dtensor.split_over_tp(slot)  # experts differ over TP
     )
     chunks: list[tuple[Sequence[int], torch.Tensor]] = []
     if save and replica:
@@ -185,7 +185,7 @@ def sharded(model, f, slot, local: torch.Tensor, save: bool, size=None) -> torch
 
 def params(model):
     """``(flat, slot, shard_param)`` for every parameter, in unit order, but frozen 4-bit weights
-    (engine/quantized.py): a QLoRA checkpoint holds what training changes; the packed base is
+    (engine/four_bit.py): a QLoRA checkpoint holds what training changes; the packed base is
     read again from the model folder it was quantized from (bitsandbytes' quantization is
     deterministic), as a PEFT adapter checkpoint does."""
     for f in model.flat_params:

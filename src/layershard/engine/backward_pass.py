@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from layershard.engine.backward import Use
+from layershard.engine.backward_hooks import Use
 from layershard.engine.collectives import Comm, Pending
 from layershard.engine.units import Unit
 from layershard.engine.waits import waiting
@@ -156,7 +156,7 @@ def gather_private(u: Unit, comm: Comm) -> PrivateGather:
         raise RuntimeError(
             f"layershard: unit {u.name} holds 4-bit weights and only some ranks' backward "
             "reaches it; its 4-bit matmuls read their weights from the unit's gather slot in "
-            "backward (quantized.py), which a private gather does not fill. Make every rank's "
+            "backward (four_bit.py), which a private gather does not fill. Make every rank's "
             "loss depend on it"
         )
     buf = torch.empty(u.gather_numel, dtype=u.slot.dtype, device=u.slot.device)

@@ -9,10 +9,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from layershard.engine import dtensor
 from layershard.engine.buffers import GatherSlot, GradSlot, Spare
 from layershard.engine.collectives import Comm
 from layershard.engine.flat import FlatParam, ParamSlot, expert_part, layout
 from layershard.engine.float8 import Float8Weight
+from layershard.engine.four_bit import Packed, is_packed
 from layershard.engine.gather_slots import (
     OWN,
     TURNS,
@@ -21,13 +23,11 @@ from layershard.engine.gather_slots import (
     slot_numels,
 )
 from layershard.engine.precision import MixedPrecision
-from layershard.engine.quantized import Packed, is_packed
 from layershard.engine.reducer import Reducer
 from layershard.engine.schedule import Schedule
 from layershard.engine.strategy import Sharding
 from layershard.engine.units import Unit, UnitSpec, backward_needs_weights
-from layershard.engine.wire import FP8, WireGather
-from layershard.parallel import tensor
+from layershard.engine.wire_dtype import FP8, WireGather
 
 
 @dataclass
@@ -151,7 +151,7 @@ def build_schedule(
             raise ValueError(
                 f"shard(): unit {u.name} holds 4-bit weights and is larger than every block, so "
                 "its gathered weights would live in storage of its own, freed after its forward; "
-                "its 4-bit matmuls read them again in backward (quantized.py). Pass layers= so "
+                "its 4-bit matmuls read them again in backward (four_bit.py). Pass layers= so "
                 "that it is a block, or keep that module unquantized (llm_int8_skip_modules)"
             )
     if sharding.hpz_group is not None:
@@ -199,7 +199,7 @@ def _make_flats(
     carrier: torch.dtype,
 ) -> tuple[list[FlatParam], torch.Tensor | None, list[tuple[nn.Parameter, FlatParam, ParamSlot]]]:
     """The unit's flat groups (trainable first, then frozen, then frozen 4-bit weights as bytes in
-    the ``carrier`` dtype, quantized.py; experts of an expert-parallel layer in groups of their
+    the ``carrier`` dtype, four_bit.py; experts of an expert-parallel layer in groups of their
     own, split over the ``experts`` (size, rank) group instead of the ``shard`` one); with
     ``in_place``, the one zeroed buffer whose consecutive views their shards are; and where each
     original parameter went."""
@@ -216,7 +216,7 @@ def _make_flats(
             world = experts[0] if expert else shard[0]
             how = [Packed.of(p, device) if packed else None for p, _ in group]
             numels = [
-                tensor.local_shape(p).numel() if k is None else k.carrier_numel(carrier)
+                dtensor.local_shape(p).numel() if k is None else k.carrier_numel(carrier)
                 for (p, _), k in zip(group, how)
             ]
             offsets, _, shard_numel = layout(numels, world)
@@ -231,12 +231,12 @@ def _make_flats(
         slots = [
             ParamSlot(
                 uses,
-                tensor.local_shape(p) if k is None else torch.Size([n]),
+                dtensor.local_shape(p) if k is None else torch.Size([n]),
                 offset,
                 requires_grad,
                 k,
                 expert_part(p),
-                tp=tensor.info(p),
+                tp=dtensor.info(p),
             )  # fmt: skip
             for (p, uses), offset, k, n in zip(group, offsets, how, numels)
         ]

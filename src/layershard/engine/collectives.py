@@ -57,10 +57,12 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from layershard.engine.waits import waiting
-from layershard.engine.wire import WireGather
+from layershard.engine.wire_dtype import WireGather
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13's names for the flat collectives; torch 2.11 (the GPU image's) has only the
+# deprecated ``*_tensor`` ones. Everything in layershard calls these two.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def profiled(label: str) -> contextlib.AbstractContextManager:
@@ -272,7 +274,7 @@ class Comm:
         # shard() (collective), so that no agreement waits for the GPU (layershard/groups.py).
         self.control = sharding.groups.control()
         self.control_size = dist.get_world_size(full_group)
-        self.wire: WireGather | None = None  # when weights travel quantized (engine/wire.py)
+        self.wire: WireGather | None = None  # when weights travel quantized (engine/wire_dtype.py)
 
     def scratch_numel(
         self, numel: int, shard_numel: int, over: str = "shard", dtype: torch.dtype = torch.float32
@@ -367,7 +369,7 @@ class Comm:
             def run(async_op: bool):
                 # on the comm stream: after the optimizer step that wrote the shard
                 _copy_in(own, src)
-                return _all_gather(out, own, group=group, async_op=async_op)
+                return all_gather_single(out, own, group=group, async_op=async_op)
 
             return self._issue(run, None, phase, what=what)
 
@@ -397,7 +399,7 @@ class Comm:
         label: str,
         over: str = "shard",
     ) -> Pending:
-        """A quantized all-gather (engine/wire.py): ``pack(own)`` writes this rank's ``chunk``
+        """A quantized all-gather (engine/wire_dtype.py): ``pack(own)`` writes this rank's ``chunk``
         bytes, the ranks gather them into a byte buffer that lives until the wait, and
         ``unpack(wire)`` dequantizes every rank's bytes into ``out`` (the gather slot). Only
         called when group ``over`` communicates; the bytes counted are the wire's."""
@@ -425,7 +427,7 @@ class Comm:
 
             def run(async_op: bool):
                 pack(own)  # on the comm stream: after the optimizer step that wrote the shard
-                return _all_gather(wire, own, group=group, async_op=async_op)
+                return all_gather_single(wire, own, group=group, async_op=async_op)
 
             return self._issue(run, lambda: unpack(wire), phase, what=what, keep=wire)
 
@@ -466,7 +468,7 @@ class Comm:
                     combine = partial(torch.sum, recv.view(world, n), dim=0, out=chunk)
             else:
                 chunk = scratch[:n]
-                first = lambda a: _reduce_scatter(chunk, inp, group=group, async_op=a)  # noqa: E731
+                first = lambda a: reduce_scatter_single(chunk, inp, group=group, async_op=a)  # noqa: E731
         second: Callable[[bool], object] | None = None
         if self.replicate is not None:
             self.stats.record(

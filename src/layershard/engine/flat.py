@@ -2,7 +2,7 @@
 (a frozen group of another floating-point dtype keeps that dtype: ``build._by_dtype``).
 
 A unit's frozen 4-bit weights are a flat group of their own whose elements carry their packed
-bytes in the gather slot's dtype (``dtype``; ``ParamSlot.packed``): see ``quantized.py``.
+bytes in the gather slot's dtype (``dtype``; ``ParamSlot.packed``): see ``four_bit.py``.
 
 The flat layout concatenates the parameters in registration order, each starting on an aligned
 offset, and pads the end so that it splits into ``world_size`` equal contiguous slices, each a
@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from layershard.engine.quantized import Packed
+from layershard.engine.four_bit import Packed
 
 if TYPE_CHECKING:
+    from layershard.engine.dtensor import TPInfo
     from layershard.engine.float8 import Float8Weight
-    from layershard.parallel.tensor import TPInfo
 
 ALIGN = 8  # elements: 16 bytes of bf16/fp16, 32 bytes of fp32
 
@@ -79,7 +79,7 @@ class ParamSlot:
     requires_grad: bool
     packed: Packed | None = None  # a 4-bit weight: ``shape`` is its carrier elements
     expert: ExpertPart | None = None  # this rank's experts of a larger parameter
-    tp: TPInfo | None = None  # a DTensor (parallel/tensor.py): ``shape`` is its local shard's
+    tp: TPInfo | None = None  # a DTensor (engine/dtensor.py): ``shape`` is its local shard's
     float8: Float8Weight | None = None  # a Float8Linear's weight handed fp8 bytes (float8.py)
 
     @property
@@ -226,7 +226,7 @@ class FlatParam:
 
     @property
     def packed(self) -> bool:
-        """Its slots are 4-bit weights' bytes (quantized.py)."""
+        """Its slots are 4-bit weights' bytes (four_bit.py)."""
         return any(s.packed is not None for s in self.slots)
 
     @torch.no_grad()

@@ -1,12 +1,12 @@
 """fp8 weights handed to torchao's ``Float8Linear`` as gathered, not dequantized (issue 34).
 
 With ``MixedPrecision(gather_dtype=torch.float8_e4m3fn)`` every weight travels as e4m3 bytes and
-is dequantized into the compute dtype after the gather (wire.py). A ``Float8Linear`` would then
+is dequantized into the compute dtype after the gather (wire_dtype.py). A ``Float8Linear`` would then
 cast that weight back to e4m3 for its matmul. For the weight of a ``Float8Linear`` whose weight
 cast is torchao's dynamic tensorwise e4m3 (its default), the engine does what torchao's FSDP2
 hooks do (``fsdp_pre_all_gather``/``fsdp_post_all_gather``): each rank casts its part of the
 weight with torchao's scale (``amax_to_scale`` of the weight's amax over every rank, from the
-one all-reduce of every forward, wire.py), the bytes are gathered, copied into the first bytes of
+one all-reduce of every forward, wire_dtype.py), the bytes are gathered, copied into the first bytes of
 the weight's place in the gather slot, and the weight the module sees is a
 ``Float8TrainingTensor`` over them. The matmul uses it as is; the cast the module would do is
 skipped, and the bytes and scale are the ones it would compute (the amax of a whole weight is
@@ -14,7 +14,7 @@ the max of its parts'), so the forward equals ``Float8Linear`` on one process bi
 
 Note: the bytes live in the unit's gather buffer, so the backward must read them from wherever
 the unit is gathered for its backward, as for any weight: ``Float8Linear`` saves the weight for
-backward, and the saved-tensor hooks (backward.py) keep a ``Float8TrainingTensor`` whose bytes
+backward, and the saved-tensor hooks (backward_hooks.py) keep a ``Float8TrainingTensor`` whose bytes
 lie in the unit's buffer as a ``SavedFloat8`` (where, not the tensor), rebuilt over the buffer of
 the backward's re-gather. The gradient that reaches the weight is in the compute dtype
 (``AsFloat8`` passes it through), reduced like any other.

@@ -62,9 +62,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from layershard.engine import dtensor
 from layershard.engine.flat import FlatParam, ParamSlot, expert_part
 from layershard.engine.units import UnitSpec
-from layershard.parallel import tensor
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def fill_shards(
         for p, _ in spec.params:
             if not p.is_meta:
                 f, slot = slot_of[id(p)]
-                f.copy_from_full(slot, tensor.local(p))  # a DTensor: its local shard
+                f.copy_from_full(slot, dtensor.local(p))  # a DTensor: its local shard
 
 
 def _whole_shape(p: torch.Tensor) -> torch.Size:
@@ -105,9 +105,9 @@ def _whole_shape(p: torch.Tensor) -> torch.Size:
 def _part(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``whole``, the initialized ``_whole_shape`` tensor of ``p``: its TP
     part (a slice on the CPU), or its experts (a contiguous range of the flattened whole)."""
-    tp = tensor.info(p)
+    tp = dtensor.info(p)
     if tp is not None:
-        return tensor.local_of_full(tp, whole)
+        return dtensor.local_of_full(tp, whole)
     part = expert_part(p)
     if part is not None:
         return whole.reshape(-1)[part.offset : part.offset + p.numel()].view(p.shape)

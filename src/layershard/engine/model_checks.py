@@ -12,7 +12,7 @@
   A *frozen* one (a model loaded in bf16, its embedding, head and norms frozen under QLoRA) has
   no master, gradient or optimizer state: it is kept sharded in its own dtype in a flat group of
   its own (``build._by_dtype``) and cast into the gather slot's (compute) dtype by the gather.
-  4-bit weights are stored as their packed bytes (``quantized.py``, which says what it refuses);
+  4-bit weights are stored as their packed bytes (``four_bit.py``, which says what it refuses);
 - experts split for expert parallelism (parallel/expert.py) without the expert mesh that says
   which ranks hold the same experts, or split over a different number of ranks than its ``ep``;
 - ranks that disagree on the model or the options: every rank hashes its unit layout (units,
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from layershard.engine.flat import expert_part
-from layershard.engine.quantized import is_packed
+from layershard.engine.four_bit import is_packed
 from layershard.engine.units import UnitSpec
 
 
@@ -96,7 +96,7 @@ def check_dtypes(specs: list[UnitSpec]) -> None:
     docstring); frozen ones are kept in their dtype."""
     for s in specs:
         for p, uses in s.params:
-            if is_packed(p):  # 4-bit bytes, whatever dtype carries them (quantized.py)
+            if is_packed(p):  # 4-bit bytes, whatever dtype carries them (four_bit.py)
                 continue
             if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
                 dtype = str(p.dtype).removeprefix("torch.")

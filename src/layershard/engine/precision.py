@@ -3,7 +3,7 @@ gradients are reduced in.
 
 Masters, gradient slices and optimizer state are always fp32. With ``param_dtype=bf16`` each rank
 casts its slice to bf16 at every gather, straight into its chunk of the gather buffer, and
-all-gathers that: half the bytes on the wire. ``gather_dtype`` (fp8 e4m3 or int8, engine/wire.py)
+all-gathers that: half the bytes on the wire. ``gather_dtype`` (fp8 e4m3 or int8, engine/wire_dtype.py)
 sends one byte per weight instead, quantized from the fp32 slice at every gather and dequantized
 into ``param_dtype`` after it; ``None`` (the default) sends ``param_dtype``, exactly. Gradients are
 computed in ``param_dtype``, copied (cast) into the gradient buffer in ``reduce_dtype``,
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from layershard.engine.wire import GATHER_DTYPES
+from layershard.engine.wire_dtype import GATHER_DTYPES
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

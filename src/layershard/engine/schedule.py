@@ -18,7 +18,7 @@ a small unit has a slot of its own and is left out of the count, see buffers.py)
 So the gather of the next unit to compute never queues behind a reduce-scatter: it was issued a
 whole unit earlier, and in backward the gather into a freed slot is issued before the freed unit's
 reduce-scatter (on CUDA both go to one comm stream; on CPU to gloo's queue). The reductions
-themselves are the ``Reducer``'s; what begins and ends a unit's backward is in backward.py.
+themselves are the ``Reducer``'s; what begins and ends a unit's backward is in backward_hooks.py.
 
 The root unit (tied and root-owned parameters) is bound at the model's pre-forward and stays
 gathered until the end of its backward (or of the forward, without grad). Outside its forward a
@@ -37,7 +37,7 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import saved_tensors_hooks
 
-from layershard.engine.backward import (
+from layershard.engine.backward_hooks import (
     BindUnit,
     UseLog,
     mark_inputs,

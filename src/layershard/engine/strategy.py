@@ -31,12 +31,12 @@ them home, parallel/expert.py), and the reduction over ``efsdp`` sums the rest.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from layershard.distributed import local_world_size
 from layershard.groups import Groups, blocks, strided
 
 STRATEGIES = {
@@ -119,11 +119,6 @@ class Sharding:
         return "hpz" if self.hpz_group is not None else "shard"
 
     @property
-    def reduce_groups(self) -> tuple[str, ...]:
-        """Where a gradient is reduced: over the shard group, then across replicas."""
-        return ("shard",) + (("replicate",) if self.replicate_group is not None else ())
-
-    @property
     def writes_slices(self) -> bool:
         """Does this rank write its slices into a checkpoint? Replicas hold the same slices:
         only the first of them writes (a save deduplicates them), and every replica loads."""
@@ -134,12 +129,6 @@ class Sharding:
         if self.shard_group is None:
             return [dist.get_rank()]
         return dist.get_process_group_ranks(self.shard_group)
-
-
-def local_world_size(world: int) -> int:
-    """Ranks per node (torchrun's LOCAL_WORLD_SIZE) when it divides ``world``; else ``world``."""
-    k = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return k if 0 < k <= world and world % k == 0 else world
 
 
 def check_options(

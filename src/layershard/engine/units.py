@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from layershard.engine import dtensor
 from layershard.engine.buffers import GatherSlot
 from layershard.engine.flat import FlatParam, ParamSlot, ParamUse, view_keys
-from layershard.engine.quantized import attach_state
-from layershard.parallel import tensor
+from layershard.engine.four_bit import attach_state
 
 
 @dataclass
@@ -243,8 +243,8 @@ class Unit:
         for slot, t in zip(self.param_slots, tensors):
             if slot.packed is not None:  # weight.quant_state, or the NF4Tensor over the bytes
                 t = attach_state(t, slot.packed)
-            if slot.tp is not None:  # the DTensor over the local shard (parallel/tensor.py)
-                t = tensor.wrap(slot.tp, t)
+            if slot.tp is not None:  # the DTensor over the local shard (engine/dtensor.py)
+                t = dtensor.wrap(slot.tp, t)
             if slot.float8 is not None:  # its gathered e4m3 bytes, as torchao's tensor
                 t = slot.float8.wrap(t)
             for use in slot.uses:

@@ -68,7 +68,7 @@ class ShardingPlugin:
     def shard(self, model: nn.Module):
         """``ls.shard(model, ...)`` with these options, or ``ls.parallelize(model, tp=...,
         ep=...)``: transformers' TP plan applied or the experts split first."""
-        from layershard.parallel.mesh import parallelize
+        from layershard.parallelize import parallelize
         from layershard.sharded import shard
 
         if self.ep > 1 or self.tp > 1:
@@ -81,20 +81,17 @@ class ShardingPlugin:
         batches, split over ``dp_replicate x dp_shard``); None otherwise. Collective."""
         if self.tp == 1:
             return None
-        from torch.distributed.device_mesh import init_device_mesh
-
         from layershard.distributed import default_device
+        from layershard.groups import device_mesh
+        from layershard.meshes import DENSE_DIMS
 
-        return init_device_mesh(
-            default_device(dist.group.WORLD).type,
-            self.mesh_shape(dist.get_world_size()),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
-        )
+        kind = default_device(dist.group.WORLD).type
+        return device_mesh(kind, self.mesh_shape(dist.get_world_size()), DENSE_DIMS)
 
     def mesh_shape(self, world: int) -> tuple[int, int, int]:
         """``(dp_replicate, dp_shard, tp)`` at ``world`` ranks: with ``strategy="hybrid"`` a
         replica per ``shard_size`` ranks (default: a node's), as ``ls.parallelize`` makes it."""
-        from layershard.parallel.mesh import hybrid_replicas, mesh_sizes
+        from layershard.meshes import hybrid_replicas, mesh_sizes
 
         if world % self.tp:
             raise ValueError(

@@ -30,7 +30,7 @@ import transformers
 from transformers.trainer import SCHEDULER_NAME
 
 import layershard as ls
-from layershard.engine.quantized import is_packed
+from layershard.engine.four_bit import is_packed
 from layershard.hf.accelerator import (
     _ATTR,
     Accelerator,

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from layershard.parallel.tensor import TPInfo, full_tensor, local_of_full, split_over_tp
+from layershard.engine.dtensor import TPInfo, full_tensor, local_of_full, split_over_tp
 from layershard.sharded import ShardedModule
 
 _torch_adjust_lr: Callable[[float, str | None, torch.Size], float] | None

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from layershard.engine.collectives import _all_gather
+from layershard.engine.collectives import all_gather_single
 from layershard.engine.flat import EXPERT_ATTR, ExpertPart
 
 
@@ -82,7 +82,7 @@ def _gather_shares(share: torch.Tensor, sizes: list[int], group: dist.ProcessGro
     padded = share.new_zeros((most, *share.shape[1:]))
     padded[: share.shape[0]] = share
     out = share.new_empty((len(sizes) * most, *share.shape[1:]))
-    _all_gather(out, padded, group=group)
+    all_gather_single(out, padded, group=group)
     return torch.cat([out[i * most : i * most + n] for i, n in enumerate(sizes)])
 
 

@@ -1,5 +1,5 @@
 """``layershard plan --qlora``: memory per GPU for a 4-bit (bitsandbytes NF4) base with LoRA
-adapters, as ``ls.shard`` stores it (engine/quantized.py):
+adapters, as ``ls.shard`` stores it (engine/four_bit.py):
 
 - every linear weight of the blocks as packed bytes (0.5 byte per weight), 1/N per rank;
 - its quantization state whole on every rank: absmax per block of 64 weights, 4 bytes, or with

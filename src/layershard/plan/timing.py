@@ -223,7 +223,7 @@ class Stage:
 
 def gathered_bytes(padded: int, shard: int, k: int, c: int, gather_dtype: str | None) -> int:
     """Bytes of one all-gather of a flat buffer (``padded`` elements, ``shard`` per rank over
-    ``k`` ranks): the compute dtype's ``c`` per element, or the wire dtype's (engine/wire.py):
+    ``k`` ranks): the compute dtype's ``c`` per element, or the wire dtype's (engine/wire_dtype.py):
     fp8 one byte, int8 one byte and a 4-byte scale per 256 of each rank's slice."""
     if gather_dtype is None:
         return padded * c

@@ -21,7 +21,7 @@ from layershard.train.config import (
     check_launch,
     field_infos,
 )
-from layershard.train.launch import (
+from layershard.train.launch.launcher import (
     DEFAULT_TIMEOUT_S,
     AlreadyFinished,
     launch,
@@ -29,8 +29,8 @@ from layershard.train.launch import (
     prepare,
     undo_writes,
 )
-from layershard.train.nodes import DEFAULT_RDZV_TIMEOUT_S
-from layershard.train.rendezvous import read_report
+from layershard.train.launch.nodes import DEFAULT_RDZV_TIMEOUT_S
+from layershard.train.launch.rendezvous import read_report
 
 _HELP = {
     "model": "model preset: tiny, small, llama-1b, llama-7b, llama-13b, llama-70b, moe (architectures)",

@@ -399,13 +399,15 @@ class LaunchOptions:
     resume_fallback: bool = False
     allow_data_change: bool = False  # --resume on a changed corpus (train/identity.py)
     timeout: float | None = None
-    rdzv_timeout: float | None = None  # seconds the nodes wait for each other (train/nodes.py)
+    rdzv_timeout: float | None = (
+        None  # seconds the nodes wait for each other (train/launch/nodes.py)
+    )
     dry_run: bool = False
     notes: list[str] = field(default_factory=list)
     # set by prepare(): this launch's id (in launch.json and every rank's status) and its lock
     launch_id: str = ""
     lock: Path | None = None
-    # set by prepare() on many nodes: the settings the nodes compare (train/rendezvous.py), and
+    # set by prepare() on many nodes: the settings the nodes compare (train/launch/rendezvous.py), and
     # node 0's run-folder files as they were before this launch wrote them (restored when the
     # nodes refuse to start: see launch.undo_writes)
     node_settings: dict[str, Any] | None = None

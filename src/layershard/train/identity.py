@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from layershard.train.config import ConfigError, TrainConfig, resolve
-from layershard.train.tokenizer import TextTokenizer, load_tokenizer
+from layershard.train.data.tokenizer import TextTokenizer, load_tokenizer
 
 # Keys that choose the model or the meaning of its token ids.
 _MODEL_KEYS = ("model", "model_overrides", "hf_config", "init_from", "tokenizer", "vocab_size")
@@ -88,8 +88,8 @@ def check_resume(
 ) -> None:
     """Before launch: refuse a resumed run whose model or corpus is not the run's (one line);
     with ``allow_data_change`` a changed corpus is said in one line and accepted."""
-    from layershard.train import fingerprint
-    from layershard.train.sources import find_files
+    from layershard.train.data import fingerprint
+    from layershard.train.data.sources import find_files
 
     try:
         was = resolve(recorded)

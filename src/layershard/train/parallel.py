@@ -61,7 +61,7 @@ def check_tp_model(cfg: Any, kind: str, spec: Any) -> None:
             )
         heads = {"n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads}
     else:
-        from layershard.parallel.tensor import hf_tp_plan
+        from layershard.models.hf_tp import hf_tp_plan
 
         keys = ("num_attention_heads", "num_key_value_heads")
         heads = {k: getattr(spec, k) for k in keys if getattr(spec, k, None) is not None}
@@ -83,7 +83,7 @@ def check_replica(cfg: Any, world: int, local_world: int | None) -> None:
     both must divide it. Raises ``ValueError`` (one line)."""
     if cfg.strategy != "hybrid" or (cfg.tp == 1 and cfg.ep == 1):
         return
-    from layershard.engine.strategy import local_world_size
+    from layershard.distributed import local_world_size
 
     replica = cfg.shard_size or local_world or local_world_size(world)
     for name, n in (("tp", cfg.tp), ("ep", cfg.ep)):

@@ -1,4 +1,4 @@
-"""One rank of ``layershard train``, started by torchrun (``python -m layershard.train.rank RUN_DIR``):
+"""One rank of ``layershard train``, started by torchrun (``python -m layershard.train.loop.rank RUN_DIR``):
 its process group, its stop requests and watchdog, the ``Trainer``, and how it ends: the exit
 code, the status record, a peer that went away, leaving together.
 """
@@ -20,8 +20,8 @@ from layershard.checkpoint import CheckpointError
 from layershard.engine.waits import waiting
 from layershard.train import status as st
 from layershard.train.config import ConfigError
-from layershard.train.faults import StopRequest, Watchdog, attempt, connect_store
-from layershard.train.trainer import StopRun, Trainer
+from layershard.train.loop.faults import StopRequest, Watchdog, attempt, connect_store
+from layershard.train.loop.trainer import StopRun, Trainer
 
 # Text of collective errors that mean "another rank is gone", not "this rank went wrong".
 _PEER_LOST = (
@@ -169,11 +169,11 @@ if __name__ == "__main__":
     if os.environ.get("LAYERSHARD_AGENT_PID"):
         import signal
 
-        from layershard.train.faults import die_with_parent
+        from layershard.train.loop.faults import die_with_parent
 
         die_with_parent(signal.SIGKILL, int(os.environ["LAYERSHARD_AGENT_PID"]))
     # Run the module's own main (not this __main__ copy of it), so that there is one Trainer.
-    from layershard.train import rank as _rank
+    from layershard.train.loop import rank as _rank
 
     code = _rank.main(sys.argv[1])
     # Everything is written and the process group is gone: skip the interpreter's teardown, in

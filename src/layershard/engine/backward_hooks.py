@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from layershard.engine import dtensor
 from layershard.engine.float8 import SavedFloat8
-from layershard.parallel import tensor
 
 if TYPE_CHECKING:
     from layershard.engine.units import Unit
@@ -117,12 +117,12 @@ class WeightView:
 
 class SavedDTensor:
     """A ``DTensor`` over a view of a unit's gathered weights that its forward saved (a
-    tensor-parallel weight, parallel/tensor.py): the view as a ``WeightView``, and what wraps
+    tensor-parallel weight, engine/dtensor.py): the view as a ``WeightView``, and what wraps
     it again (``TPInfo``)."""
 
     __slots__ = ("view", "spec")
 
-    def __init__(self, view: WeightView, spec: tensor.TPInfo):
+    def __init__(self, view: WeightView, spec: dtensor.TPInfo):
         self.view, self.spec = view, spec
 
 
@@ -236,7 +236,7 @@ def weight_saving_hooks(
             return f8  # a Float8Linear's weight over the gathered bytes (engine/float8.py)
         # a DTensor (a subclass: no data of its own) is a weight's when its local tensor is a
         # view of them
-        if type(t) is not torch.Tensor and (split := tensor.split_dtensor(t)) is not None:
+        if type(t) is not torch.Tensor and (split := dtensor.split_dtensor(t)) is not None:
             inner, spec = split
             q = inner.data_ptr()
             if lo <= q < hi and inner.dtype == dtype:
@@ -253,7 +253,7 @@ def weight_saving_hooks(
         if type(x) is WeightView:
             return x.of(*backward_weights())
         if type(x) is SavedDTensor:
-            return tensor.wrap(x.spec, x.view.of(*backward_weights()))
+            return dtensor.wrap(x.spec, x.view.of(*backward_weights()))
         if type(x) is SavedFloat8:
             return x.of_buffer(backward_weights()[1])
         return x if outer_unpack is None else outer_unpack(x)

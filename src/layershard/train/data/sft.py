@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from layershard.train.config import ConfigError
-from layershard.train.sources import messages_of
-from layershard.train.tokenizer import ASSISTANT, SYSTEM, USER, TextTokenizer
+from layershard.train.data.sources import messages_of
+from layershard.train.data.tokenizer import ASSISTANT, SYSTEM, USER, TextTokenizer
 
 _PLAIN_MARKERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
 _TOKEN_MARKERS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}

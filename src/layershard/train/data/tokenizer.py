@@ -14,9 +14,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from layershard.train.cache import cache_dir, exclusive
 from layershard.train.config import ConfigError
-from layershard.train.sources import PIECE, pieces
+from layershard.train.data.cache import cache_dir, exclusive
+from layershard.train.data.sources import PIECE, pieces
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

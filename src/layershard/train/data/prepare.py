@@ -3,7 +3,7 @@
 Memory stays bounded whatever the corpus size: files are read in blocks (``sources``), text goes
 to the tokenizer in pieces of at most ``sources.PIECE`` bytes and tasks of ``TASK_BYTES``, and
 tokens are appended to flat ``uint16`` (``uint32`` above 65,536 tokens) files. Large corpora are
-tokenized by worker processes (``_encode_worker.py``, one per core up to 8), small ones in this
+tokenized by worker processes (``encode_worker.py``, one per core up to 8), small ones in this
 process by the tokenizers library's own threads. The result does not depend on the number of
 workers: tokens are written in corpus order.
 
@@ -33,8 +33,10 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from layershard.train import fingerprint
-from layershard.train.cache import (
+from layershard.train.config import ConfigError, TrainConfig
+from layershard.train.data import fingerprint
+from layershard.train.data.batches import TokenSplit
+from layershard.train.data.cache import (
     cache_dir,
     exclusive,
     publish,
@@ -42,9 +44,7 @@ from layershard.train.cache import (
     scratch_dir,
     whoami,
 )
-from layershard.train.config import ConfigError, TrainConfig
-from layershard.train.data import TokenSplit
-from layershard.train.sources import (
+from layershard.train.data.sources import (
     Piece,
     name_hash,
     pieces,
@@ -54,7 +54,7 @@ from layershard.train.sources import (
     source_names,
     text_pieces,
 )
-from layershard.train.tokenizer import TextTokenizer
+from layershard.train.data.tokenizer import TextTokenizer
 
 # Bump when what is written, or how the corpus is named, split or cut, changes: old entries
 # are then left alone instead of being reused. 3: the held-out share chosen by size.
@@ -66,7 +66,7 @@ BPE_SAMPLE = 32 << 20
 TASK_BYTES = 1 << 20  # text per tokenizer call
 _PROCESSES_FROM = 32 << 20  # smaller corpora: no worker start-up
 _MAX_WORKERS = 8
-_WORKER = Path(__file__).with_name("_encode_worker.py")
+_WORKER = Path(__file__).with_name("encode_worker.py")
 
 
 def corpus_hash(files: list[Path], cfg: TrainConfig) -> str:
@@ -356,7 +356,7 @@ def _prepare_sft(
     docs: dict[str, int],
     bar: tqdm,
 ) -> None:
-    from layershard.train import sft
+    from layershard.train.data import sft
 
     for f, name in zip(files, names):
         if not (f.is_dir() or f.suffix == ".jsonl"):

@@ -59,7 +59,7 @@ def die_with_parent(sig: int, parent: int) -> None:
         os.kill(os.getpid(), sig)
 
 
-# Set by layershard.train.agent for its ranks: the rendezvous round they start in (1, 2, ...).
+# Set by layershard.train.launch.agent for its ranks: the rendezvous round they start in (1, 2, ...).
 ROUND_ENV = "LAYERSHARD_RDZV_ROUND"
 
 

@@ -1,4 +1,4 @@
-"""``python -m layershard.train.agent RUN_DIR TORCHRUN_ARGS...``: torchrun itself.
+"""``python -m layershard.train.launch.agent RUN_DIR TORCHRUN_ARGS...``: torchrun itself.
 
 It runs torchrun's own ``torch.distributed.run.run()`` (the elastic agent: rendezvous, worker
 processes, ``--max-restarts``, signal forwarding), with four additions:
@@ -29,9 +29,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from layershard.train import rendezvous as rdzv
 from layershard.train import status as st
-from layershard.train.faults import ROUND_ENV, die_with_parent
+from layershard.train.launch import rendezvous as rdzv
+from layershard.train.loop.faults import ROUND_ENV, die_with_parent
 
 
 def _launch_id(run_dir: Path) -> str | None:

@@ -1,5 +1,5 @@
 """A tokenizer process for corpus preparation (``prepare.ProcessEncoder``), run by path as
-``python -P _encode_worker.py TOKENIZER_JSON DTYPE`` so that it imports only ``tokenizers`` and
+``python -P encode_worker.py TOKENIZER_JSON DTYPE`` so that it imports only ``tokenizers`` and
 numpy (~15 MB), not torch (~270 MB, which importing the layershard package would cost).
 
 Protocol on stdin/stdout, little-endian: a request is a uint32 count n (0: exit), n uint64 byte

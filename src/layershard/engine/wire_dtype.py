@@ -161,17 +161,6 @@ class Scales:
                 dequantize_fp8(q[a:b], scale, out[a:b])
 
 
-def quantization_bound(dtype: torch.dtype, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """The largest error each element of ``x`` may have after a round trip (the documented bound;
-    ``scale`` is the fp8 parameter's scale)."""
-    if dtype == FP8:
-        return torch.maximum(x.abs() * 2.0**-4, torch.full_like(x, 2.0**-10 * scale))
-    rows = torch.zeros(blocks(x.numel()) * BLOCK, dtype=torch.float32)
-    rows[: x.numel()] = x.reshape(-1)
-    amax = rows.view(-1, BLOCK).abs().amax(dim=1) / (2 * INT8_MAX)
-    return amax.repeat_interleave(BLOCK)[: x.numel()].view_as(x) * (1 + 2.0**-20)
-
-
 class WireGather:
     """A sharded model's quantized gathers: the format, the fp8 scales of every flat parameter,
     and the pack/unpack of one flat parameter's gather (collectives.py moves the bytes)."""

@@ -27,8 +27,25 @@ from layershard.engine.agreement import rank0_decides
 from layershard.engine.waits import waiting
 from layershard.train import status as st
 from layershard.train.config import ConfigError, grad_accum_for, read_run_config
-from layershard.train.data import BatchLoader, TokenSplit, count_targets, eval_windows, read_windows
-from layershard.train.faults import StopRequest, attempt
+from layershard.train.data.batches import (
+    BatchLoader,
+    TokenSplit,
+    count_targets,
+    eval_windows,
+    read_windows,
+)
+from layershard.train.data.tokenizer import TextTokenizer, load_tokenizer
+from layershard.train.loop.faults import StopRequest, attempt
+from layershard.train.loop.optimizer import lr_at, param_groups
+from layershard.train.loop.qlora import build_qlora, save_adapter
+from layershard.train.loop.report import (
+    MetricsLog,
+    first_val_loss,
+    measured,
+    memory_mib,
+    plot_losses,
+    sample,
+)
 from layershard.train.modeling import (
     build_model,
     check_seq_len,
@@ -38,26 +55,7 @@ from layershard.train.modeling import (
     shard_options,
     starts_on_meta,
 )
-from layershard.train.optimizer import lr_at, param_groups
 from layershard.train.parallel import data_rank, shard_model
-from layershard.train.qlora import build_qlora, save_adapter
-from layershard.train.report import (
-    MetricsLog,
-    first_val_loss,
-    measured,
-    memory_mib,
-    plot_losses,
-    sample,
-)
-from layershard.train.tokenizer import TextTokenizer, load_tokenizer
-
-
-def _all_reduce(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        with waiting("all-reduce of the step's loss"):
-            dist.all_reduce(t)
-    return t.tolist()
 
 
 class StopRun(Exception):
@@ -92,7 +90,7 @@ class Trainer:
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if on_gpu else "fp32")
         self.precision = precision
         meta = starts_on_meta(self.kind, self.spec)
-        if cfg.qlora:  # the 4-bit base read here, quantized while loading (train/qlora.py)
+        if cfg.qlora:  # the 4-bit base read here, quantized while loading (train/loop/qlora.py)
             model = build_qlora(cfg, precision, device)
         else:
             model = build_model(self.kind, self.spec, cfg, meta=meta)
@@ -358,7 +356,7 @@ class Trainer:
         chosen = self.launch.get("resume")
         folder = self.run_dir / "checkpoints"
         if attempt() > 0:  # a restart, or a new round of an elastic job (faults.attempt)
-            from layershard.train.launch import latest_checkpoint
+            from layershard.train.launch.launcher import latest_checkpoint
 
             latest = latest_checkpoint(self.run_dir)
             chosen = str(latest) if latest is not None else chosen

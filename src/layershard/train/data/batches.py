@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from layershard.train.config import ConfigError
-from layershard.train.sources import find_files, is_val, stdlib_files
+from layershard.train.data.sources import find_files, is_val, stdlib_files
 
 __all__ = [
     "BatchLoader", "TokenSplit", "eval_windows", "find_files", "is_val", "read_windows",

@@ -1,4 +1,4 @@
-"""Tensor parallelism under layershard: a model whose blocks torch parallelized
+"""The engine's adapter for ``DTensor`` parameters: a model whose blocks torch parallelized
 (``torch.distributed.tensor.parallel.parallelize_module``, parameters ``DTensor`` over a TP mesh)
 sharded by layershard over its data-parallel group (the ranks with the same TP coordinate).
 
@@ -22,9 +22,8 @@ What the engine does with a ``DTensor`` parameter, and where:
 - ``full_state_dict`` assembles the whole tensor over the TP group (``full_tensor``), and
   ``load_full_state_dict`` keeps each rank's part of it (``local_of_full``).
 
-``data_parallel(mesh)``: ``ls.shard`` options from a mesh of named dims. ``llama_tp_plan`` /
-``parallelize_llama``: the Megatron plan for the built-in Llama's blocks; ``hf_tp_plan`` /
-``parallelize_hf``: a transformers model's own ``base_model_tp_plan`` as torch's styles.
+The plans that parallelize a model live beside the models (``models/llama_tp.py``,
+``models/hf_tp.py``); the meshes and the data-parallel group of a TP mesh in ``meshes.py``.
 """
 
 from __future__ import annotations
@@ -36,22 +35,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import (
-    DTensor,
-    Placement,
-    Replicate,
-    Shard,
-    distribute_module,
-    distribute_tensor,
-)
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 
 @dataclass(frozen=True)
@@ -90,7 +75,7 @@ def info(p: torch.Tensor) -> TPInfo | None:
 
 def split_dtensor(t: torch.Tensor) -> tuple[torch.Tensor, TPInfo] | None:
     """A ``DTensor``'s local tensor (no autograd) and what wraps it again; None for another
-    tensor. The saved-tensor hooks (engine/backward.py) save a DTensor over a unit's gathered
+    tensor. The saved-tensor hooks (engine/backward_hooks.py) save a DTensor over a unit's gathered
     weights as where in the unit's buffer, as they save a plain weight view."""
     if not isinstance(t, DTensor):
         return None
@@ -152,7 +137,7 @@ def check_groups(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> No
         raise ValueError(
             f"shard(): ranks {sorted(both)} are in the TP mesh of the DTensor parameters and in "
             "the data-parallel process_group; pass the group of the ranks with this rank's TP "
-            "coordinate (ls.shard(model, **layershard.parallel.tensor.data_parallel(mesh)))"
+            "coordinate (ls.shard(model, **layershard.meshes.data_parallel(mesh)))"
         )
 
 
@@ -220,167 +205,3 @@ def grad_norm(
     dist.all_reduce(over_tp, op=op, group=group)
     total = torch.maximum(over_tp[0], both[1]) if inf else over_tp[0] + both[1]
     return total if inf else total.pow(1.0 / norm_type)
-
-
-def data_parallel(mesh: DeviceMesh) -> dict[str, Any]:
-    """``ls.shard`` options that make layershard the data-parallel axis of ``mesh``, a
-    ``DeviceMesh`` with named dims ``("dp_shard", "tp")`` or ``("dp_replicate", "dp_shard",
-    "tp")`` (transformers' and torchtitan's names): ``process_group``, the ranks with this rank's
-    TP coordinate, and with ``dp_replicate`` > 1 ``strategy="hybrid"`` over the (replicate,
-    shard) mesh. Use: ``ls.shard(model, **data_parallel(mesh))`` after parallelizing the model
-    over ``mesh["tp"]``. Collective (makes one group per TP coordinate with more than one
-    data-parallel dim)."""
-    names = tuple(mesh.mesh_dim_names or ())
-    if names not in (("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp")):
-        raise ValueError(
-            f"data_parallel(mesh): dims {names} given; ('dp_shard', 'tp') or "
-            "('dp_replicate', 'dp_shard', 'tp') expected"
-        )
-    if len(names) == 2 or mesh["dp_replicate"].size() == 1:
-        return {"process_group": mesh["dp_shard"].get_group()}
-    dp_mesh = mesh["dp_replicate", "dp_shard"]
-    ranks = mesh.mesh.reshape(-1, mesh["tp"].size())  # a column per TP coordinate
-    mine = None
-    for column in ranks.t().tolist():  # every rank makes every group, in the same order
-        group = dist.new_group(column)
-        if dist.get_rank() in column:
-            mine = group
-    assert mine is not None, "data_parallel(mesh): this rank is not in the mesh"
-    return {"process_group": mine, "strategy": "hybrid", "mesh": dp_mesh}
-
-
-def from_mesh(
-    mesh: DeviceMesh | None, process_group: dist.ProcessGroup | None, strategy: str
-) -> tuple[dist.ProcessGroup | None, str, DeviceMesh | None]:
-    """``shard(mesh=...)`` with a ``tp`` dim (``data_parallel``'s names): the data-parallel group,
-    the strategy (``hybrid`` when ``dp_replicate`` > 1) and the (replicate, shard) mesh it gives;
-    any other mesh (HSDP's 2-D one) passes through unchanged."""
-    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
-        return process_group, strategy, mesh
-    if process_group is not None:
-        raise ValueError(
-            "shard(mesh=...): a mesh with a 'tp' dim gives the data-parallel group itself; "
-            "pass no process_group"
-        )
-    options = data_parallel(mesh)
-    if "strategy" in options:
-        if strategy not in ("full", "hybrid"):
-            raise ValueError(
-                f"shard(mesh=...): dp_replicate > 1 is HSDP (strategy='hybrid'), not {strategy!r}"
-            )
-        strategy = "hybrid"
-    return options["process_group"], strategy, options.get("mesh")
-
-
-# ---- the built-in Llama ----------------------------------------------------------------------
-
-
-def llama_tp_plan() -> dict[str, ParallelStyle]:
-    """``parallelize_module`` plan for one built-in Llama block (``models/llama.py``'s
-    ``Block``): attention q/k/v and the MLP's gate (w1) and up (w3) projections column-wise, the
-    attention output (wo) and the MLP's down projection (w2) row-wise. Norms stay replicated;
-    activations between the sub-blocks are whole (replicated) on every TP rank. A
-    mixture-of-experts block takes the attention part only: its router stays replicated and its
-    experts are split by expert parallelism (``ls.parallelize(tp=, ep=)``) or replicated."""
-    return {
-        "attn.wq": ColwiseParallel(),
-        "attn.wk": ColwiseParallel(),
-        "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(),
-        "mlp.w1": ColwiseParallel(),
-        "mlp.w3": ColwiseParallel(),
-        "mlp.w2": RowwiseParallel(),
-    }
-
-
-def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Apply ``llama_tp_plan`` to every block of a built-in Llama (``LlamaForCausalLM``) over the
-    1-D ``tp_mesh``, and give each attention its local head counts (the column-parallel q/k/v
-    produce ``heads / tp`` heads per rank). The embedding, final norm and head stay replicated.
-    Returns ``model``."""
-    tp = tp_mesh.size()
-    for block in model.layers:  # type: ignore[union-attr]
-        attn = block.attn
-        if attn.n_heads % tp or attn.n_kv_heads % tp:
-            raise ValueError(
-                f"parallelize_llama: n_heads={attn.n_heads} and n_kv_heads={attn.n_kv_heads} "
-                f"must be divisible by the TP size {tp}"
-            )
-        plan = llama_tp_plan()
-        if not hasattr(block.mlp, "w1"):  # a MoE block: its experts go to EP (or stay whole)
-            plan = {name: style for name, style in plan.items() if name.startswith("attn.")}
-        parallelize_module(block, tp_mesh, plan)
-        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
-    return model
-
-
-# ---- Hugging Face models ---------------------------------------------------------------------
-
-
-class ReplicatedOverHeads(ParallelStyle):
-    """transformers' ``replicated_with_grad_allreduce`` (Qwen3's q/k norms): a norm over each
-    head's features that every TP rank runs on its own heads. Its parameters become
-    ``Replicate()`` DTensors and its input (``(..., heads, head_dim)``, this rank's heads) a
-    DTensor split over the heads dim, so DTensor's rules make the weight's gradient a partial sum
-    over the TP ranks' heads, redistributed (all-reduced over TP) to the weight's placement when
-    the engine's re-wrapped view (``wrap``) hands it back: the all-reduce transformers' hook
-    does. The output goes on as this rank's plain local tensor, as the column-wise projection's
-    did."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def heads_in(_module, inputs, mesh):
-            x = inputs[0]
-            return (DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False), *inputs[1:])
-
-        def local_out(_module, output, _mesh):
-            return output.to_local()
-
-        # no partition_fn: distribute_module replicates every parameter over the mesh
-        return distribute_module(module, device_mesh, input_fn=heads_in, output_fn=local_out)
-
-
-_HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "replicated_with_grad_allreduce": ReplicatedOverHeads,
-}
-
-
-def hf_tp_plan(config, experts: bool = True) -> dict[str, ParallelStyle]:
-    """A transformers config's ``base_model_tp_plan`` (``{"layers.*.self_attn.q_proj":
-    "colwise", ...}``) as a ``parallelize_module`` plan for the model's ``base_model``: the
-    column- and row-wise styles (Llama's, Mistral's) and Qwen3's ``replicated_with_grad_allreduce``
-    norms (``ReplicatedOverHeads``); any other style (a ``gather``, transformers' packed
-    experts') is refused in one line. ``experts=False``: without the routed experts' entries
-    (``*.mlp.experts*``: expert parallelism splits them instead), which leaves Mixtral's plan
-    column- and row-wise."""
-    plan = getattr(config, "base_model_tp_plan", None) or {}
-    if not experts:
-        plan = {k: v for k, v in plan.items() if ".experts" not in k}
-    if not plan:
-        raise ValueError("hf_tp_plan: the config has no base_model_tp_plan")
-    odd = sorted({style for style in plan.values() if style not in _HF_STYLES})
-    if odd:
-        raise NotImplementedError(
-            f"hf_tp_plan: the styles {odd} of {type(config).__name__}'s base_model_tp_plan are "
-            f"not supported (only {', '.join(map(repr, _HF_STYLES))}); pass your own "
-            "parallelize_module plan"
-        )
-    return {name: _HF_STYLES[style]() for name, style in plan.items()}
-
-
-def parallelize_hf(model: nn.Module, tp_mesh: DeviceMesh, experts: bool = True) -> nn.Module:
-    """Apply the model's own ``base_model_tp_plan`` (``hf_tp_plan``; ``experts=False``: but its
-    routed experts', which expert parallelism splits) to a transformers model's ``base_model``
-    over the 1-D ``tp_mesh`` with torch's ``parallelize_module`` (transformers' attention
-    reshapes to ``-1`` heads, so each rank runs its local heads). Returns ``model``."""
-    config = model.config
-    tp = tp_mesh.size()
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        n = getattr(config, key, None)
-        if n is not None and n % tp:
-            raise ValueError(f"parallelize_hf: {key}={n} must be divisible by the TP size {tp}")
-    base = model.base_model
-    assert isinstance(base, nn.Module), "parallelize_hf: a transformers model was expected"
-    parallelize_module(base, tp_mesh, hf_tp_plan(config, experts))
-    return model

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from layershard.train.config import ConfigError, TrainConfig
-from layershard.train.data import TokenSplit
+from layershard.train.data.batches import TokenSplit
 from layershard.train.modeling import model_spec
 
 _CHUNK = 1 << 24  # mask bytes read at a time: the check streams through the memory map

@@ -24,9 +24,7 @@ import torch
 from layershard.checkpoint import publish as pub
 from layershard.checkpoint.errors import CheckpointError
 from layershard.train import identity
-from layershard.train import rendezvous as rdzv
 from layershard.train import status as st
-from layershard.train.checks import check_prepared
 from layershard.train.config import (
     ConfigError,
     LaunchOptions,
@@ -41,8 +39,12 @@ from layershard.train.config import (
     resolved_strategy,
     resume_layers,
 )
-from layershard.train.modeling import check_model, check_seq_len, model_spec
-from layershard.train.nodes import (
+from layershard.train.data.prepare import bpe_texts, corpus_hash, prepare_splits
+from layershard.train.data.sources import find_files
+from layershard.train.data.tokenizer import load_tokenizer, train_or_load_bpe
+from layershard.train.launch import rendezvous as rdzv
+from layershard.train.launch.checks import check_prepared
+from layershard.train.launch.nodes import (
     elastic,
     elastic_batch,
     loopback,
@@ -53,15 +55,13 @@ from layershard.train.nodes import (
     settings,
     world_size,
 )
-from layershard.train.prepare import bpe_texts, corpus_hash, prepare_splits
-from layershard.train.sources import find_files
-from layershard.train.tokenizer import load_tokenizer, train_or_load_bpe
+from layershard.train.modeling import check_model, check_seq_len, model_spec
 
 # The process-group timeout `layershard train` gives its ranks unless told otherwise: a rank that
 # waits longer than this in one collective fails the job. Long enough for the slowest legitimate
 # wait between two collectives (a rank hashing its share of a checkpoint, rank 0 writing a 2 GB
 # safetensors file of an HF export), short enough that a hung job ends in minutes. A rank that
-# waits a fifth of it (at most a minute) first says where it waits (train/faults.py).
+# waits a fifth of it (at most a minute) first says where it waits (train/loop/faults.py).
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -405,9 +405,9 @@ def _tokenizer(cfg: TrainConfig, files: list[Path], chash: str):
 
 
 def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
-    """torchrun (``torch.distributed.run``) through ``layershard.train.agent``, which runs
+    """torchrun (``torch.distributed.run``) through ``layershard.train.launch.agent``, which runs
     torchrun's own ``run()`` and records what it says about failed ranks."""
-    cmd = [sys.executable, "-m", "layershard.train.agent", str(run_dir)]
+    cmd = [sys.executable, "-m", "layershard.train.launch.agent", str(run_dir)]
     if opts.nnodes == "1" and not opts.rdzv_endpoint:
         cmd += ["--standalone"]  # a free local port; nothing to configure
     else:
@@ -431,7 +431,7 @@ def torchrun_command(run_dir: Path, opts: LaunchOptions) -> list[str]:
     cmd += [
         "--nproc-per-node", str(nproc(opts)),
         "--max-restarts", str(opts.max_restarts),
-        "-m", "layershard.train.rank", str(run_dir),
+        "-m", "layershard.train.loop.rank", str(run_dir),
     ]  # fmt: skip
     return cmd
 

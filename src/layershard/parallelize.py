@@ -1,11 +1,7 @@
-"""``ls.parallelize``: the meshes of an N-D run, the model's experts split over ``ep``, then
-layershard's sharding as the data-parallel axis (``ls.shard(model, mesh=, expert_mesh=)``).
-
-The meshes are laid out as transformers' ``DistributedConfig`` lays them out (so a rank's
-coordinates mean the same under either library): a dense mesh ``(dp_replicate, dp_shard, tp)``
-and an expert mesh ``(dp_replicate, efsdp, ep)`` over the same ranks, row-major, with
-``efsdp = dp_shard * tp / ep``. A layer's EP group is thus ``ep`` consecutive ranks, and the
-ranks holding the same experts (efsdp) are every ``ep``-th rank within a replica.
+"""``ls.parallelize``: an N-D run in one call. The model's experts split over ``ep`` ranks
+(``parallel/expert.py``) or its blocks over ``tp`` ranks (the model's plan:
+``models/llama_tp.py``, ``models/hf_tp.py``), then layershard's sharding as the data-parallel
+axis (``ls.shard(model, mesh=, expert_mesh=)``) over the meshes of ``meshes.py``.
 """
 
 from __future__ import annotations
@@ -14,48 +10,11 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from layershard.distributed import default_device
+from layershard.meshes import hybrid_replicas, make_meshes
+from layershard.models.moe import Experts
 from layershard.parallel.expert import ExpertGroup, is_hf_experts, split_hf_experts
-
-
-def mesh_sizes(world: int, tp: int = 1, ep: int = 1, dp_replicate: int = 1) -> dict[str, int]:
-    """Every dimension's size for ``world`` ranks, or ``ValueError`` saying what to change."""
-    for name, n in (("tp", tp), ("ep", ep), ("dp_replicate", dp_replicate)):
-        if n < 1:
-            raise ValueError(f"parallelize({name}={n}): must be at least 1")
-    if world % (tp * dp_replicate):
-        raise ValueError(
-            f"parallelize(tp={tp}, dp_replicate={dp_replicate}): their product must divide the "
-            f"world size {world}"
-        )
-    dp_shard = world // (tp * dp_replicate)
-    if (dp_shard * tp) % ep:
-        raise ValueError(
-            f"parallelize(ep={ep}): must divide dp_shard x tp = {dp_shard * tp} (the ranks of a "
-            "replica), so that efsdp = dp_shard x tp / ep is whole"
-        )
-    efsdp = dp_shard * tp // ep
-    return dict(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, efsdp=efsdp, ep=ep)
-
-
-def make_meshes(
-    tp: int = 1, ep: int = 1, dp_replicate: int = 1, device_type: str | None = None
-) -> tuple[DeviceMesh, DeviceMesh]:
-    """The dense and the expert mesh over every rank (collective)."""
-    world = dist.get_world_size()
-    n = mesh_sizes(world, tp, ep, dp_replicate)
-    kind = device_type or default_device(dist.group.WORLD).type
-    dense = init_device_mesh(
-        kind,
-        (n["dp_replicate"], n["dp_shard"], tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
-    )
-    expert = init_device_mesh(
-        kind, (n["dp_replicate"], n["efsdp"], ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
-    )
-    return dense, expert
+from layershard.sharded import shard
 
 
 def split_experts(
@@ -65,8 +24,6 @@ def split_experts(
     MoE's ``Experts`` and transformers' stacked experts (Qwen3-MoE, Mixtral); returns how many
     layers were split. ``tp``: the TP group whose ranks hold the same tokens (each sends its
     share: parallel/expert.py)."""
-    from layershard.models.moe import Experts
-
     n = 0
     for m in model.modules():
         if isinstance(m, Experts):
@@ -84,7 +41,7 @@ def parallelize(
 ):
     """Shard ``model`` over every rank with tensor parallelism ``tp`` (torch's
     ``parallelize_module`` with the built-in Llama's plan or a transformers model's
-    ``base_model_tp_plan``: parallel/tensor.py) or expert parallelism ``ep`` (its experts split
+    ``base_model_tp_plan``: models/llama_tp.py, models/hf_tp.py) or expert parallelism ``ep`` (its experts split
     over ``ep`` ranks, tokens exchanged by all-to-all), replicas ``dp_replicate`` (HSDP) and
     the rest data-parallel sharding; returns ``ls.shard``'s ``ShardedModule``. Every rank passes
     the same (unsplit) model. ``shard_options`` go to ``ls.shard`` (``mixed_precision=``,
@@ -92,8 +49,6 @@ def parallelize(
     other way: ``shard_size`` ranks (default: a node's) hold one replica, so ``dp_replicate =
     world / shard_size`` (``layershard train --strategy hybrid`` and ``ShardingPlugin`` say it so).
     """
-    from layershard.sharded import shard  # the engine imports nothing from here
-
     if not dist.is_initialized():
         raise RuntimeError("parallelize(): call ls.init_distributed() first")
     dp_replicate = _replicas(shard_options, dp_replicate)
@@ -104,8 +59,9 @@ def parallelize(
     shard_options = {k: v for k, v in shard_options.items() if k not in decided}
     dense, expert = make_meshes(tp, ep, dp_replicate)
     if tp > 1:  # torch's parallelize_module with the model's plan, over the TP dim
+        from layershard.models.hf_tp import parallelize_hf
         from layershard.models.llama import LlamaForCausalLM
-        from layershard.parallel.tensor import parallelize_hf, parallelize_llama
+        from layershard.models.llama_tp import parallelize_llama
 
         if isinstance(model, LlamaForCausalLM):
             parallelize_llama(model, dense["tp"])
@@ -135,16 +91,3 @@ def _replicas(options: dict[str, Any], dp_replicate: int) -> int:
         )
     del options["strategy"]
     return hybrid_replicas(dist.get_world_size(), options.pop("shard_size", None))
-
-
-def hybrid_replicas(world: int, shard_size: int | None) -> int:
-    """How many replicas HSDP makes when ``shard_size`` ranks (default: a node's) hold one."""
-    from layershard.engine.strategy import local_world_size
-
-    replica = shard_size or local_world_size(world)
-    if replica < 1 or world % replica:
-        raise ValueError(
-            f"parallelize(strategy='hybrid', shard_size={replica}): must divide the world size "
-            f"{world} (the ranks that hold one replica)"
-        )
-    return world // replica

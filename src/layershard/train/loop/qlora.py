@@ -1,6 +1,6 @@
 """``layershard train --qlora``: the ``--init-from`` model loaded in 4 bits (bitsandbytes NF4 with
 double quantization, ``from_pretrained`` quantizes while it loads) with PEFT LoRA adapters on
-every linear, before ``ls.shard`` (engine/quantized.py); the run's ``final/`` is the adapter."""
+every linear, before ``ls.shard`` (engine/four_bit.py); the run's ``final/`` is the adapter."""
 
 from __future__ import annotations
 

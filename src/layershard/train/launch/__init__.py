@@ -1,0 +1,1 @@
+"""The launcher: everything before the ranks start (one process per node)."""
