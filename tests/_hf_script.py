@@ -32,6 +32,7 @@ import transformers as T
 from _dist import die_with_launcher, listing
 
 import layershard as ls
+from layershard.engine import dtensor
 
 V, SEQ = 96, 16
 RANK = int(os.environ.get("RANK", "0"))
@@ -280,8 +281,8 @@ def tensor_parallel(out: Path) -> dict:
         finals[impl] = state_of(trainer)
         if impl == "ls":  # the weights layershard holds as TP shards (DTensor parameters)
             model = trainer.model_wrapped
-            slots = [s for f in model.flat_params for s in f.slots if s.tp is not None]
-            res[impl]["tp_sharded"] = sum(s.tp.sharded for s in slots)
+            tps = [dtensor.tp_of(s) for f in model.flat_params for s in f.slots]
+            res[impl]["tp_sharded"] = sum(tp.sharded for tp in tps if tp is not None)
             trainer.save_model(str(out / "tp-saved"))  # whole tensors (full_state_dict)
             if RANK == 0:
                 loaded = T.LlamaForCausalLM.from_pretrained(str(out / "tp-saved")).state_dict()

@@ -44,6 +44,7 @@ from test_wire_dtypes import representable
 
 import layershard as ls
 from layershard.engine import dtensor
+from layershard.engine.param_kind import ExpertPart
 from layershard.parallel.expert import ExpertGroup
 from layershard.parallelize import split_experts
 
@@ -476,9 +477,9 @@ def _whole_grads(model) -> dict[str, torch.Tensor]:
         parts = [torch.empty_like(f.grad) for _ in range(n)]
         dist.all_gather(parts, f.grad, group=group) if n > 1 else parts.__setitem__(0, f.grad)
         for slot, g in zip(f.slots, f.views(torch.cat(parts))):
-            if slot.tp is not None:
-                g = dtensor.full_tensor(slot.tp, g)
-            if slot.expert is not None:
+            if (tp := dtensor.tp_of(slot)) is not None:
+                g = dtensor.full_tensor(tp, g)
+            if isinstance(slot.kind, ExpertPart):
                 pieces = [torch.empty_like(g) for _ in range(sh.ep_size)]
                 dist.all_gather(pieces, g.contiguous(), group=sh.ep_group)
                 g = torch.cat(pieces)
@@ -513,9 +514,11 @@ def _tp_ep_matches_one_process(base, steps: int, rank: int, world: int, q_proj: 
     )  # fmt: skip
     model = _tp_ep(clone(base))
     names = {s.name: s for f in model.flat_params for s in f.slots}
-    assert names[q_proj].tp is not None
+    assert dtensor.tp_of(names[q_proj]) is not None
     experts = [k for k in names if ".experts." in k]
-    assert experts and all(names[k].expert is not None and names[k].tp is None for k in experts)
+    assert experts and all(
+        isinstance(names[k].kind, ExpertPart) and dtensor.tp_of(names[k]) is None for k in experts
+    )
     held = {s.name: p.numel() for f in model.flat_params for s, p in zip(f.slots, f.shard_params)}
     counts = torch.tensor([held[k] for k in sorted(held)])
     dist.all_reduce(counts)

@@ -19,6 +19,7 @@ from _dist import RankChecks
 from torch import nn
 
 import layershard as ls
+from layershard.engine.float8 import Float8Weight
 
 float8 = pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -146,7 +147,9 @@ def forward_and_gradients_equal_float8linear_on_one_process(rank: int, world: in
     # dequantized and cast again by the module: 0.1 off
     assert torch.equal(logits, ref_logits[rank]), (logits - ref_logits[rank]).abs().max()
     assert set(types) == {"Float8TrainingTensor"}, types
-    handed = [s.name for f in model.flat_params for s in f.slots if s.float8 is not None]
+    handed = [
+        s.name for f in model.flat_params for s in f.slots if isinstance(s.kind, Float8Weight)
+    ]
     assert len(handed) == 7, handed  # two per block and the head
     loss_of(model, part(x, rank, world)).backward()
     for name, g in full_grads(model).items():
@@ -233,7 +236,7 @@ def other_float8_recipes_are_dequantized(rank: int, world: int) -> None:
     """A rowwise recipe casts each row with its own scale: not the tensorwise bytes the wire
     carries, so its weights are dequantized and the module casts them itself."""
     model = ls.shard(fp8_net("rowwise"), mixed_precision=wire())
-    assert all(s.float8 is None for f in model.flat_params for s in f.slots)
+    assert not any(isinstance(s.kind, Float8Weight) for f in model.flat_params for s in f.slots)
     types = _bound_types(model)
     model(part(data(1, world)[0], rank, world))
     assert "Float8TrainingTensor" not in types, types

@@ -67,6 +67,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import layershard as ls
+from layershard.engine import dtensor
 from layershard.optim import assign_owners, newton_schulz_flops
 from layershard.optim import muon as muon_module
 
@@ -173,8 +174,8 @@ def _set_grads(model, grads: dict[str, torch.Tensor]) -> None:
         for slot, p in zip(f.slots, f.shard_params):
             a, b = f.local_param_range(slot)
             g = grads[slot.name]
-            if slot.tp is not None:
-                g = dtensor.local_of_full(slot.tp, g)
+            if (tp := dtensor.tp_of(slot)) is not None:
+                g = dtensor.local_of_full(tp, g)
             p.grad = g.reshape(-1)[a:b].clone()
 
 
@@ -223,7 +224,8 @@ def _tensor_parallel(rank: int, world: int) -> None:
         muon = {**MUON, "adjust_lr_fn": adjust}
         runs = _identical_gradients(tiny_llama(), {"tp": 2}, shard=ls.parallelize, muon=muon)
     for m, opt in runs:
-        split = sum(s.tp is not None and s.tp.sharded for f in m.flat_params for s in f.slots)
+        tps = [dtensor.tp_of(s) for f in m.flat_params for s in f.slots]
+        split = sum(tp is not None and tp.sharded for tp in tps)
         assert split == 3 * 7  # q, k, v, o, w1, w2, w3 of the 3 blocks
         stats = opt.comm_stats()["over_tp"]
         per_step = split if opt.mode == "all_gather" else sum(

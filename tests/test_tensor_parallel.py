@@ -87,7 +87,8 @@ def full_grads(model, dp_group) -> dict[str, torch.Tensor]:
         parts = [torch.empty_like(f.grad) for _ in range(dist.get_world_size(dp_group))]
         dist.all_gather(parts, f.grad, group=dp_group)
         for slot, g in zip(f.slots, f.views(torch.cat(parts))):
-            out[slot.name] = g if slot.tp is None else dtensor.full_tensor(slot.tp, g)
+            tp = dtensor.tp_of(slot)
+            out[slot.name] = g if tp is None else dtensor.full_tensor(tp, g)
     return out
 
 
@@ -174,8 +175,9 @@ def _parity(rank: int, world: int, strategy: str, kind: str = "ours", **options)
     # the blocks' projections are DTensors over TP; bound views are DTensors again in forward
     names = {s.name: s for f in model.flat_params for s in f.slots}
     wq = names[f"{q_proj}.weight"]
-    assert wq.tp is not None and wq.shape == (16, 32) and wq.tp.shape == (32, 32)
-    assert names[plain].tp is None
+    tp = dtensor.tp_of(wq)
+    assert tp is not None and wq.shape == (16, 32) and tp.shape == (32, 32)
+    assert dtensor.tp_of(names[plain]) is None
     seen = []
     hook = model.module.get_submodule(q_proj).register_forward_pre_hook(
         lambda m, args: seen.append(type(m.weight))
@@ -376,7 +378,7 @@ def _large_head(rank: int, world: int) -> None:
     model = ls.shard(model, process_group=dp_group)
     for name in vocab:
         unit = next(u for u in model.units if u.name == name)
-        assert unit.slot.transient and unit.param_slots[0].tp is not None
+        assert unit.slot.transient and dtensor.tp_of(unit.param_slots[0]) is not None
     dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     held = []  # DTensors over a unit's gathered weights that reach the outer hooks
 
@@ -453,7 +455,7 @@ def _frozen_offload(rank: int, world: int) -> None:
     ref_grads = {k: p.grad for k, p in reference.named_parameters() if p.requires_grad}
     model, dp_group, dp_rank, dp = _tp_model(base, world, offload=ls.CPUOffload())
     frozen = [s for f in model.flat_params if not f.requires_grad for s in f.slots]
-    assert frozen and all(s.tp is not None for s in frozen)
+    assert frozen and all(dtensor.tp_of(s) is not None for s in frozen)
     lm_loss(model, local(batch, dp_rank, dp)).backward()
     grads = full_grads(model, dp_group)
     assert set(grads) == set(ref_grads)
@@ -643,7 +645,7 @@ def _meta_llama(rank: int, world: int) -> None:
         wq = next(
             s for f in lazy.flat_params for s in f.slots if s.name == "layers.0.attn.wq.weight"
         )
-        assert wq.tp is not None and wq.shape == (16, 32)
+        assert dtensor.tp_of(wq) is not None and wq.shape == (16, 32)
         _same_run(lazy, eager, world)
         sizes: dict[str, int] = {}
         for name, p in tiny_llama(tie_embeddings=tied).named_parameters():

@@ -27,7 +27,7 @@ def load_full_state_dict(
         has = [False] * world
         with waiting("agreement on which ranks pass a state dict"):
             dist.all_gather_object(has, state_dict is not None, group=group)
-    tp_group = dtensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
+    tp_group = dtensor.tp_group(s.kind for f in model.flat_params for s in f.slots)
     if tp_group is not None:  # each TP coordinate's group loads alone: all or none of them
         flag = torch.tensor([int(has[0])], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp_group)
@@ -63,9 +63,9 @@ def load_full_state_dict(
         if everyone:
             assert state_dict is not None
             for slot in loaded:
-                value = _local(slot, slot.part_of(state_dict[by_slot[id(slot)]]))  # this rank's
+                value = slot.part_of(state_dict[by_slot[id(slot)]])  # this rank's part
                 # fp32, a frozen parameter's own dtype, or 4-bit bytes as they are
-                dtype = f.dtype if slot.packed is None else value.dtype
+                dtype = value.dtype if slot.kind.packed else f.dtype
                 f.copy_from_full(slot, value.to(f.shard.device, dtype))
             continue
         if f.over == "expert":  # each EP rank takes another part: every expert travels
@@ -80,7 +80,7 @@ def load_full_state_dict(
         if state_dict is not None:  # rank 0
             for slot, view in zip(f.slots, f.views(buf)):
                 if id(slot) in by_slot:
-                    view.copy_(_local(slot, state_dict[by_slot[id(slot)]]))
+                    view.copy_(slot.part_of(state_dict[by_slot[id(slot)]]))
         comm.broadcast(buf, "state_dict")
         for slot, view in zip(f.slots, f.views(buf)):
             if id(slot) in by_slot:
@@ -92,11 +92,6 @@ def load_full_state_dict(
             b.copy_(state_dict[key])
         if not everyone and world > 1:
             comm.broadcast(b, "state_dict")
-
-
-def _local(slot, value: torch.Tensor) -> torch.Tensor:
-    """What of the whole ``value`` this rank's slot holds: a DTensor parameter's local shard."""
-    return value if slot.tp is None else dtensor.local_of_full(slot.tp, value)
 
 
 def _validate(model, sd: dict, strict: bool) -> str:
@@ -121,8 +116,8 @@ def _validate(model, sd: dict, strict: bool) -> str:
                 )
             continue
         if kind == "param":
-            packed, tp = ref[1].packed, ref[1].tp
-            shape = packed.shape if packed is not None else tp.shape if tp else ref[1].whole_shape
+            slot = ref[1]
+            shape = slot.kind.state_shape(slot.shape)
         else:
             shape = getattr(ref[0], ref[1]).shape
         if tuple(sd[key].shape) != tuple(shape):
@@ -136,24 +131,14 @@ def _validate(model, sd: dict, strict: bool) -> str:
 def whole(model, slot, part: torch.Tensor) -> torch.Tensor:
     """A parameter's whole from this rank's ``part``: an expert-parallel layer's (every EP
     rank's experts, along dim 0; collective over the EP group), a tensor-parallel one's (over the
-    TP group), any other as it is."""
-    if slot.tp is not None:
-        return dtensor.full_tensor(slot.tp, part)
-    if slot.expert is None:
-        return part
-    sharding = model.sharding
-    parts = [torch.empty_like(part) for _ in range(sharding.ep_size)]
-    with waiting("all-gather of experts (full_state_dict)"):
-        dist.all_gather(parts, part.contiguous(), group=sharding.ep_group)
-    out = torch.cat(parts)
-    assert out.shape == slot.whole_shape, (out.shape, slot.whole_shape)
-    return out
+    TP group), any other as it is (``ParamKind.gather_whole``)."""
+    return slot.kind.gather_whole(part, model.sharding)
 
 
 def full_state_dict(model, rank0_only: bool, cpu: bool, packed: bool) -> dict[str, torch.Tensor]:
     """``ShardedModule.full_state_dict`` (its docstring says what)."""
     keep = not rank0_only or dist.get_rank(model.process_group) == 0
-    tp_group = dtensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
+    tp_group = dtensor.tp_group(s.kind for f in model.flat_params for s in f.slots)
     if tp_group is not None and rank0_only:  # one TP coordinate keeps the whole tensors
         keep = keep and dist.get_rank(tp_group) == 0
     full: dict[int, torch.Tensor] = {}

@@ -401,7 +401,7 @@ class ShardedModule(nn.Module):
         ]
         device = self.flat_params[0].shard.device
         norm_type = float(norm_type)
-        tp_group = dtensor.tp_group(s.tp for f in self.flat_params for s in f.slots)
+        tp_group = dtensor.tp_group(s.kind for f in self.flat_params for s in f.slots)
         if tp_group is not None:  # TP x DP: sharded parts summed over TP too (engine/dtensor.py)
             terms = [
                 (s, p.grad)

@@ -24,8 +24,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -87,21 +85,10 @@ def part_offsets(slot) -> tuple[int, ...]:
     shard along its placement's dim (torch's ``Shard``: ``ceil(n / tp)`` rows per rank, the last
     ones fewer), anything else at the origin."""
     whole = tuple(slot.whole_shape)
-    at = [0] * len(whole)
-    if slot.expert is not None and whole:
-        at[0] = slot.expert.offset // max(math.prod(whole[1:]), 1)
-    tp = slot.tp
-    if tp is not None:
-        (placement,) = tp.placements  # a 1-D TP mesh (engine/dtensor.py refuses others)
-        if isinstance(placement, Shard):
-            d = placement.dim % len(whole)
-            step = -(-whole[d] // tp.mesh.size())
-            at[d] = min(step * dist.get_rank(tp.group), whole[d])
-        elif not isinstance(placement, Replicate):
-            raise NotImplementedError(
-                f"checkpoint of {slot.name}: a DTensor parameter placed {placement}; only "
-                "Shard and Replicate parameters are supported"
-            )
+    try:
+        at = slot.kind.part_offsets(whole)  # ParamKind: experts along dim 0, a TP shard's dim
+    except NotImplementedError as e:
+        raise NotImplementedError(f"checkpoint of {slot.name}: {e}") from None
     if any(o + s > n for o, s, n in zip(at, slot.shape, whole)):
         raise ValueError(
             f"{slot.name}: a part of shape {tuple(slot.shape)} at {tuple(at)} does not fit in "
@@ -124,11 +111,7 @@ def pieces(slot, a: int, b: int) -> list[tuple[Box, int]]:
 def contiguous(slot) -> bool:
     """Is every rank's part of ``slot`` a contiguous range of the flattened whole (a block
     along dim 0, or the whole)?"""
-    tp = slot.tp
-    if tp is None or not tp.sharded:
-        return True
-    d = tp.placements[0].dim % len(slot.whole_shape)
-    return math.prod(slot.whole_shape[:d]) == 1
+    return slot.kind.contiguous(slot.whole_shape)
 
 
 def stored_size(slot) -> list[int]:

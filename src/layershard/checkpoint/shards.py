@@ -137,7 +137,7 @@ _TP_RANK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> it
 def tp_rank(model) -> int:
     """``model``'s rank in its TP group (0 without tensor parallelism)."""
     if model not in _TP_RANK:
-        group = dtensor.tp_group(s.tp for f in model.flat_params for s in f.slots)
+        group = dtensor.tp_group(s.kind for f in model.flat_params for s in f.slots)
         _TP_RANK[model] = 0 if group is None else dist.get_rank(group)
     return _TP_RANK[model]
 

@@ -12,7 +12,7 @@ from torch import nn
 from layershard.engine import dtensor
 from layershard.engine.buffers import GatherSlot, GradSlot, Spare
 from layershard.engine.collectives import Comm
-from layershard.engine.flat import FlatParam, ParamSlot, expert_part, layout
+from layershard.engine.flat import FlatParam, ParamSlot, layout
 from layershard.engine.float8 import Float8Weight
 from layershard.engine.four_bit import Packed, is_packed
 from layershard.engine.gather_slots import (
@@ -22,6 +22,7 @@ from layershard.engine.gather_slots import (
     slot_limit,
     slot_numels,
 )
+from layershard.engine.param_kind import PLAIN, ParamKind, expert_part
 from layershard.engine.precision import MixedPrecision
 from layershard.engine.reducer import Reducer
 from layershard.engine.schedule import Schedule
@@ -91,7 +92,7 @@ def build_schedule(
         if precision.gather_dtype == FP8 and sharding.hpz_group is None:
             for f in flats:
                 for slot in f.slots:
-                    slot.float8 = Float8Weight.of(slot)
+                    slot.kind = Float8Weight.of(slot) or slot.kind
     host = storage.flats[0][0].shard.device if storage.flats else device
     root_spec = specs[0] if specs[0].module is None else None
     others = [
@@ -234,9 +235,7 @@ def _make_flats(
                 dtensor.local_shape(p) if k is None else torch.Size([n]),
                 offset,
                 requires_grad,
-                k,
-                expert_part(p),
-                tp=dtensor.info(p),
+                kind_of(p, k, uses[0].name),
             )  # fmt: skip
             for (p, uses), offset, k, n in zip(group, offsets, how, numels)
         ]
@@ -251,3 +250,16 @@ def _make_flats(
         placed += [(p, f, sl) for (p, _), sl in zip(group, slots)]
         flats.append(f)
     return flats, buffer, placed
+
+
+def kind_of(p: nn.Parameter, packed: Packed | None, name: str) -> ParamKind:
+    """What kind of parameter ``p`` is (param_kind.py): its 4-bit bytes (``packed``), some
+    experts of a larger one, a DTensor's local shard, or plain. One kind per parameter."""
+    kinds = [k for k in (packed, expert_part(p), dtensor.info(p)) if k is not None]
+    if len(kinds) > 1:
+        what = " and ".join(type(k).__name__ for k in kinds)
+        raise ValueError(
+            f"shard(): {name} is {what} at once, which layershard does not support; keep 4-bit "
+            "weights, expert-parallel experts and tensor-parallel DTensors apart"
+        )
+    return kinds[0] if kinds else PLAIN

@@ -38,11 +38,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from layershard.engine.param_kind import ParamKind
+
 
 @dataclass(frozen=True)
-class TPInfo:
+class TPInfo(ParamKind):
     """What re-wraps a parameter's local shard as the ``DTensor`` it was: its mesh, placements
-    and global shape and stride."""
+    and global shape and stride. As a ``ParamKind``: the flat storage holds the local shard,
+    the module computes with the ``DTensor`` over it, checkpoints hold the global tensor."""
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
@@ -58,6 +61,45 @@ class TPInfo:
     def group(self) -> dist.ProcessGroup:
         """The TP group (a 1-D mesh)."""
         return self.mesh.get_group()
+
+    @property
+    def split_over_tp(self) -> bool:
+        return self.sharded
+
+    def whole_shape(self, shape: torch.Size) -> torch.Size:
+        return self.shape
+
+    def part_offsets(self, whole: tuple[int, ...]) -> list[int]:
+        """Where this rank's shard starts along its placement's dim (torch's ``Shard``:
+        ``ceil(n / tp)`` rows per rank, the last ones fewer)."""
+        at = [0] * len(whole)
+        (placement,) = self.placements  # a 1-D TP mesh (``info`` refuses others)
+        if isinstance(placement, Shard):
+            d = placement.dim % len(whole)
+            step = -(-whole[d] // self.mesh.size())
+            at[d] = min(step * dist.get_rank(self.group), whole[d])
+        elif not isinstance(placement, Replicate):
+            raise NotImplementedError(
+                f"a DTensor parameter placed {placement}; only Shard and Replicate parameters "
+                "are supported"
+            )
+        return at
+
+    def contiguous(self, whole: torch.Size) -> bool:
+        (placement,) = self.placements
+        if not isinstance(placement, Shard):
+            return True
+        d = placement.dim % len(whole)
+        return math.prod(whole[:d]) == 1
+
+    def local_part(self, whole: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        return local_of_full(self, whole)
+
+    def gather_whole(self, part: torch.Tensor, sharding: Any) -> torch.Tensor:
+        return full_tensor(self, part)
+
+    def bind(self, t: torch.Tensor) -> torch.Tensor:
+        return wrap(self, t)  # the module-level name: a test replaces it (a negative control)
 
 
 def info(p: torch.Tensor) -> TPInfo | None:
@@ -146,7 +188,7 @@ def checkpoint_group(model, what: str) -> dist.ProcessGroup | None:
     rank (the default group) for a tensor-parallel model: each TP coordinate's data-parallel
     group holds other parts of the same parameters, which one DCP save or load must see
     together. A tensor-parallel model over part of the world is refused in one line."""
-    group = tp_group(s.tp for f in model.flat_params for s in f.slots)
+    group = tp_group(s.kind for f in model.flat_params for s in f.slots)
     if group is None:
         return model.process_group
     dp = dist.get_world_size(model.process_group)
@@ -161,10 +203,16 @@ def checkpoint_group(model, what: str) -> dist.ProcessGroup | None:
     return dist.group.WORLD
 
 
-def tp_group(infos: Iterable[TPInfo | None]) -> dist.ProcessGroup | None:
-    """The TP group of a model's ``DTensor`` parameters (None: it has none). One TP mesh only."""
+def tp_of(slot: Any) -> TPInfo | None:
+    """The ``TPInfo`` of a ``ParamSlot`` holding a DTensor's local shard; None for another."""
+    return slot.kind if isinstance(slot.kind, TPInfo) else None
+
+
+def tp_group(kinds: Iterable[Any]) -> dist.ProcessGroup | None:
+    """The TP group of a model's ``DTensor`` parameters (None: it has none), from its slots'
+    ``kind``s (or ``TPInfo | None``s). One TP mesh only."""
     ranks = dist.get_process_group_ranks
-    groups = {tuple(ranks(t.group)): t.group for t in infos if t is not None}
+    groups = {tuple(ranks(t.group)): t.group for t in kinds if isinstance(t, TPInfo)}
     if len(groups) > 1:
         raise ValueError("shard(): DTensor parameters over more than one TP mesh")
     return next(iter(groups.values()), None)
@@ -174,8 +222,8 @@ def split_over_tp(slot) -> bool:
     """Does each TP rank hold a different part of the parameter of ``slot`` (a ``ParamSlot``;
     its gradient's squares summed over the TP group), or every TP rank the same (counted once)?
     Split: a TP-sharded DTensor's, and experts split by expert parallelism (with TP, the ranks of
-    a replica hold different experts or different shards of them)."""
-    return slot.expert is not None or (slot.tp is not None and slot.tp.sharded)
+    a replica hold different experts or different shards of them): ``ParamKind.split_over_tp``."""
+    return slot.kind.split_over_tp
 
 
 def grad_norm(

@@ -2,7 +2,9 @@
 (a frozen group of another floating-point dtype keeps that dtype: ``build._by_dtype``).
 
 A unit's frozen 4-bit weights are a flat group of their own whose elements carry their packed
-bytes in the gather slot's dtype (``dtype``; ``ParamSlot.packed``): see ``four_bit.py``.
+bytes in the gather slot's dtype (``dtype``; a ``Packed`` kind): see ``four_bit.py``. What kind
+of parameter each slot holds (plain, 4-bit bytes, some experts, a DTensor's local shard, a
+Float8Linear's weight) is its ``kind`` (``param_kind.py``), which this module asks.
 
 The flat layout concatenates the parameters in registration order, each starting on an aligned
 offset, and pads the end so that it splits into ``world_size`` equal contiguous slices, each a
@@ -24,16 +26,11 @@ the weights and in the gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from layershard.engine.four_bit import Packed
-
-if TYPE_CHECKING:
-    from layershard.engine.dtensor import TPInfo
-    from layershard.engine.float8 import Float8Weight
+from layershard.engine.param_kind import PLAIN, ParamKind
 
 ALIGN = 8  # elements: 16 bytes of bf16/fp16, 32 bytes of fp32
 
@@ -51,36 +48,17 @@ class ParamUse:
     attr: str
 
 
-@dataclass(frozen=True)
-class ExpertPart:
-    """Where a rank's experts sit in the whole parameter of an expert-parallel layer (experts
-    split over the ``ep`` ranks along dim 0, parallel/expert.py): its shape, and the elements of
-    the flattened whole before this rank's part. Checkpoints and ``full_state_dict`` speak of the
-    whole; the flat storage holds the part."""
-
-    whole_shape: torch.Size
-    offset: int
-
-
-EXPERT_ATTR = "_layershard_expert"  # an ExpertPart on a parameter that holds some experts only
-
-
-def expert_part(p: torch.Tensor) -> ExpertPart | None:
-    return getattr(p, EXPERT_ATTR, None)
-
-
 @dataclass
 class ParamSlot:
-    """An original parameter's place in its flat tensor. ``uses[0].name`` is its canonical name."""
+    """An original parameter's place in its flat tensor. ``uses[0].name`` is its canonical name;
+    ``shape`` its shape in the flat storage (this rank's part of it, before data-parallel
+    sharding); ``kind`` what else the engine must know of it (``param_kind.py``)."""
 
     uses: list[ParamUse]
     shape: torch.Size
     offset: int
     requires_grad: bool
-    packed: Packed | None = None  # a 4-bit weight: ``shape`` is its carrier elements
-    expert: ExpertPart | None = None  # this rank's experts of a larger parameter
-    tp: TPInfo | None = None  # a DTensor (engine/dtensor.py): ``shape`` is its local shard's
-    float8: Float8Weight | None = None  # a Float8Linear's weight handed fp8 bytes (float8.py)
+    kind: ParamKind = PLAIN
 
     @property
     def name(self) -> str:
@@ -94,22 +72,17 @@ class ParamSlot:
     def whole_shape(self) -> torch.Size:
         """The parameter's shape as checkpoints and full state dicts hold it (all experts, every
         TP rank's shard)."""
-        if self.tp is not None:
-            return self.tp.shape
-        return self.shape if self.expert is None else self.expert.whole_shape
+        return self.kind.whole_shape(self.shape)
 
     @property
     def whole_offset(self) -> int:
         """Where this rank's part starts in the flattened whole parameter (an expert-parallel
         one's; a TP shard need not be contiguous in it: checkpoint/boxes.py)."""
-        return 0 if self.expert is None else self.expert.offset
+        return self.kind.whole_offset
 
     def part_of(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part (``shape``) of the whole parameter ``whole``."""
-        if self.expert is None:
-            return whole
-        start = self.expert.offset
-        return whole.reshape(-1)[start : start + self.numel].view(self.shape)
+        return self.kind.local_part(whole, self.shape)
 
 
 def layout(numels: list[int], world_size: int) -> tuple[list[int], int, int]:
@@ -169,7 +142,7 @@ class FlatParam:
         for slot in self.slots:
             lo, hi = self.local_range(slot)
             piece = self.shard[lo - self.shard_start : hi - self.shard_start]
-            if slot.packed is not None:  # bytes, so that nothing takes them for weights
+            if slot.kind.packed:  # bytes, so that nothing takes them for weights
                 piece = piece.view(torch.uint8)
             p = nn.Parameter(piece, requires_grad=False)
             p.requires_grad_(self.requires_grad)
@@ -217,25 +190,19 @@ class FlatParam:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's full-shape view into ``flat``, a tensor of this layout
         (``padded_numel`` elements: a gather buffer, or a gathered copy)."""
-        return [
-            flat[s.offset : s.offset + s.numel].view(s.shape)
-            if s.packed is None
-            else s.packed.view(flat[s.offset : s.offset + s.numel])
-            for s in self.slots
-        ]
+        return [s.kind.view(flat[s.offset : s.offset + s.numel], s.shape) for s in self.slots]
 
     @property
     def packed(self) -> bool:
         """Its slots are 4-bit weights' bytes (four_bit.py)."""
-        return any(s.packed is not None for s in self.slots)
+        return any(s.kind.packed for s in self.slots)
 
     @torch.no_grad()
     def copy_from_full(self, slot: ParamSlot, full: torch.Tensor) -> None:
         """Store this rank's part of ``full`` (the whole parameter ``slot``)."""
         a, b = self.local_param_range(slot)
         lo = slot.offset + a - self.shard_start
-        if slot.packed is not None:  # the bytes, reinterpreted: never converted
-            full = slot.packed.to_carrier(full, self.dtype)
+        full = slot.kind.to_flat(full, self.dtype)  # 4-bit bytes: reinterpreted, never converted
         self.shard[lo : lo + b - a].copy_(full.detach().reshape(-1)[a:b])
 
     def drop_accumulated(self) -> None:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from layershard.engine.param_kind import ParamKind
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -62,9 +64,11 @@ def _handed_over(module: Any) -> bool:
     )
 
 
-class Float8Weight:
+class Float8Weight(ParamKind):
     """One ``Float8Linear`` weight gathered as its fp8 bytes: its module (the cast's config) and
-    the scale of this forward (torchao's convention: bytes = e4m3(weight * scale))."""
+    the scale of this forward (torchao's convention: bytes = e4m3(weight * scale)). As a
+    ``ParamKind``: quantized by torchao's rule, kept as bytes after the gather, computed with as
+    torchao's ``Float8TrainingTensor``."""
 
     def __init__(self, module: Any) -> None:
         self.module = module
@@ -75,7 +79,7 @@ class Float8Weight:
         """The handoff for parameter ``slot`` (a ``ParamSlot``) when every use of it is the
         weight of a ``Float8Linear`` the engine can hand fp8 bytes to; else None."""
         cls = float8_linear_class()
-        if cls is None or slot.packed is not None or slot.tp is not None or slot.expert:
+        if cls is None or type(slot.kind) is not ParamKind:  # 4-bit, TP, experts: not handed
             return None
         mods = [u.module for u in slot.uses]
         if not all(isinstance(m, cls) and u.attr == "weight" for m, u in zip(mods, slot.uses)):
@@ -106,10 +110,19 @@ class Float8Weight:
         scale = self.scale.to(data.device)
         return cls(data, scale, orig_dtype, self.module.linear_mm_config, GemmInputRole.WEIGHT)
 
-    def wrap(self, carrier: torch.Tensor) -> torch.Tensor:
+    def bind(self, t: torch.Tensor) -> torch.Tensor:
         """The weight the module computes with, from its place in the gather buffer
-        (``carrier``, compute dtype, whose first bytes hold the e4m3 bytes)."""
-        return AsFloat8.apply(carrier, self)
+        (``t``, compute dtype, whose first bytes hold the e4m3 bytes)."""
+        return AsFloat8.apply(t, self)
+
+    def set_fp8_scale(self, amax: torch.Tensor) -> None:
+        self.set_scale(amax)
+
+    def quantize_fp8(self, x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        self.quantize(x, out)  # torchao's scale (``set_scale``), not the wire's
+
+    def dequantize_fp8(self, q: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        out.view(torch.uint8)[: out.numel()].copy_(q)  # the bytes as they are, first in place
 
 
 def bytes_of(carrier: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from layershard.engine.param_kind import ParamKind
+
 
 def params4bit_class() -> type | None:
     """bitsandbytes' ``Params4bit``, if bitsandbytes is imported (never import it ourselves: no
@@ -122,16 +124,21 @@ def release(p: Any) -> None:
 
 
 @dataclass
-class Packed:
+class Packed(ParamKind):
     """A 4-bit weight's bytes: its shape and dtype as stored, its byte count, and the
     quantization state (whole, shared by every view): a bitsandbytes ``QuantState``, or the
-    state of an ``NF4Tensor`` (``nf4``)."""
+    state of an ``NF4Tensor`` (``nf4``). Its slot's flat elements are these bytes carried in the
+    gather slot's dtype (``carrier_numel`` of them)."""
 
     shape: torch.Size
     dtype: torch.dtype
     nbytes: int
     quant_state: Any
     nf4: NF4State | None = None
+
+    @property
+    def packed(self) -> bool:
+        return True
 
     @staticmethod
     def of(p: Any, device: torch.device | None = None) -> Packed:
@@ -147,26 +154,29 @@ class Packed:
         size = torch.empty(0, dtype=carrier).element_size()
         return -(-self.nbytes // size)
 
-    def to_carrier(self, p: torch.Tensor, carrier: torch.dtype) -> torch.Tensor:
-        """``p``'s bytes as a 1-D tensor of the carrier dtype (a copy, zero-padded)."""
-        raw = packed_bytes(p).detach().contiguous().reshape(-1).view(torch.uint8)
-        size = torch.empty(0, dtype=carrier).element_size()
-        out = torch.zeros(self.carrier_numel(carrier) * size, dtype=torch.uint8, device=p.device)
+    def state_shape(self, shape: torch.Size) -> torch.Size:
+        return self.shape  # the bytes as stored, not their carrier elements
+
+    def to_flat(self, full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``full``'s bytes as a 1-D tensor of the carrier ``dtype`` (a copy, zero-padded)."""
+        raw = packed_bytes(full).detach().contiguous().reshape(-1).view(torch.uint8)
+        size = torch.empty(0, dtype=dtype).element_size()
+        out = torch.zeros(self.carrier_numel(dtype) * size, dtype=torch.uint8, device=full.device)
         out[: self.nbytes].copy_(raw)
-        return out.view(carrier)
+        return out.view(dtype)
 
-    def view(self, carrier: torch.Tensor) -> torch.Tensor:
+    def view(self, piece: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The weight as stored, viewed from its carrier elements (no copy)."""
-        return carrier.view(torch.uint8)[: self.nbytes].view(self.dtype).view(self.shape)
+        return piece.view(torch.uint8)[: self.nbytes].view(self.dtype).view(self.shape)
 
-
-def attach_state(t: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """The weight a module computes with, from its bytes ``t``: for bitsandbytes ``t`` with what
-    ``Linear4bit.forward`` reads besides the bytes; for torchao the ``NF4Tensor`` over ``t``."""
-    if packed.nf4 is not None:
-        return packed.nf4.wrap(t)
-    t.quant_state = packed.quant_state  # type: ignore[attr-defined]
-    return t
+    def bind(self, t: torch.Tensor) -> torch.Tensor:
+        """The weight a module computes with, from its bytes ``t``: for bitsandbytes ``t`` with
+        what ``Linear4bit.forward`` reads besides the bytes; for torchao the ``NF4Tensor`` over
+        ``t``."""
+        if self.nf4 is not None:
+            return self.nf4.wrap(t)
+        t.quant_state = self.quant_state  # type: ignore[attr-defined]
+        return t
 
 
 def check_quantized(specs: list, largest_block_numel: int | None = None) -> None:

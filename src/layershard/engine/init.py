@@ -63,7 +63,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from layershard.engine import dtensor
-from layershard.engine.flat import FlatParam, ParamSlot, expert_part
+from layershard.engine.flat import FlatParam, ParamSlot
+from layershard.engine.param_kind import expert_part
 from layershard.engine.units import UnitSpec
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def _whole_shape(p: torch.Tensor) -> torch.Size:
     """The shape an init sees for parameter ``p``: the whole tensor that this rank holds a part
     of (a DTensor's global shape; all experts of an expert-parallel layer), as without TP or EP."""
     part = expert_part(p)
-    return p.shape if part is None else part.whole_shape  # (a DTensor's shape is the global one)
+    return p.shape if part is None else part.whole  # (a DTensor's shape is the global one)
 
 
 def _part(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -109,9 +110,7 @@ def _part(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     if tp is not None:
         return dtensor.local_of_full(tp, whole)
     part = expert_part(p)
-    if part is not None:
-        return whole.reshape(-1)[part.offset : part.offset + p.numel()].view(p.shape)
-    return whole
+    return whole if part is None else part.local_part(whole, p.shape)
 
 
 def _hf_pretrained_class():

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layershard.engine.flat import expert_part
 from layershard.engine.four_bit import is_packed
+from layershard.engine.param_kind import expert_part
 from layershard.engine.units import UnitSpec
 
 
@@ -59,9 +59,9 @@ def check_experts(specs: list[UnitSpec], sharding) -> None:
                     "no expert_mesh was given; use ls.parallelize(model, ep=...), or pass "
                     "expert_mesh= (dims 'efsdp', 'ep') with the mesh the experts were split over"
                 )
-            if part.whole_shape[0] != p.shape[0] * sharding.ep_size:
+            if part.whole[0] != p.shape[0] * sharding.ep_size:
                 raise ValueError(
-                    f"shard(): {uses[0].name} holds {p.shape[0]} of {part.whole_shape[0]} "
+                    f"shard(): {uses[0].name} holds {p.shape[0]} of {part.whole[0]} "
                     f"experts, but the expert mesh's ep is {sharding.ep_size}: split the "
                     "experts over the expert mesh's 'ep' dimension"
                 )

@@ -20,10 +20,8 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from layershard.engine import dtensor
 from layershard.engine.buffers import GatherSlot
 from layershard.engine.flat import FlatParam, ParamSlot, ParamUse, view_keys
-from layershard.engine.four_bit import attach_state
 
 
 @dataclass
@@ -241,12 +239,7 @@ class Unit:
         """Make the modules' weight attributes resolve to ``tensors`` (plain tensors, which
         shadow the registered slices while bound)."""
         for slot, t in zip(self.param_slots, tensors):
-            if slot.packed is not None:  # weight.quant_state, or the NF4Tensor over the bytes
-                t = attach_state(t, slot.packed)
-            if slot.tp is not None:  # the DTensor over the local shard (engine/dtensor.py)
-                t = dtensor.wrap(slot.tp, t)
-            if slot.float8 is not None:  # its gathered e4m3 bytes, as torchao's tensor
-                t = slot.float8.wrap(t)
+            t = slot.kind.bind(t)  # 4-bit bytes with their state, a DTensor, fp8 bytes...
             for use in slot.uses:
                 use.module.__dict__[use.attr] = t
         self.bound = True

@@ -132,8 +132,7 @@ class Scales:
         self._floats = scales  # read per parameter at every gather
         if amax is not None:  # a Float8Linear's weight takes torchao's scale (float8.py)
             for slot, a in zip(self.flat.slots, amax):
-                if slot.float8 is not None:
-                    slot.float8.set_scale(a)
+                slot.kind.set_fp8_scale(a)
 
     def quantize(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's slice ``src`` into ``out`` (uint8), each parameter's part by its scale
@@ -144,10 +143,7 @@ class Scales:
             lo, hi = f.local_range(slot)
             if hi > lo:
                 a, b = lo - f.shard_start, hi - f.shard_start
-                if slot.float8 is not None:
-                    slot.float8.quantize(src[a:b], out[a:b])
-                else:
-                    quantize_fp8(src[a:b], scale, out[a:b])
+                slot.kind.quantize_fp8(src[a:b], scale, out[a:b])  # ParamKind: ours or torchao's
 
     def dequantize(self, q: torch.Tensor, out: torch.Tensor) -> None:
         """The gathered bytes ``q`` (``padded_numel``) into ``out`` (compute dtype)."""
@@ -155,10 +151,7 @@ class Scales:
         out.zero_()
         for slot, scale in zip(f.slots, self._floats):
             a, b = slot.offset, slot.offset + slot.numel
-            if slot.float8 is not None:  # the bytes as they are, in the weight's first bytes
-                out[a:b].view(torch.uint8)[: b - a].copy_(q[a:b])
-            else:
-                dequantize_fp8(q[a:b], scale, out[a:b])
+            slot.kind.dequantize_fp8(q[a:b], scale, out[a:b])  # a Float8Linear's: bytes kept
 
 
 class WireGather:

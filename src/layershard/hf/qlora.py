@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from layershard.engine.four_bit import Packed
 from layershard.engine.units import Unit
 from layershard.hf.accelerator import sharded_of
 from layershard.sharded import ShardedModule
@@ -137,8 +138,8 @@ def _merge_unit(
         if ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name:
             continue
         w = tensors[name]
-        if slot.packed is not None:
-            w = dequantize_4bit(w, slot.packed.quant_state).float()
+        if isinstance(slot.kind, Packed):  # its bytes, with the quantization state
+            w = dequantize_4bit(w, slot.kind.quant_state).float()
         else:
             w = w.float()
         lora = lora_layers.get(id(module))

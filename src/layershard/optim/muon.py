@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from layershard.engine.dtensor import TPInfo, full_tensor, local_of_full, split_over_tp
+from layershard.engine.dtensor import TPInfo, full_tensor, local_of_full, split_over_tp, tp_of
 from layershard.sharded import ShardedModule
 
 _torch_adjust_lr: Callable[[float, str | None, torch.Size], float] | None
@@ -253,7 +253,9 @@ class Muon(torch.optim.Optimizer):
 
         muon = [(n, p, shape, fs) for n, p, shape, _, fs in named if n in chosen]
         self._matrices = [
-            _Matrix(n, p, shape, f.param_ranges(slot), 0, slot.tp if split_over_tp(slot) else None)
+            _Matrix(
+                n, p, shape, f.param_ranges(slot), 0, tp_of(slot) if split_over_tp(slot) else None
+            )
             for n, p, shape, (f, slot) in muon
         ]
         costs = [float(newton_schulz_flops(m.whole, ns_steps)) for m in self._matrices]

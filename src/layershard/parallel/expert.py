@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from layershard.engine.collectives import all_gather_single
-from layershard.engine.flat import EXPERT_ATTR, ExpertPart
+from layershard.engine.param_kind import EXPERT_ATTR, ExpertPart
 
 
 class ExpertGroup:
