@@ -1,6 +1,6 @@
 """How long training stands still for a checkpoint: synchronous against asynchronous saves.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/checkpoint-async/measure.py OUT_DIR
+    torchrun --standalone --nproc-per-node 2 benchmarks/checkpoint/measure.py OUT_DIR
 
 Each rank builds the `small` preset (35.7M parameters), sharded, with AdamW state (one step), then
 alternates synchronous and asynchronous saves of the same state (--repeats of each). For every

@@ -1,6 +1,6 @@
 """Writes a synthetic corpus of a given size for the data-preparation benchmark (deterministic).
 
-    python benchmarks/data-prep/make_corpus.py /tmp/corpus-1g 1024     # MB
+    python benchmarks/data/make_corpus.py /tmp/corpus-1g 1024     # MB
 
 Its parts, by share of the bytes:
 - 75% prose: words drawn from a Zipf law over a 4M-word vocabulary of random letter strings, so

@@ -1,8 +1,8 @@
 """Peak memory and throughput of data preparation: `layershard train --dry-run --data CORPUS`
 (fingerprint, BPE on its sample, tokenization into the cache), on synthetic corpora.
 
-    python benchmarks/data-prep/measure.py 100 1024            # MB; corpora under /tmp, deleted after
-    python benchmarks/data-prep/measure.py --src /tmp/old/src --file-mb 16   # another tree, one file
+    python benchmarks/data/measure.py 100 1024            # MB; corpora under /tmp, deleted after
+    python benchmarks/data/measure.py --src /tmp/old/src --file-mb 16   # another tree, one file
 
 Each preparation runs in a fresh cache as a child process. Memory is measured two ways: the
 largest max RSS of any one process of the tree (`getrusage(RUSAGE_CHILDREN)`, what

@@ -1,8 +1,8 @@
 """How long backward waits for its gathers, on 2 (``--nproc``) gloo ranks: the measurement behind issuing the
 gather into a freed buffer before the freed unit's reduce-scatter (issue 10, item 10).
 
-    python benchmarks/backward_order.py --model small --steps 6
-    PYTHONPATH=/path/to/old/src python benchmarks/backward_order.py ...   # another engine
+    python benchmarks/engine/backward_order.py --model small --steps 6
+    PYTHONPATH=/path/to/old/src python benchmarks/engine/backward_order.py ...   # another engine
 
 Each rank times every ``Schedule.ensure`` call (the main thread blocked until the unit's weights
 are there) in backward and in forward, the whole step, and the CPU time of its main thread and of
@@ -24,8 +24,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # benchmarks/_ranks.py
 
 
 def worker(rank: int, world: int, port: int, args) -> None:

@@ -1,6 +1,6 @@
 """Collectives per training step and bytes held per rank, for the Llama model of the parity tests.
 
-    torchrun --nproc-per-node 2 benchmarks/engine_counts.py [--preset small] [--steps 3]
+    torchrun --nproc-per-node 2 benchmarks/engine/engine_counts.py [--preset small] [--steps 3]
 
 Prints (rank 0) one JSON line: comm_stats() of the last step, memory_report(optimizer) after it,
 and the analytic model-state minimum 16 * P / N for comparison.

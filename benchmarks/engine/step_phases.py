@@ -2,10 +2,10 @@
 loss), backward, optimizer step, the main thread's CPU time and minor page faults per step
 (medians over the timed steps), and with ``--waits`` every collective wait by the unit it is for
 and the function that waited (a wait a phase counter does not see: a reduction waiting for an
-earlier one's buffer). The measurement behind ``benchmarks/spare-storage/``.
+earlier one's buffer). The measurement behind ``benchmarks/memory/spare-storage/``.
 
-    python benchmarks/step_phases.py --shape vocab --impl layershard ddp --rounds 3
-    PYTHONPATH=/path/to/old/src python benchmarks/step_phases.py ...   # another engine
+    python benchmarks/engine/step_phases.py --shape vocab --impl layershard ddp --rounds 3
+    PYTHONPATH=/path/to/old/src python benchmarks/engine/step_phases.py ...   # another engine
 
 Impls alternate within each round, each in a fresh spawn; one JSON line per impl and round (rank
 0's figures, the load average, the engine's source path).
@@ -25,8 +25,8 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # benchmarks/_ranks.py
 
 
 def worker(rank: int, world: int, port: int, impl: str, args) -> None:

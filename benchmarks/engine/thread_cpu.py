@@ -1,13 +1,13 @@
 """Per-thread CPU per step for layershard, DDP and the plain model, on N gloo ranks (CPU).
 
-    python benchmarks/thread_cpu.py --impl ls|ddp|plain [--seq-len 256 --batch 4] [--profile]
-    python benchmarks/thread_cpu.py --impl ls --shape comm       # a `layershard bench` shape
+    python benchmarks/engine/thread_cpu.py --impl ls|ddp|plain [--seq-len 256 --batch 4] [--profile]
+    python benchmarks/engine/thread_cpu.py --impl ls --shape comm       # a `layershard bench` shape
 
 Each rank trains the ``small`` preset (vocab 8192) and prints one JSON line: medians over the
 timed steps of the step's wall time, its main thread's CPU time, the other threads' (gloo's) CPU
 time and the minor page faults (``minflt``). ``plain`` is the unsharded model with no communication
 (two side-by-side processes: the compute floor). ``--profile`` prints rank 0's
-``torch.profiler`` table (self CPU) of one more step. Recorded: ``benchmarks/gloo-reduce-scatter/``.
+``torch.profiler`` table (self CPU) of one more step. Recorded: ``benchmarks/engine/gloo-reduce-scatter/``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # benchmarks/_ranks.py
 
 
 def worker(rank: int, world: int, port: int, args) -> None:

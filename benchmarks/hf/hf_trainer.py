@@ -2,8 +2,8 @@
 ``ls.hf.Trainer``, ``transformers.Trainer`` with accelerate's FSDP2 and with DDP, and by a bare
 ``ls.shard`` loop on the same model and batches (the Trainer path's overhead).
 
-    python benchmarks/hf_trainer.py --repeats 3 --out benchmarks/hf-trainer     # driver
-    (it runs: torchrun --nproc-per-node 2 benchmarks/hf_trainer.py --worker IMPL ...)
+    python benchmarks/hf/hf_trainer.py --repeats 3 --out benchmarks/hf     # driver
+    (it runs: torchrun --nproc-per-node 2 benchmarks/hf/hf_trainer.py --worker IMPL ...)
 
 Method (the README's bench method): every implementation runs in fresh torchrun processes, the
 order alternating between repeats (A B C D, D C B A, ...); a step is timed from a barrier at
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IMPLS = ["layershard", "fsdp2", "ddp", "bare", "paired"]
 MiB = 2**20
 
@@ -426,7 +426,7 @@ def report(out: Path, settings: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "hf-trainer"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "hf"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
     p.add_argument("--nproc", type=int, default=2)

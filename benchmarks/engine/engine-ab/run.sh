@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The low-load A/B of README.md: the engine before issue 22 (a checkout of 7f0e46c) against this
 # tree, comm shape, 2 gloo ranks, layershard and FSDP2 in each run, alternating old/new.
-#   git worktree add --detach /tmp/old 7f0e46c && OLD=/tmp/old/src benchmarks/engine-ab/low-load/run.sh
+#   git worktree add --detach /tmp/old 7f0e46c && OLD=/tmp/old/src benchmarks/engine/engine-ab/run.sh
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 new=$(cd "$here/../../.." && pwd)/src

@@ -3,7 +3,7 @@ v to every q head, in bf16, each measured as the relative distance (Frobenius no
 result of the same inputs; mean over 5 seeds. Why ``llama._native_gqa`` uses the grouped kernel
 on CPU in fp32/fp64 only.
 
-    PYTHONPATH=src python benchmarks/activations/gqa_accuracy.py > benchmarks/activations/gqa_accuracy.txt
+    PYTHONPATH=src python benchmarks/memory/activations/gqa_accuracy.py > benchmarks/memory/activations/gqa_accuracy.txt
 """
 
 from __future__ import annotations

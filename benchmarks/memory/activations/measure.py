@@ -13,7 +13,7 @@ Two of torch's tools, both deterministic on CPU (see layershard.plan.measure):
 "before" is the model with today's RMSNorm, attention and loss math before the change (the
 reference copy in tests/test_activation_memory.py, swapped into the same modules).
 
-    PYTHONPATH=src python benchmarks/activations/measure.py > benchmarks/activations/results.txt
+    PYTHONPATH=src python benchmarks/memory/activations/measure.py > benchmarks/memory/activations/results.txt
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 import transformers
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_activation_memory import ref_attention, ref_loss, ref_rmsnorm  # noqa: E402

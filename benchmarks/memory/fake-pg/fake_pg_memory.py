@@ -1,6 +1,6 @@
 """One rank of a large world in one process: a fake process group, then memory against the plan.
 
-    python benchmarks/fake_pg_memory.py --model llama-7b --world 64 --seq-len 16
+    python benchmarks/memory/fake-pg/fake_pg_memory.py --model llama-7b --world 64 --seq-len 16
 
 torch's fake process group (``FakeStore`` + backend ``"fake"``) completes every collective at once
 without moving data, so one process holds exactly what rank ``--rank`` of ``--world`` holds: the

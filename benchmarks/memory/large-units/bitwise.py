@@ -2,9 +2,9 @@
 engine on PYTHONPATH, 2 gloo ranks, and save the final full state dict and the losses; run it
 with two engines and compare the files bitwise:
 
-    PYTHONPATH=/tmp/old/src python benchmarks/large-units/bitwise.py /tmp/old.pt
-    PYTHONPATH=src python benchmarks/large-units/bitwise.py /tmp/new.pt
-    python benchmarks/large-units/bitwise.py --compare /tmp/old.pt /tmp/new.pt
+    PYTHONPATH=/tmp/old/src python benchmarks/memory/large-units/bitwise.py /tmp/old.pt
+    PYTHONPATH=src python benchmarks/memory/large-units/bitwise.py /tmp/new.pt
+    python benchmarks/memory/large-units/bitwise.py --compare /tmp/old.pt /tmp/new.pt
 """
 
 from __future__ import annotations

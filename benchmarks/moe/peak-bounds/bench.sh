@@ -18,7 +18,7 @@ for r in $(seq 1 "$rounds"); do
     PYTHONPATH=$src OMP_NUM_THREADS=1 LAYERSHARD_BENCH_WATCHDOG_S=1800 PYTHONWARNINGS=ignore::FutureWarning \
       timeout 900 python -m torch.distributed.run --standalone --nproc-per-node=4 -m layershard.bench.worker \
       --impl $impl --seq-len 256 --global-batch 8 --steps 5 --warmup 2 --seed 0 --lr 1e-4 --optimizer adamw \
-      --loss inside --ep 2 --hf-config benchmarks/moe-ep/qwen3-moe-like --threads 1 --out "$out" > "$out.log" 2>&1
+      --loss inside --ep 2 --hf-config benchmarks/moe/qwen3-moe-like --threads 1 --out "$out" > "$out.log" 2>&1
     python -c "
 import json,statistics as s;d=json.load(open('$out'))
 pk=[round(p['memory'].get('memtracker_peak',0)/2**20,1) for p in d['per_rank']]

@@ -2,9 +2,9 @@
 root, with the bench worker's own arguments:
 
     PYTHONPATH=src python -m torch.distributed.run --standalone --nproc-per-node=4 \\
-        benchmarks/moe-ep/stop41-memory/live_at_peak.py --impl layershard-ep --seq-len 256 \\
+        benchmarks/moe/peak-bounds/live_at_peak.py --impl layershard-ep --seq-len 256 \\
         --global-batch 8 --steps 5 --warmup 2 --optimizer adamw --loss inside --ep 2 \\
-        --hf-config benchmarks/moe-ep/qwen3-moe-like --threads 1 --out /tmp/x.json
+        --hf-config benchmarks/moe/qwen3-moe-like --threads 1 --out /tmp/x.json
 
 Each rank writes ``/tmp/peak_rank<r>.txt`` (the step's peak) and ``/tmp/bwpeak_rank<r>.txt``
 (the highest point in backward): every live storage of 256 KiB or more, its kind, and where it

@@ -1,9 +1,9 @@
 """The planner against the published runs of plan/records.py, before and after issue 36.
 
-    python benchmarks/plan-accuracy/accuracy.py dump runs.json          # this tree's records
-    PYTHONPATH=/tmp/old/src python benchmarks/plan-accuracy/accuracy.py old runs.json before.json
-    python benchmarks/plan-accuracy/accuracy.py new runs.json after.json
-    python benchmarks/plan-accuracy/accuracy.py report before.json after.json > report.md
+    python benchmarks/plan/accuracy/accuracy.py dump runs.json          # this tree's records
+    PYTHONPATH=/tmp/old/src python benchmarks/plan/accuracy/accuracy.py old runs.json before.json
+    python benchmarks/plan/accuracy/accuracy.py new runs.json after.json
+    python benchmarks/plan/accuracy/accuracy.py report before.json after.json > report.md
 
 ``old`` plans each run with the planner of an older tree (``git worktree add --detach
 /tmp/old <commit>``) as a user of it would: its only model family is layershard's Llama, so an

@@ -1,6 +1,6 @@
 """Extract llm-foundry's MPT benchmark rows (bf16 tables) for plan/records.py.
 
-    python benchmarks/plan-accuracy/extract_llm_foundry.py MIRROR_GIT_DIR > rows.txt
+    python benchmarks/plan/accuracy/extract_llm_foundry.py MIRROR_GIT_DIR > rows.txt
 
 Reads scripts/train/benchmarking/README.md at commit 4952183 (the file's last change) and prints
 one tuple per bf16 row: (table, model, seq, gpus, gpu, mfu %, micro-batch, grad-accum,

@@ -1,7 +1,7 @@
 """Re-derive the H100 kernel constants of plan/sources.py (KERNELS["h100"]) from the timings in
-benchmarks/plan-accuracy/h100/ and print how well the kernel model reproduces them.
+benchmarks/plan/accuracy/h100/ and print how well the kernel model reproduces them.
 
-    python benchmarks/plan-accuracy/fit_kernels.py
+    python benchmarks/plan/accuracy/fit_kernels.py
 
 GEMMs: least squares in log rate of ``kernels.gemm_time`` over the grid shapes of at least
 2 GFLOP and every GEMM of the published runs' models (Nelder-Mead on emax, k0, launch,

@@ -1,6 +1,6 @@
 """Where layershard's memory goes on a GPU, step by step (issue 36's memory check).
 
-    python benchmarks/plan-accuracy/gpu_memtrace.py --out DIR
+    python benchmarks/plan/accuracy/gpu_memtrace.py --out DIR
 
 Rank 0 of a world of 8 on torch's fake process group (as gpu_probe.py's engine part), a
 Llama-2-7B-shaped model with 4 blocks, bf16: ``torch.cuda.memory_allocated()`` at every unit's

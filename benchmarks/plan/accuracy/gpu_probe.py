@@ -1,6 +1,6 @@
 """What the planner's compute and memory models need from a GPU, measured on one (issue 36).
 
-    python benchmarks/plan-accuracy/gpu_probe.py --out DIR [--parts gemm,attn,block,engine]
+    python benchmarks/plan/accuracy/gpu_probe.py --out DIR [--parts gemm,attn,block,engine]
 
 Writes one JSON file per part into DIR (each part also runs alone, and a part that fails is
 recorded as an error, not a crash):

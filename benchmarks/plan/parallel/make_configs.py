@@ -2,7 +2,7 @@
 the models' published hyperparameters (no download): Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's
 config.json) and Llama-3-70B (meta-llama/Meta-Llama-3-70B's).
 
-    python benchmarks/plan-parallel/make_configs.py   # -> benchmarks/plan-parallel/*/config.json
+    python benchmarks/plan/parallel/make_configs.py   # -> benchmarks/plan/parallel/*/config.json
 """
 
 from __future__ import annotations

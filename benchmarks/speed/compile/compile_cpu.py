@@ -1,7 +1,7 @@
 """What ``ls.shard(..., compile=True)`` changes in step time on CPU (issue 12): 2 gloo ranks, the
 same model, data and seed, eager blocks against ``torch.compile``d blocks (inductor).
 
-    python benchmarks/compile_cpu.py --model small --steps 6 --warmup 2
+    python benchmarks/speed/compile/compile_cpu.py --model small --steps 6 --warmup 2
 
 Warm-up steps absorb compilation and are reported separately. Prints one JSON line per rank and
 mode: per-step wall time (median of the timed steps), the first step (compilation included) and the
@@ -20,8 +20,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # benchmarks/_ranks.py
 
 
 def worker(rank: int, world: int, port: int, args) -> None:

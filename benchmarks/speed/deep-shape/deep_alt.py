@@ -16,7 +16,9 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 
