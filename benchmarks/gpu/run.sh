@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu/run.sh train     # layershard train --model small, and its plan
 #   bash benchmarks/gpu/run.sh maxmodel  # the biggest model that fits: layershard vs FSDP2
 #
-# Copy $OUT's contents to benchmarks/gpu-<device>/ and the figures into the README.
+# Copy $OUT's contents to benchmarks/gpu/<part>-<device>/ (as suite-h100/) and the figures into
+# benchmarks/gpu/README.md and the README.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-gpu-results}"

@@ -81,7 +81,7 @@ def live_tensors() -> list[torch.Tensor]:
 class Meter(T.TrainerCallback):
     """Barrier-to-barrier step times and the main thread's CPU seconds per step (less sensitive
     to other jobs on a shared machine); torch's MemTracker over the last step, every tensor
-    alive before it registered (as benchmarks/hf_trainer.py)."""
+    alive before it registered (as benchmarks/hf/hf_trainer.py)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
