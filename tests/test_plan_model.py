@@ -1,7 +1,7 @@
 """The planner's time model piece by piece (issue 36): GEMMs on a tile/wave roofline, flash
 attention, element-wise floors, NCCL's collective latency, the GPT family's parameters, the
 published records, and `--explain` adding up. Hand-computed cases; the fitted constants against
-the timings they were fitted on (benchmarks/plan-accuracy/h100/)."""
+the timings they were fitted on (benchmarks/plan/accuracy/h100/)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from layershard.plan.network import collective_latency_s, get_cluster
 from layershard.plan.records import LLM_FOUNDRY, mpt, published_runs
 from layershard.plan.sources import KERNELS
 
-PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "plan-accuracy" / "h100"
+PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "plan" / "accuracy" / "h100"
 
 # A toy GPU generation: 4 SMs, every constant round
 TOY = KernelModel(sms=4, emax=0.5, k0=0.0, launch_s=0.0, small_tile=0.5, attn_fwd=(0.5, 0.0),
@@ -130,7 +130,7 @@ def test_records_are_consistent():
 
 
 def test_kernel_constants_reproduce_the_h100_timings():
-    # The committed constants are where benchmarks/plan-accuracy/fit_kernels.py lands; here
+    # The committed constants are where benchmarks/plan/accuracy/fit_kernels.py lands; here
     # they must describe the GEMMs of the published models' shapes, timed on the H100, with a
     # median error under 4% (the fit left 2.8%)
     km = KERNELS["h100"]

@@ -195,7 +195,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=1800, help="seconds before a run is killed (per run)"
     )
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=None, help="directory (default: benchmarks/<model>-<device>)")
+    o.add_argument(
+        "--out", default=None, help="directory (default: benchmarks/speed/<tag>-<device>)"
+    )
     o.add_argument(
         "--report-only",
         action="store_true",
@@ -278,7 +280,7 @@ def run_shape(args: argparse.Namespace) -> int:
     parallel = (["layershard-ep"] if args.ep else []) + ([TP_IMPL] if args.tp else [])
     ours = ["layershard", *parallel, *strategies, *wires]
     impls = ours + [i for i in chosen if i not in ours]
-    out = Path(args.out or f"benchmarks/{args.tag}-{device}")
+    out = Path(args.out or f"benchmarks/speed/{args.tag}-{device}")
     if args.out and args.shape_name:  # one folder per named shape
         out = out / args.tag
     runs_dir = out / "runs"

@@ -274,12 +274,8 @@ def predict_step(
     m: Measurement, gpu: GPU, eff: Efficiency, latency_s: float | None = None
 ) -> float:
     s = m.settings
-    return predict_time(
-        m.shape, gpu, m.cluster, s.micro_batch, s.seq_len, s.checkpoint_layers, s.grad_accum,
-        s.param_dtype, s.reduce_dtype, s.strategy, s.no_sync, latency_s=latency_s,
-        shard_size=s.shard_size, reshard_after_forward=s.reshard_after_forward,
-        offload=s.offload, optimizer=s.optimizer, eff=eff,
-    ).step_s  # fmt: skip
+    kwargs = {**s.step_kwargs(), "loss_chunks": 0, "loss": "fp32", "gather_dtype": None}
+    return predict_time(m.shape, gpu, m.cluster, **kwargs, latency_s=latency_s, eff=eff).step_s
 
 
 # log-factor bounds: an efficiency may move by at most 1e6 either way

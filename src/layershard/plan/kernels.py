@@ -11,7 +11,7 @@ these, bounded below by reading and writing the operands at the HBM bandwidth, p
     t = waves x 2 Tm Tn (k / split + k0) / (peak / sms x emax x tile_eff) + launch
 
 ``emax``, ``k0``, ``launch`` and ``small_tile`` are fitted to bf16 matmuls timed on an H100
-(``benchmarks/plan-accuracy/h100/gemm.json``: 343 shapes m, n, k in 256..16384 and the 450
+(``benchmarks/plan/accuracy/h100/gemm.json``: 343 shapes m, n, k in 256..16384 and the 450
 GEMMs of the published runs' models; median error 3% on the latter). An A100 uses its own SM
 count and its maximum achievable matmul rate relative to the H100's (``sources.KERNELS``).
 

@@ -507,7 +507,7 @@ def peak_bytes(
 def optimizer_step_temporaries(optimizer: str, mem: dict[str, int]) -> int:
     """Bytes torch's foreach AdamW (``torch.optim.AdamW()`` on a GPU, the default) allocates
     while it steps: two fp32 tensors the size of the whole shard (measured with layershard's
-    engine on the H100: benchmarks/plan-accuracy/h100/engine.json, the peak of llama-7b at
+    engine on the H100: benchmarks/plan/accuracy/h100/engine.json, the peak of llama-7b at
     micro-batch 1 is the device states + 2 x the fp32 shard, within 0.7%). Fused and
     per-tensor implementations (``adamw-fused``) hold at most one tensor's."""
     return 2 * mem.get("params", 0) if optimizer.lower() in ("adam", "adamw") else 0

@@ -61,7 +61,7 @@ from layershard.plan.memory import (
 )
 from layershard.plan.model import ModelShape, Unit
 from layershard.plan.sources import KERNELS, Efficiency, elementwise_floors
-from layershard.plan.timing import Layout, Stage, Transfer
+from layershard.plan.timing import Layout, Stage, Transfer, Wire
 
 TP_SIZES = (1, 2, 4, 8)  # the TP sizes the suggestion tries (within a node)
 
@@ -262,8 +262,9 @@ class MeshTime:
         return self.shape.n_layers * self.expert.shard_numel(self.mesh.efsdp)
 
     def extend(self, stages: list[Stage], root: Stage | None, micro_batch: int, seq_len: int,
-               k: int, c: int, r: int) -> None:  # fmt: skip
+               k: int, wire: Wire) -> None:  # fmt: skip
         m, sh = self.mesh, self.shape
+        c, r = wire.c, wire.r
         tokens = micro_batch * seq_len
         act = tokens * sh.dim * c  # a block's activations (or their gradients)
         for s in ([root] if root else []) + stages:

@@ -69,6 +69,17 @@ class Settings:
     tp: int = 1  # tensor-parallel size (plan/parallel.py); micro_batch is then per TP group
     ep: int = 1  # expert-parallel size
 
+    def step_kwargs(self) -> dict[str, Any]:
+        """The options of one training step, as ``predict_time`` takes them (keywords)."""
+        return {
+            "micro_batch": self.micro_batch, "seq_len": self.seq_len,
+            "checkpoint_layers": self.checkpoint_layers, "grad_accum": self.grad_accum,
+            "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
+            "gather_dtype": self.gather_dtype, "no_sync": self.no_sync,
+            "optimizer": self.optimizer, "loss_chunks": self.loss_chunks, "loss": self.loss,
+            **self.strategy_kwargs(),
+        }  # fmt: skip
+
     def strategy_kwargs(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
@@ -258,11 +269,8 @@ def make_plan(
     mem["optimizer_temporaries"] = step_temps
     mem["peak"] = peak
     t = predict_time(
-        shape, gpu, cluster, s.micro_batch, s.seq_len, s.checkpoint_layers, s.grad_accum,
-        s.param_dtype, s.reduce_dtype, s.strategy, s.no_sync, compute_eff, comm_eff, latency_s,
-        s.shard_size, s.reshard_after_forward, s.offload, s.optimizer, eff,
-        loss_chunks=s.loss_chunks, loss=s.loss, links=links, gather_dtype=s.gather_dtype,
-        mesh=mesh,
+        shape, gpu, cluster, **s.step_kwargs(), compute_eff=compute_eff, comm_eff=comm_eff,
+        latency_s=latency_s, eff=eff, links=links, mesh=mesh,
     )  # fmt: skip
     return Plan(shape, gpu, cluster, s, mem, t, headroom, fragmentation)
 

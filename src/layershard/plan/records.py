@@ -114,7 +114,7 @@ _CLUSTER = {"h100": "mosaic-h100", "h100-large": "mosaic-h100", "a100-80g": "mos
 # llm-foundry (table, model, seq, GPUs, MFU %, micro-batch, grad-accum, tokens/s/GPU, MP mode
 # D(EFAULT: fp32 reduce) / P(URE: bf16 reduce), f(ULL_SHARD) / g (SHARD_GRAD_OP), activation
 # checkpointing (every block), NumParams). Extracted by
-# benchmarks/plan-accuracy/extract_llm_foundry.py; the FP8 table is left out (not modelled).
+# benchmarks/plan/accuracy/extract_llm_foundry.py; the FP8 table is left out (not modelled).
 LLM_FOUNDRY = [
     ("h100-large", "70b", 2048, 512, 41.25, 8, 1, 1007, "D", "f", 1, 64862437376),
     ("h100-large", "70b", 2048, 256, 42.42, 8, 1, 1035, "D", "f", 1, 64862437376),

@@ -6,7 +6,7 @@ published numbers or from our measurements, the computation in the repository an
 tests; ``assumed``: no measurement we could point to):
 
 - the kernel model (``KERNELS``, ``plan/kernels.py``): GEMM, attention and HBM constants per GPU
-  generation, fitted to timings on an H100 (``benchmarks/plan-accuracy/h100/``) or scaled from
+  generation, fitted to timings on an H100 (``benchmarks/plan/accuracy/h100/``) or scaled from
   published maximum achievable matmul rates; the element-wise floors per block;
 - factors fitted on published runs (``FITTED_SCALES``, ``CONTENTION``): only on the fit set of
   ``plan/records.py`` (llm-foundry's H100 8-64 GPU and A100 80GB tables), never on a held-out
@@ -92,8 +92,8 @@ YAFSDP_A100 = [
 A100_NETWORK_FROM_YAFSDP = 0.34
 
 # --- the kernel model (plan/kernels.py) --------------------------------------------------------
-# H100: fitted (benchmarks/plan-accuracy/fit_kernels.py) to bf16 matmuls timed on an H100 SXM
-# 80GB (torch 2.11, CUDA 13; benchmarks/plan-accuracy/h100/gemm.json: 343 grid shapes with at
+# H100: fitted (benchmarks/plan/accuracy/fit_kernels.py) to bf16 matmuls timed on an H100 SXM
+# 80GB (torch 2.11, CUDA 13; benchmarks/plan/accuracy/h100/gemm.json: 343 grid shapes with at
 # least 2 GFLOP and the 450 GEMMs of the published runs' models) and causal flash-attention
 # timings (attn.json, head dims 64 and 128, 512-32768 tokens). A100: its 108 SMs; emax scaled by
 # the maximum achievable matmul rates of the two (stas00/ml-engineering, compute/accelerator
@@ -112,7 +112,7 @@ KERNELS: dict[str, KernelModel] = {
 
 # A block's element-wise floor (forward, backward seconds): the host's time to launch its small
 # kernels in eager PyTorch, measured on the H100 machine as a block's time minus its GEMMs and
-# attention (benchmarks/plan-accuracy/h100/block.json, means over the shapes there): layershard's
+# attention (benchmarks/plan/accuracy/h100/block.json, means over the shapes there): layershard's
 # Llama block 0.84 / 2.25 ms (4 shapes, d 2048-5120); a GPT block with fused LayerNorm and GELU
 # (MPT's layout) 0.12 / 0.28 ms (its d = 1024 shape; larger ones are GPU-bound). transformers'
 # Llama block is taken to launch as many kernels as ours (assumed).
@@ -149,7 +149,7 @@ DEFAULT_EFFICIENCY = {"a100": A100, "h100": H100, "h200": H200}
 
 # Memory the planner adds to its per-GPU peak (bytes it predicts tensor by tensor): the CUDA
 # context and NCCL's buffers, and the caching allocator's fragmentation, as a fraction of the
-# peak. Measured with layershard's engine on the H100 machine (benchmarks/plan-accuracy/h100/
+# peak. Measured with layershard's engine on the H100 machine (benchmarks/plan/accuracy/h100/
 # engine.json): free memory after CUDA initialisation 84.47 of 85.02 GB (0.55 GB context);
 # max_memory_reserved / max_memory_allocated 1.21 and 1.18 in the first two runs of a process
 # (llama-7b as rank 0 of 8, micro-batch 1 and 4); NCCL's buffers (not on the fake process
@@ -162,7 +162,7 @@ _FIT_SET = (
     "tables, 113 MPT runs; re-derived by accuracy.fit_defaults"
 )
 _H100_PROBE = (
-    "measured on an H100 SXM 80GB (torch 2.11, CUDA 13), benchmarks/plan-accuracy/gpu_probe.py"
+    "measured on an H100 SXM 80GB (torch 2.11, CUDA 13), benchmarks/plan/accuracy/gpu_probe.py"
 )
 
 PROVENANCE: list[Source] = [
@@ -171,7 +171,7 @@ PROVENANCE: list[Source] = [
            "h100/gemm.json: 287 grid shapes of at least 2 GFLOP and 450 GEMMs of the published "
            "runs' models; the largest products reach 796 TFLOP/s (0.80 of peak)",
            "least squares in log rate of kernels.gemm_time (emax, k0, launch_s, small_tile "
-           "jointly; benchmarks/plan-accuracy/fit_kernels.py); median error 3% on the models' "
+           "jointly; benchmarks/plan/accuracy/fit_kernels.py); median error 3% on the models' "
            "GEMMs"),
     Source("h100", "kernels.k0", KERNELS["h100"].k0, "derived", _H100_PROBE, "as emax", "as emax"),
     Source("h100", "kernels.launch_s", KERNELS["h100"].launch_s, "derived", _H100_PROBE,

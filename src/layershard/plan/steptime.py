@@ -31,7 +31,6 @@ from typing import Any
 
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.kernels import StageCompute, block_compute, head_compute
-from layershard.plan.memory import dtype_bytes
 from layershard.plan.model import ModelShape, units
 from layershard.plan.network import Links, collective_latency_s
 from layershard.plan.sources import KERNELS, Efficiency, elementwise_floors
@@ -40,6 +39,7 @@ from layershard.plan.timing import (
     Layout,
     Stage,
     Transfer,
+    Wire,
     _links,
     build_stages,
     model_flops,
@@ -216,12 +216,13 @@ def predict_time(
             offload,
         )
     )
-    c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
+    wire = Wire.of(param_dtype, reduce_dtype, gather_dtype)
+    c = wire.c
     stages, root = build_stages(
-        shape, layout, micro_batch, seq_len, checkpoint_layers, c, r, loss_chunks, gather_dtype
+        shape, layout, micro_batch, seq_len, checkpoint_layers, wire, loss_chunks
     )
     if mt:
-        mt.extend(stages, root, micro_batch, seq_len, checkpoint_layers, c, r)
+        mt.extend(stages, root, micro_batch, seq_len, checkpoint_layers, wire)
     intra = intra_gbs * 1e9 * e.nvlink
     inter = inter_gbs * 1e9 * e.network
     pcie = gpu.pcie_gbs * 1e9 * e.pcie

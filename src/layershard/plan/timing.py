@@ -221,29 +221,47 @@ class Stage:
     blocking_bwd: list[Transfer] = field(default_factory=list)
 
 
-def gathered_bytes(padded: int, shard: int, k: int, c: int, gather_dtype: str | None) -> int:
-    """Bytes of one all-gather of a flat buffer (``padded`` elements, ``shard`` per rank over
-    ``k`` ranks): the compute dtype's ``c`` per element, or the wire dtype's (engine/wire_dtype.py):
-    fp8 one byte, int8 one byte and a 4-byte scale per 256 of each rank's slice."""
-    if gather_dtype is None:
-        return padded * c
-    if gather_dtype == "fp8":
-        return padded
-    if gather_dtype == "int8":
-        return k * (shard + 4 * -(-shard // 256))
-    raise ValueError(f"gather dtype {gather_dtype!r}: fp8, int8 or None")
+@dataclass(frozen=True)
+class Wire:
+    """What a step's transfers carry per element: the compute dtype's bytes ``c`` (gathered
+    weights, activations), the reduction's ``r``, and the dtype weights travel in over the
+    all-gathers (``gather_dtype``: fp8 or int8; None: the compute dtype). One object through
+    every function that builds a step's transfers."""
+
+    c: int = 2
+    r: int = 4
+    gather_dtype: str | None = None
+
+    @staticmethod
+    def of(param_dtype: Any, reduce_dtype: Any, gather_dtype: str | None = None) -> Wire:
+        """From the dtypes as ``Settings`` or torch name them (``"bf16"``, ``torch.float32``)."""
+        if gather_dtype not in (None, "fp8", "int8"):
+            raise ValueError(f"gather dtype {gather_dtype!r}: fp8, int8 or None")
+        return Wire(dtype_bytes(param_dtype), dtype_bytes(reduce_dtype), gather_dtype)
+
+    def gathered_bytes(self, padded: int, shard: int, k: int) -> int:
+        """Bytes of one all-gather of a flat buffer (``padded`` elements, ``shard`` per rank over
+        ``k`` ranks): the compute dtype's ``c`` per element, or the wire dtype's
+        (engine/wire_dtype.py): fp8 one byte, int8 one byte and a 4-byte scale per 256 of each
+        rank's slice."""
+        if self.gather_dtype == "fp8":
+            return padded
+        if self.gather_dtype == "int8":
+            return k * (shard + 4 * -(-shard // 256))
+        return padded * self.c
 
 
 def _unit_transfers(
-    u: Unit, layout: Layout, c: int, r: int, regather: bool, gather_dtype: str | None = None
+    u: Unit, layout: Layout, w: Wire, regather: bool
 ) -> tuple[list[Transfer], list[Transfer], list[Transfer], tuple[int, int, int]]:
     """A unit's gather (forward), gather (backward) and reduction transfers per micro-batch
     (reductions: when this micro-batch reduces), and its compute-stream copies (HBM bytes per
-    forward, PCIe bytes per forward and per backward). ``gather_dtype``: weights over the shard
+    forward, PCIe bytes per forward and per backward). ``w.gather_dtype``: weights over the shard
     group's all-gathers in fp8/int8 (hpZ's backward gathers its kept compute-dtype copy)."""
     n, k = layout.world, layout.shard
+    c, r = w.c, w.r
     padded, shard = u.padded_numel(k), u.shard_numel(k)
-    wire = gathered_bytes(padded, shard, k, c, gather_dtype)
+    wire = w.gathered_bytes(padded, shard, k)
     off = layout.offload
     fwd: list[Transfer] = []
     bwd: list[Transfer] = []
@@ -290,10 +308,8 @@ def build_stages(
     micro_batch: int,
     seq_len: int,
     checkpoint_layers: int,
-    param_bytes: int,
-    reduce_bytes: int,
+    wire: Wire,
     loss_chunks: int = 0,
-    gather_dtype: str | None = None,
 ) -> tuple[list[Stage], Stage | None]:
     """Stages in forward order, and the root unit's (gathered at the start of the forward,
     kept all step, reduced at the end of the backward; no compute of its own). The chunked
@@ -321,9 +337,7 @@ def build_stages(
     root = None
     for u in us:
         regather = u.needs_weights_in_backward and not u.persistent and u.name not in resident
-        fwd, bwd, red, local = _unit_transfers(
-            u, layout, param_bytes, reduce_bytes, regather, gather_dtype
-        )
+        fwd, bwd, red, local = _unit_transfers(u, layout, wire, regather)
         s = Stage("<root>") if u.persistent else by_name[u.name]
         s.gather_fwd, s.gather_bwd, s.reduce = fwd, bwd, red
         s.local_copy, s.local_h2d, s.local_d2h = local
@@ -376,8 +390,7 @@ def _aggregate(transfers: Iterable[Transfer]) -> dict[str, dict[str, int]]:
 def _step_transfers_for(
     config: Any,
     world_size: int,
-    param_dtype: Any,
-    reduce_dtype: Any,
+    wire: Wire,
     grad_accum: int,
     no_sync: bool,
     strategy: str,
@@ -385,14 +398,12 @@ def _step_transfers_for(
     reshard_after_forward: bool | int,
     offload: bool,
     gpus_per_node: int | None,
-    gather_dtype: str | None = None,
 ) -> list[Transfer]:
     shape = ModelShape.from_config(config)
     layout = resolve_layout(
         strategy, world_size, shard_size, reshard_after_forward, gpus_per_node, offload
     )
-    c, r = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
-    stages, root = build_stages(shape, layout, 1, 1, 0, c, r, gather_dtype=gather_dtype)
+    stages, root = build_stages(shape, layout, 1, 1, 0, wire)
     return step_transfers(stages, root, grad_accum, no_sync, world_size, not layout.keep_gathered)
 
 
@@ -413,9 +424,10 @@ def collectives_per_step(
     count, full-buffer bytes (before the (N-1)/N ring factor) and count per phase (without
     ``clip_grad_norm_``'s scalar all-reduce, and with fp8 gathers without the scales'
     all-reduce per forward). See the module docstring for each strategy."""
+    wire = Wire.of(param_dtype, reduce_dtype, gather_dtype)
     ts = _step_transfers_for(
-        config, world_size, param_dtype, reduce_dtype, grad_accum, no_sync, strategy,
-        shard_size, reshard_after_forward, offload, None, gather_dtype,
+        config, world_size, wire, grad_accum, no_sync, strategy, shard_size,
+        reshard_after_forward, offload, None,
     )  # fmt: skip
     return _aggregate(ts)
 
@@ -431,7 +443,7 @@ def collectives_by_group(
 ) -> dict[str, dict[str, int]]:
     """``{op: {group: count}}`` per step, as the engine's ``CommStats.by_group()``."""
     ts = _step_transfers_for(
-        config, world_size, "bf16", "fp32", grad_accum, no_sync, strategy, shard_size,
+        config, world_size, Wire.of("bf16", "fp32"), grad_accum, no_sync, strategy, shard_size,
         reshard_after_forward, False, None,
     )  # fmt: skip
     out: dict[str, dict[str, int]] = {}
@@ -456,9 +468,10 @@ def transfers_by_link(
 ) -> dict[tuple[str, str, int], dict[str, float]]:
     """Bytes one GPU sends per step, by (kind, group, group size) and link (nvlink, network,
     pcie): which links each strategy's collectives cross on ``cluster``."""
+    wire = Wire.of(param_dtype, reduce_dtype, gather_dtype)
     ts = _step_transfers_for(
-        config, cluster.gpus, param_dtype, reduce_dtype, grad_accum, no_sync, strategy,
-        shard_size, reshard_after_forward, offload, cluster.gpus_per_node, gather_dtype,
+        config, cluster.gpus, wire, grad_accum, no_sync, strategy, shard_size,
+        reshard_after_forward, offload, cluster.gpus_per_node,
     )  # fmt: skip
     out: dict[tuple[str, str, int], dict[str, float]] = {}
     for t in ts:
