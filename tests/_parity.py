@@ -85,16 +85,32 @@ def lm_loss(model, x: torch.Tensor) -> torch.Tensor:
     return model(x, labels=x).loss
 
 
+def train_step(model, batch: torch.Tensor, rank: int, world: int, opt, loss=lm_loss) -> float:
+    """One step of a sharded ``model`` on this rank's part of the global ``batch`` (``world``
+    data-parallel ranks); the global mean loss before it."""
+    step_loss = loss(model, local(batch, rank, world))
+    step_loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return global_mean(step_loss)
+
+
 def train_losses(model, data: list[torch.Tensor], rank: int, world: int, opt, loss=lm_loss):
     """A sharded ``model`` trained a step per global batch of ``data`` (this rank's part of each);
     the global mean loss of every step."""
+    return [train_step(model, x, rank, world, opt, loss) for x in data]
+
+
+def reference_losses(model, data: list[torch.Tensor], opt, loss=lm_loss) -> list[float]:
+    """The single-process reference: ``model`` trained a step per global batch of ``data``; the
+    loss of every step."""
     losses = []
     for x in data:
-        step_loss = loss(model, local(x, rank, world))
+        step_loss = loss(model, x)
         step_loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(global_mean(step_loss))
+        losses.append(step_loss.item())
     return losses
 
 

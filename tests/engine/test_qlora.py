@@ -319,7 +319,7 @@ def test_plan_qlora_llama3_70b_by_hand(capsys):
     2 x 24 GB it does not fit without offload and fits with it (README's table)."""
     from layershard.cli import main
 
-    config = str(Path(__file__).resolve().parents[1] / "benchmarks/qlora/configs/llama3-70b")
+    config = str(Path(__file__).resolve().parents[2] / "benchmarks/qlora/configs/llama3-70b")
     d, f, kv = 8192, 28672, 8 * 128
     per_block = d * d + 2 * d * kv + d * d + 3 * d * f  # q, k, v, o, gate, up, down
     linear = 80 * per_block

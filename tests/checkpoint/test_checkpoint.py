@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
-from _parity import LOSS_RTOL, pair_bound, train_in_orders
+from _parity import LOSS_RTOL, local, pair_bound, train_in_orders, train_losses
 
 import layershard as ls
 from layershard.checkpoint import (
@@ -38,25 +38,17 @@ def _model(seed: int = 0, **overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
 
 
-def _batch(step: int, rank: int, world: int) -> torch.Tensor:
+def _global_batch(step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, TINY["vocab_size"], (GLOBAL_BATCH, SEQ), generator=g)
-    b = GLOBAL_BATCH // world
-    return x[rank * b : (rank + 1) * b]
+    return torch.randint(0, TINY["vocab_size"], (GLOBAL_BATCH, SEQ), generator=g)
+
+
+def _batch(step: int, rank: int, world: int) -> torch.Tensor:
+    return local(_global_batch(step), rank, world)
 
 
 def _train(model, opt, steps, rank, world) -> list[float]:
-    losses = []
-    for step in steps:
-        x = _batch(step, rank, world)
-        loss = model(x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return train_losses(model, [_global_batch(s) for s in steps], rank, world, opt)
 
 
 def _full_optim(model, opt) -> dict[str, torch.Tensor]:

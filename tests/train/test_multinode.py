@@ -275,7 +275,7 @@ def test_hybrid_shards_within_a_node_and_replicates_across_nodes(tmp_path, no_le
     replicates across the nodes; gathers and reduce-scatters run on the node's group only, one
     all-reduce per reduction across nodes; 3 AdamW steps match the single-process reference
     (tests/_nodes_hybrid.py). `layershard train --strategy` itself is not wired here."""
-    port, script = _free_port(), Path(__file__).parent / "_nodes_hybrid.py"
+    port, script = _free_port(), Path(__file__).parents[1] / "_nodes_hybrid.py"
     procs = []
     for k in (0, 1):
         cmd = [sys.executable, "-m", "layershard.train.launch.agent", str(tmp_path), "--nnodes", "2",

@@ -20,8 +20,8 @@ pytest.importorskip("trl")
 from _parity import LOSS_RTOL  # noqa: E402
 from test_hf_trainer import GRAD_NORM_RTOL, PARAM_TOL, _rel  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).with_name("_qlora_hf_script.py")
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parents[1] / "_qlora_hf_script.py"
 
 
 @functools.cache

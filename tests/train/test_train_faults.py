@@ -25,7 +25,7 @@ from layershard.train import cli as train_cli
 from layershard.train import status as st
 from layershard.train.loop.report import read_metrics
 
-SITE = Path(__file__).parent / "faults_site"
+SITE = Path(__file__).parents[1] / "faults_site"
 TINY = [
     "--nproc-per-node", "2", "--max-files", "40", "--val-fraction", "0.2", "--vocab-size", "512",
     "--seq-len", "64", "--micro-batch", "4", "--lr", "3e-3", "--warmup-steps", "3",

@@ -28,7 +28,7 @@ from layershard.plan.network import collective_latency_s, get_cluster
 from layershard.plan.records import LLM_FOUNDRY, mpt, published_runs
 from layershard.plan.sources import KERNELS
 
-PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "plan" / "accuracy" / "h100"
+PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "plan" / "accuracy" / "h100"
 
 # A toy GPU generation: 4 SMs, every constant round
 TOY = KernelModel(sms=4, emax=0.5, k0=0.0, launch_s=0.0, small_tile=0.5, attn_fwd=(0.5, 0.0),

@@ -32,7 +32,7 @@ from layershard.train.data.prepare import (
 from layershard.train.data.sources import find_files
 from layershard.train.data.tokenizer import train_or_load_bpe
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 @pytest.fixture

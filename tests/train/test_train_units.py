@@ -13,14 +13,8 @@ import torch
 
 from layershard.train import cli as train_cli
 from layershard.train.config import ConfigError, TrainConfig, grad_accum_for, load_yaml, resolve
-from layershard.train.data.batches import (
-    BatchLoader,
-    TokenSplit,
-    find_files,
-    is_val,
-    read_windows,
-    sft,
-)
+from layershard.train.data import sft
+from layershard.train.data.batches import BatchLoader, TokenSplit, find_files, is_val, read_windows
 from layershard.train.data.tokenizer import bpe_cache_path, train_or_load_bpe
 from layershard.train.loop.optimizer import lr_at, param_groups
 

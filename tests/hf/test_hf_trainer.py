@@ -29,7 +29,7 @@ from _dist import listing, run_ranks
 from _hf_launch import section
 from _parity import LOSS_RTOL
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 GRAD_NORM_RTOL = 1e-5
 PARAM_TOL = 1e-4

@@ -20,7 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import RankChecks, shared_tmp
-from _parity import LR, batches, lm_loss, local, max_diff, param_bound, train_in_orders
+from _parity import (
+    LR,
+    batches,
+    max_diff,
+    param_bound,
+    reference_losses,
+    train_in_orders,
+    train_losses,
+    train_step,
+)
 from _parity import tiny_llama as _tiny
 from torch.distributed.distributed_c10d import _world
 
@@ -58,9 +67,7 @@ def _live_once_settled(start: int, timeout: float = 30.0) -> int:
 
 
 def _step(model, opt, batch, rank: int, world: int) -> None:
-    lm_loss(model, local(batch, rank, world)).backward()
-    opt.step()
-    opt.zero_grad()
+    train_step(model, batch, rank, world, opt)
 
 
 def _train_and_compare(model, group: dist.ProcessGroup) -> None:
@@ -69,14 +76,9 @@ def _train_and_compare(model, group: dist.ProcessGroup) -> None:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     data = batches(STEPS)
-    for batch in data:
-        _step(model, opt, batch, rank, world)
+    train_losses(model, data, rank, world, opt)
     reference = _tiny()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    for batch in data:
-        lm_loss(reference, batch).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    reference_losses(reference, data, torch.optim.AdamW(reference.parameters(), lr=LR))
     bound = param_bound(reference, *train_in_orders(_tiny(), data, world))
     diff, where = max_diff(model.full_state_dict(rank0_only=False), reference)
     assert diff <= bound, (diff, bound, where)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _dist import RankChecks, run_ranks, shared_tmp
-from _parity import LOSS_RTOL, LR, batches, global_mean, lm_loss, local, tiny_llama
+from _parity import LOSS_RTOL, LR, batches, global_mean, lm_loss, local, tiny_llama, train_step
 from test_tensor_parallel import _tp_model
 
 import layershard as ls
@@ -37,11 +37,7 @@ def _dp(model) -> tuple[int, int]:
 
 def _step(model, opt, batch) -> float:
     """One training step on this rank's part of ``batch``; the global mean loss before it."""
-    loss = lm_loss(model, local(batch, *_dp(model)))
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return global_mean(loss)
+    return train_step(model, batch, *_dp(model), opt)
 
 
 def _next(model, opt, data) -> tuple[float, float]:

@@ -22,10 +22,10 @@ from layershard.checkpoint import publish as pub
 from layershard.checkpoint import save as cksave
 from layershard.models import LlamaConfig, LlamaForCausalLM
 
-SRC = Path(__file__).parents[1] / "src" / "layershard"
+SRC = Path(__file__).parents[2] / "src" / "layershard"
 # Saved by layershard 0.1.0 through torch.distributed._shard.ShardedTensor (world size 2, AdamW
 # after one step), with the full parameters it held (expected_params.pt).
-FIXTURE = Path(__file__).parent / "fixtures" / "ckpt_shardedtensor_ws2"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "ckpt_shardedtensor_ws2"
 FIXTURE_CFG = dict(
     vocab_size=16, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16, max_seq_len=8
 )

@@ -25,7 +25,7 @@ from layershard.plan.parallel import (
 from layershard.plan.steptime import predict_time
 from layershard.plan.timing import a2a_bytes
 
-CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "plan" / "parallel"
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "plan" / "parallel"
 
 # d 64, 4 heads of 16, 2 KV heads, MLP 128, vocab 256, 2 layers
 DENSE = ModelShape(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
