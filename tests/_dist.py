@@ -36,10 +36,35 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 TIMEOUT_S = "120"  # every collective of a test fails after this instead of hanging
+
+# Ranks are forked from a server that imported torch and layershard once, instead of each
+# importing them anew (~1.6 s of CPU a rank, a few hundred ranks a suite). A forked rank takes the
+# test process's environment and import path of the moment it starts (``_in_test_env``), as a
+# spawned one would; what torch reads at import time was read in the server, which the test
+# process started with its own environment (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA included).
+START_METHOD = os.environ.get("LAYERSHARD_TEST_START_METHOD", "forkserver")  # or "spawn"
+mp.set_forkserver_preload(["torch", "torch.distributed", "layershard"])
+
+
+def _in_test_env(rank: int, env: dict[str, str], path: list[str], fn, args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    fn(rank, *args)
+
+
+def start_ranks(fn, nprocs: int, args: tuple) -> None:
+    """``fn(rank, *args)`` on ``nprocs`` new processes, as ``torch.multiprocessing.spawn`` runs
+    it (a rank's exception is raised here), started from the fork server."""
+    mp.start_processes(
+        _in_test_env, args=(dict(os.environ), list(sys.path), fn, args), nprocs=nprocs,
+        join=True, start_method=START_METHOD,
+    )  # fmt: skip
 
 
 def free_port() -> int:
@@ -88,7 +113,7 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
 
 def run_ranks(fn, world_size: int, *args) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise any failure."""
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    start_ranks(_entry, world_size, (world_size, free_port(), fn, args))
 
 
 # ---- named checks in one spawn ---------------------------------------------------------------------
@@ -138,10 +163,11 @@ def _run_checks(
 
 
 class RankChecks:
-    """Named checks on ``world_size`` gloo ranks, run in one spawn, each a pytest test."""
+    """Named checks on ``world_size`` gloo ranks, run in one spawn, each a pytest test.
+    ``slow=True``: every check of the group is outside the fast tier (``pytest.mark.slow``)."""
 
-    def __init__(self, world_size: int, suffix: str = "") -> None:
-        self.world_size, self.suffix = world_size, suffix
+    def __init__(self, world_size: int, suffix: str = "", slow: bool = False) -> None:
+        self.world_size, self.suffix, self.slow = world_size, suffix, slow
         self.names: list[str] = []
         self.docs: dict[str, str] = {}
         self._verdicts: dict[str, list[str | None]] | None = None
@@ -177,7 +203,7 @@ class RankChecks:
 
         test.__name__ = f"test_{name}{self.suffix}"
         test.__doc__ = self.docs[name]
-        return test
+        return pytest.mark.slow(test) if self.slow else test
 
     def _results(self, request) -> dict[str, list[str | None]]:
         if self._verdicts is None:
@@ -192,11 +218,10 @@ class RankChecks:
             out = str(Path(tmp) / "verdicts")
             crash = None
             try:
-                mp.spawn(
+                start_ranks(
                     _run_checks,
-                    args=(self.world_size, free_port(), self._module, names, out, tmp),
-                    nprocs=self.world_size,
-                    join=True,
+                    self.world_size,
+                    (self.world_size, free_port(), self._module, names, out, tmp),
                 )
             except Exception as e:  # noqa: BLE001 - a rank died: its checks say so
                 crash = f"a rank died: {e}"

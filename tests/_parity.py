@@ -75,30 +75,36 @@ def local(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return batch[rank * b : (rank + 1) * b]
 
 
-def global_mean(t: torch.Tensor) -> float:
+def global_mean(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
+    """The mean of ``t`` over the ranks of ``group`` (default: every rank)."""
     t = t.detach().clone().float()
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
 
 
 def lm_loss(model, x: torch.Tensor) -> torch.Tensor:
     return model(x, labels=x).loss
 
 
-def train_step(model, batch: torch.Tensor, rank: int, world: int, opt, loss=lm_loss) -> float:
+def train_step(
+    model, batch: torch.Tensor, rank: int, world: int, opt, loss=lm_loss, group=None
+) -> float:
     """One step of a sharded ``model`` on this rank's part of the global ``batch`` (``world``
-    data-parallel ranks); the global mean loss before it."""
+    data-parallel ranks); the mean loss before it over ``group`` (default: every rank; a model
+    over some ranks only passes its own group)."""
     step_loss = loss(model, local(batch, rank, world))
     step_loss.backward()
     opt.step()
     opt.zero_grad()
-    return global_mean(step_loss)
+    return global_mean(step_loss, group)
 
 
-def train_losses(model, data: list[torch.Tensor], rank: int, world: int, opt, loss=lm_loss):
+def train_losses(
+    model, data: list[torch.Tensor], rank: int, world: int, opt, loss=lm_loss, group=None
+) -> list[float]:
     """A sharded ``model`` trained a step per global batch of ``data`` (this rank's part of each);
-    the global mean loss of every step."""
-    return [train_step(model, x, rank, world, opt, loss) for x in data]
+    the mean loss of every step (over ``group``, as ``train_step``)."""
+    return [train_step(model, x, rank, world, opt, loss, group) for x in data]
 
 
 def reference_losses(model, data: list[torch.Tensor], opt, loss=lm_loss) -> list[float]:

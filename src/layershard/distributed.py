@@ -8,7 +8,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("LAYERSHARD_TIMEOUT_S", "600")))
+
+def default_timeout() -> timedelta:
+    """The timeout of every collective: ``LAYERSHARD_TIMEOUT_S`` (read when called), or 600 s."""
+    return timedelta(seconds=float(os.environ.get("LAYERSHARD_TIMEOUT_S", "600")))
 
 
 def default_backend() -> str:
@@ -34,19 +37,20 @@ def local_cuda_index() -> int:
 
 
 def init_distributed(
-    backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT
+    backend: str | None = None, timeout: timedelta | None = None
 ) -> tuple[int, int]:
     """Join the job described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...),
     or start a one-process group when there is none. Idempotent; returns ``(rank, world_size)``.
 
     On CUDA each process uses the GPU given by ``local_cuda_index()`` and NCCL is initialized
     eagerly on it (``device_id``). A timeout is always set: a rank that never joins a collective
-    makes the others fail with an error instead of hanging forever.
+    makes the others fail with an error instead of hanging forever: ``timeout``, default
+    ``default_timeout()`` (``LAYERSHARD_TIMEOUT_S``, else 600 s).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = backend or default_backend()
-    kwargs: dict = {"timeout": timeout}
+    kwargs: dict = {"timeout": timeout or default_timeout()}
     if backend == "nccl":
         index = local_cuda_index()
         torch.cuda.set_device(index)

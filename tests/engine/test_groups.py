@@ -67,7 +67,7 @@ def _live_once_settled(start: int, timeout: float = 30.0) -> int:
 
 
 def _step(model, opt, batch, rank: int, world: int) -> None:
-    train_step(model, batch, rank, world, opt)
+    train_step(model, batch, rank, world, opt, group=model.process_group)
 
 
 def _train_and_compare(model, group: dist.ProcessGroup) -> None:
@@ -76,7 +76,7 @@ def _train_and_compare(model, group: dist.ProcessGroup) -> None:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     data = batches(STEPS)
-    train_losses(model, data, rank, world, opt)
+    train_losses(model, data, rank, world, opt, group=group)
     reference = _tiny()
     reference_losses(reference, data, torch.optim.AdamW(reference.parameters(), lr=LR))
     bound = param_bound(reference, *train_in_orders(_tiny(), data, world))

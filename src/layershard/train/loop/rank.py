@@ -43,9 +43,9 @@ def _stall_report_s() -> float:
     timeout, at most a minute (LAYERSHARD_STALL_REPORT_S overrides)."""
     if os.environ.get("LAYERSHARD_STALL_REPORT_S"):
         return float(os.environ["LAYERSHARD_STALL_REPORT_S"])
-    from layershard.distributed import DEFAULT_TIMEOUT
+    from layershard.distributed import default_timeout
 
-    return min(60.0, DEFAULT_TIMEOUT.total_seconds() / 5)
+    return min(60.0, default_timeout().total_seconds() / 5)
 
 
 def _init_process_group() -> tuple[int, int]:
@@ -54,7 +54,7 @@ def _init_process_group() -> tuple[int, int]:
     own. torchrun's agent keeps one store for all attempts, and torch 2.13 adds no per-attempt
     prefix for the workers, so a restarted gloo rank can read the previous attempt's addresses: in 4 runs of a 2-rank restart, 2 hung or failed with "Connection refused" in
     connectFullMesh; with the prefix, 6 of 6 connected."""
-    from layershard.distributed import DEFAULT_TIMEOUT, default_backend, init_distributed
+    from layershard.distributed import default_backend, default_timeout, init_distributed
 
     under_torchrun = "TORCHELASTIC_RESTART_COUNT" in os.environ
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -67,14 +67,14 @@ def _init_process_group() -> tuple[int, int]:
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             is_master=False,
-            timeout=DEFAULT_TIMEOUT,
+            timeout=default_timeout(),
         )
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"layershard/attempt_{attempt()}", store),
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=DEFAULT_TIMEOUT,
+            timeout=default_timeout(),
         )
     return init_distributed()
 
