@@ -203,3 +203,10 @@ def test_quickstart_test_command_is_the_readme_s() -> None:
         return found[0]
 
     assert command(REPO / "docs" / "quickstart.md") == command(REPO / "README.md")
+
+
+def test_ci_runs_the_readme_s_test_command() -> None:
+    """``.ci/run`` calls the README's test command as written, nothing hand-made."""
+    readme = [b.code for b in PAGES[REPO / "README.md"].blocks if "ruff format --check" in b.code]
+    assert len(readme) == 1
+    assert readme[0].strip() in (REPO / ".ci" / "run").read_text(encoding="utf-8")
