@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 RUN = ["layershard", "layershard-no_shard", "fsdp2", "ddp", "plain"]
 
 
+@pytest.mark.slow
 def test_bench_tiny_end_to_end(tmp_path):
     out = tmp_path / "bench"
     cmd = [
@@ -143,6 +146,7 @@ def test_wire_options_are_layershard_runs():
     assert all(n in IMPLS and n in WIRE_IMPL for n in names if n)
 
 
+@pytest.mark.slow
 def test_bench_tensor_parallel(tmp_path):
     """`--tp 2`: layershard-tp (ls.parallelize(model, tp=2), both ranks on the same batches)
     trains the same model to the same losses as 1-D layershard on the same global batch."""

@@ -587,7 +587,7 @@ def _one_step(model, opt, x) -> int:
     return held
 
 
-checks4 = RankChecks(world_size=4, suffix="_ws4")
+checks4 = RankChecks(world_size=4, suffix="_ws4", slow=True)
 
 
 @checks4.check

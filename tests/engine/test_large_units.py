@@ -126,7 +126,7 @@ def _large_units(rank: int, world: int, name: str) -> None:
                 assert dev <= tol, (name, tied, chunks, dev, where, ddp_dev, tol)
 
 
-checks = RankChecks(world_size=4, suffix="_with_large_units_matches_single_process")
+checks = RankChecks(world_size=4, suffix="_with_large_units_matches_single_process", slow=True)
 for _name, _, _ in STRATEGIES:
     checks.check(
         functools.partial(_large_units, name=_name),

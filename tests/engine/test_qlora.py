@@ -305,7 +305,7 @@ checks.check(_saving)
 checks.check(_checkpoint_resumes)
 checks.collect(globals())
 
-checks4 = RankChecks(world_size=4, suffix="_ws4")
+checks4 = RankChecks(world_size=4, suffix="_ws4", slow=True)
 # 4 steps: every rank trains the reference in 6 orders at 4 parts (most of this spawn's time);
 # the 20-step runs are at 2 ranks
 checks4.check(

@@ -441,7 +441,7 @@ checks.collect(globals())
 
 # ---- four ranks: hybrid, hpZ; bf16 reduction with fp32 sums at 2, 3 and 4 ranks -------------
 
-checks4 = RankChecks(world_size=4, suffix="_4_ranks")
+checks4 = RankChecks(world_size=4, suffix="_4_ranks", slow=True)
 
 
 @checks4.check

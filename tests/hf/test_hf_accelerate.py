@@ -3,6 +3,7 @@ the same loop (tests/_hf_script.py ``accelerate_loop``; tolerances: test_hf_trai
 
 from __future__ import annotations
 
+import pytest
 from _hf_launch import section
 from _parity import LOSS_RTOL
 from test_hf_trainer import GRAD_NORM_RTOL, PARAM_TOL
@@ -12,6 +13,7 @@ def _rel(a: list, b: list, col: int) -> float:
     return max(abs(x[col] - y[col]) / abs(y[col]) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_accelerate_loop_matches_ddp() -> None:
     """accumulate() over 2 micro-batches, clip_grad_norm_, a scheduler, weight-decay groups built
     before prepare()."""
@@ -23,6 +25,7 @@ def test_accelerate_loop_matches_ddp() -> None:
     assert res["param_diff"] < PARAM_TOL
 
 
+@pytest.mark.slow
 def test_accelerate_save_state_load_state_and_save_model() -> None:
     """save_state() at micro-step 8 writes the model and optimizer as a layershard sharded
     checkpoint; load_state() and replaying the remaining micro-batches ends on the same weights

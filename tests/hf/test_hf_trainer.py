@@ -41,6 +41,7 @@ def _rel(a: list, b: list, col: int) -> float:
     return max(abs(x[col] - y[col]) / abs(y[col]) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "llama-gc", "gpt2"])
 def test_trainer_losses_match_ddp(name: str) -> None:
     """20 steps, accumulation 2, max_grad_norm, weight decay with Trainer's no-decay names, cosine
@@ -56,6 +57,7 @@ def test_trainer_losses_match_ddp(name: str) -> None:
     assert max(g for _, _, g in ddp_log) > MAX_GRAD_NORM
 
 
+@pytest.mark.slow
 def test_trainer_with_expert_parallelism_matches_ddp() -> None:
     """Qwen3-MoE, ls.hf.Trainer with ShardingPlugin(ep=2) against transformers.Trainer under DDP:
     20 steps, the same losses, gradient norms and final weights (as the dense runs above; the
@@ -70,6 +72,7 @@ def test_trainer_with_expert_parallelism_matches_ddp() -> None:
     assert ddp_log[-1][1] < 0.8 * ddp_log[0][1]
 
 
+@pytest.mark.slow
 def test_trainer_with_tensor_parallelism_matches_ddp() -> None:
     """A transformers Llama, ls.hf.Trainer with ShardingPlugin(tp=2) (its base_model_tp_plan over
     the 2 ranks, which read the same batches) against transformers.Trainer under DDP on the same
@@ -88,6 +91,7 @@ def test_trainer_with_tensor_parallelism_matches_ddp() -> None:
     assert ddp_log[-1][1] < 0.8 * ddp_log[0][1]
 
 
+@pytest.mark.slow
 def test_trainer_with_tensor_parallelism_resumes_exactly() -> None:
     """The ShardingPlugin(tp=2) run above saved checkpoint-10 (save_steps=10); a fresh Trainer
     resumed from it (resume_from_checkpoint) logs steps 11-20 (1-10 come from the checkpoint's
@@ -101,6 +105,7 @@ def test_trainer_with_tensor_parallelism_resumes_exactly() -> None:
     assert res["resumed"]["param_diff"] == 0.0
 
 
+@pytest.mark.slow
 def test_trainer_evaluation_callbacks_and_logging() -> None:
     """evaluate() and predict() on the sharded model, callbacks fired as under DDP, tensorboard
     event files written (offline)."""
@@ -115,6 +120,7 @@ def test_trainer_evaluation_callbacks_and_logging() -> None:
     assert ls_run["tensorboard"] == ddp["tensorboard"] > 0
 
 
+@pytest.mark.slow
 def test_trainer_checkpoints_total_limit_and_best_model() -> None:
     """save_steps=5 with save_total_limit=2 and load_best_model_at_end: the same checkpoints
     remain as under DDP, the same best one is chosen and loaded (the final weights compared in
@@ -129,6 +135,7 @@ def test_trainer_checkpoints_total_limit_and_best_model() -> None:
     assert "optimizer.pt" not in files and "optimizer.pt" in ddp["checkpoint_files"]
 
 
+@pytest.mark.slow
 def test_save_model_loads_with_from_pretrained() -> None:
     """trainer.save_model(): HF safetensors + config; AutoModelForCausalLM.from_pretrained gives
     the logits of the sharded model."""
@@ -137,6 +144,7 @@ def test_save_model_loads_with_from_pretrained() -> None:
     assert saved["logits_diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_model_state_is_one_over_n_of_ddp() -> None:
     """Per rank, at the first optimizer step: parameters and gradients, and after training the
     AdamW state, are half of DDP's at 2 ranks (the tiny model's slices need no padding)."""
@@ -147,6 +155,7 @@ def test_model_state_is_one_over_n_of_ddp() -> None:
         assert ls_bytes[kind] * 2 == ddp_bytes[kind], (kind, ls_bytes, ddp_bytes)
 
 
+@pytest.mark.slow
 def test_resume_at_another_world_size() -> None:
     """Checkpoints written by 4 ranks (save_steps=4), resumed with resume_from_checkpoint=True at
     2 ranks: the remaining logged losses match the uninterrupted 4-rank run."""
@@ -160,6 +169,7 @@ def test_resume_at_another_world_size() -> None:
     assert _rel(after, written["logged"][4:], 2) < GRAD_NORM_RTOL
 
 
+@pytest.mark.slow
 def test_lora_trains_and_saves_only_adapters() -> None:
     res = section("main", "lora")
     assert _rel(res["ls"]["logged"], res["ddp"]["logged"], 1) < LOSS_RTOL
@@ -172,6 +182,7 @@ def test_lora_trains_and_saves_only_adapters() -> None:
     assert res["ls"]["logits_diff"] < 1e-5  # PeftModel.from_pretrained(base, saved) == live
 
 
+@pytest.mark.slow
 def test_generate_in_evaluation_with_ranks_finishing_apart() -> None:
     """Seq2SeqTrainer(predict_with_generate=True): rank 0's prompt ends after one token, rank 1's
     later; generation stays in step (every forward gathers weights) and equals one process's."""
@@ -180,6 +191,7 @@ def test_generate_in_evaluation_with_ranks_finishing_apart() -> None:
     assert res["equal"]
 
 
+@pytest.mark.slow
 def test_bf16_is_layershard_mixed_precision() -> None:
     res = section("main", "precision")
     assert res["True"]["param_dtype"] == "torch.bfloat16"
@@ -189,6 +201,7 @@ def test_bf16_is_layershard_mixed_precision() -> None:
     assert _rel(res["True"]["logged"], res["False"]["logged"], 1) < 1e-2
 
 
+@pytest.mark.slow
 def test_evaluate_before_train_second_train_and_presharded_model() -> None:
     """evaluate() before train() (the model is sharded by the evaluation), then train() twice on
     the same trainer; and ls.hf.Trainer(model=ls.shard(model)): the losses of DDP's runs."""
@@ -214,6 +227,7 @@ MISUSE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(MISUSE))
 def test_misuse_is_refused_in_one_line(case: str) -> None:
     got = section("main", "misuse")[case]

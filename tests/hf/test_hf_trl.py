@@ -4,11 +4,13 @@ test_hf_trainer.py)."""
 
 from __future__ import annotations
 
+import pytest
 from _hf_launch import section
 from _parity import LOSS_RTOL
 from test_hf_trainer import GRAD_NORM_RTOL, _rel
 
 
+@pytest.mark.slow
 def test_sft_assistant_only_loss_matches_ddp() -> None:
     """Chat data, loss on assistant tokens only (assistant_only_loss, {% generation %} template),
     through trl's fused LM head (which reads the head's weight outside its forward)."""
@@ -21,6 +23,7 @@ def test_sft_assistant_only_loss_matches_ddp() -> None:
     assert _rel(res["ddp/all"]["logged"], ddp_log, 1) > 1e-2
 
 
+@pytest.mark.slow
 def test_sft_completion_only_loss_matches_ddp() -> None:
     """Prompt/completion pairs, loss on the completion only (completion_only_loss)."""
     res = section("main", "sft")
@@ -30,6 +33,7 @@ def test_sft_completion_only_loss_matches_ddp() -> None:
     assert _rel(res["ddp/prompt+completion"]["logged"], ddp_log, 1) > 1e-2
 
 
+@pytest.mark.slow
 def test_dpo_with_reference_model_matches_ddp() -> None:
     """DPOTrainer: the reference model (prepared for evaluation) is sharded as well."""
     res = section("main", "dpo")

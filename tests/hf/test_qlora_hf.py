@@ -20,6 +20,9 @@ pytest.importorskip("trl")
 from _parity import LOSS_RTOL  # noqa: E402
 from test_hf_trainer import GRAD_NORM_RTOL, PARAM_TOL, _rel  # noqa: E402
 
+# End-to-end launches of whole runs: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parents[1] / "_qlora_hf_script.py"
 

@@ -625,6 +625,7 @@ def test_world_1_exactly_torch_and_the_api():
     run_ranks(_world_1, 1)
 
 
+@pytest.mark.slow
 def test_world_4_parity_strategies_then_world_2_parity_and_resume(tmp_path):
     run_ranks(_world_4, 4, str(tmp_path))
     run_ranks(_world_2, 2, str(tmp_path))
@@ -633,7 +634,7 @@ def test_world_4_parity_strategies_then_world_2_parity_and_resume(tmp_path):
 # ---- layershard train --optimizer muon ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_train_with_muon(tmp_path, tmp_path_factory, monkeypatch, tp):
     """``layershard train --optimizer muon`` learns and checkpoints Muon's state; with ``--tp 2``
     too (the matrices orthogonalized whole over TP: ``_tensor_parallel``)."""

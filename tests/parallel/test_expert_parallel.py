@@ -48,7 +48,7 @@ from layershard.engine.param_kind import ExpertPart
 from layershard.parallel.expert import ExpertGroup
 from layershard.parallelize import split_experts
 
-checks = RankChecks(world_size=4)
+checks = RankChecks(world_size=4, slow=True)
 EP = 2
 
 

@@ -58,7 +58,7 @@ CLIP = 0.5  # below the tiny Llama's gradient norm (~0.8): every step clips
 # The weights after AdamW steps: _parity.TP_ORDERS (why, and what was measured).
 
 checks2 = RankChecks(world_size=2, suffix="_tp2")
-checks4 = RankChecks(world_size=4, suffix="_tp2_dp2")
+checks4 = RankChecks(world_size=4, suffix="_tp2_dp2", slow=True)
 
 
 def _tp_model(base, world: int, hybrid: bool = False, parallelize=parallelize_llama, **options):

@@ -133,6 +133,7 @@ def _planned(shape: ModelShape, ckpt: int, world: int, rank: int) -> int:
     return peak_bytes(mem, act, grads, released_between_passes(shape, world, "bf16"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("LAYERSHARD_SKIP_SLOW") == "1", reason="spawns 7 ranks")
 @pytest.mark.parametrize("ckpt", [0, L], ids=["no-ckpt", "ckpt-all"])
 @pytest.mark.parametrize("arch", ARCHS)

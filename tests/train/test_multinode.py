@@ -26,6 +26,9 @@ from test_train_faults import SITE, TINY, final_weights, losses, processes_using
 from layershard.train import status as st
 from layershard.train.loop.report import read_metrics
 
+# End-to-end launches of whole runs: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 # The same model, data and global batch as test_train_faults' reference (8 steps, checkpoints
 # every 2), one rank per node; --batch-tokens keeps the global batch at every world size.
 ONE = list(TINY)

@@ -8,6 +8,9 @@ import json
 import pytest
 from _train import TINY, refused_one_line, train_main
 
+# End-to-end launches of whole runs: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 

@@ -17,6 +17,9 @@ import pytest
 import yaml
 from _train import train_main
 
+# End-to-end launches of whole runs: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 TINY = [
     "--nproc-per-node", "2", "--val-fraction", "0.2", "--vocab-size", "300", "--seq-len", "32",
     "--micro-batch", "2", "--model-override", "dim=32", "--model-override", "n_layers=2",

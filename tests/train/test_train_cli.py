@@ -74,6 +74,7 @@ def test_default_run_learns_and_fills_the_run_folder(tmp_path, capfd):
         assert float(hf(x, labels=y).loss) < val[0] - 0.5
 
 
+@pytest.mark.slow
 def test_sft_trains_on_chat_jsonl(tmp_path):
     data = tmp_path / "chat.jsonl"
     rows = []
@@ -92,6 +93,7 @@ def test_sft_trains_on_chat_jsonl(tmp_path):
     assert train_loss[8] < train_loss[1]
 
 
+@pytest.mark.slow
 def test_hf_config_trains(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(

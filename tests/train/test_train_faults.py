@@ -25,6 +25,9 @@ from layershard.train import cli as train_cli
 from layershard.train import status as st
 from layershard.train.loop.report import read_metrics
 
+# End-to-end launches of whole runs: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 SITE = Path(__file__).parents[1] / "faults_site"
 TINY = [
     "--nproc-per-node", "2", "--max-files", "40", "--val-fraction", "0.2", "--vocab-size", "512",

@@ -27,6 +27,9 @@ from _train import train_main
 from layershard.cli import main as layershard_main
 from layershard.train.loop.report import read_metrics
 
+# End-to-end launches of whole runs: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 STEPS = 20
 # A 2-layer, 64-wide Llama on 40 corpus files (as tests/test_train_cli.py), evaluated twice.
 TINY = [
