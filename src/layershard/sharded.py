@@ -84,8 +84,11 @@ def shard(
             of a node, replicated across groups; or pass a 2-D ``mesh`` (replicate, shard)).
             A mesh with named dims ``(dp_shard, tp)`` or ``(dp_replicate, dp_shard, tp)``, of a
             model parallelized over ``mesh["tp"]``: layershard is its data-parallel axis
-            (``layershard.parallel.tensor``).
-            See ``layershard.engine.strategy``.
+            (``layershard.meshes.data_parallel``).
+        process_group: the ranks to shard over (default: every rank). A model over some ranks
+            only is sharded by those ranks alone.
+        shard_size: for ``"hybrid"``: the ranks that hold one replica (default: a node's, from
+            torchrun's ``LOCAL_WORLD_SIZE``).
         mesh: a DeviceMesh with named dimensions ``dp_shard`` (and optionally
             ``dp_replicate``, ``tp``): units are sharded over ``dp_shard``, replicated over
             ``dp_replicate``; ``tp`` is the model's own (its DTensors).
@@ -104,7 +107,7 @@ def shard(
             ``torch.compile`` as keyword arguments.
         param_init_fn: for a model on the meta device, called as ``param_init_fn(module)``
             children first, as ``model.apply`` does (default: a HF transformers model's own init
-            contract, else each module's ``reset_parameters()``); see ``layershard/init.py``.
+            contract, else each module's ``reset_parameters()``); see the docs' "How it works".
 
     Build the optimizer *after* this call, from the returned module's ``parameters()``.
     """
@@ -306,10 +309,14 @@ class ShardedModule(nn.Module):
 
     @property
     def units(self) -> list[Unit]:
+        """The units in forward order, the root unit (tied parameters) first when there is
+        one: what ``describe()`` lists."""
         return self._schedule.all_units()
 
     @property
     def flat_params(self) -> list[FlatParam]:
+        """Every unit's flat groups (this rank's slices of them), in ``units`` order: what
+        checkpoints and exporters read."""
         return [f for u in self.units for f in u.flats]
 
     @property
@@ -337,6 +344,8 @@ class ShardedModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args, **kwargs):
+        """Raises: a sharded model has no meaningful local state dict. Use ``full_state_dict()``
+        or ``ls.save_checkpoint``."""
         raise RuntimeError(
             "ShardedModule.state_dict() is not available: each rank holds only slices. Use "
             "model.full_state_dict() for the unsharded weights (rank 0), or "

@@ -70,7 +70,7 @@ def load_checkpoint(
     restore_rng: bool = True,
     verify: bool = True,
 ) -> dict:
-    """Load a checkpoint saved by :func:`save_checkpoint` at any world size. Collective.
+    """Load a checkpoint saved by ``save_checkpoint()`` at any world size. Collective.
 
     ``path`` is a checkpoint folder, a ``latest`` file, or a folder holding ``latest``. Everything
     is checked before anything is changed: names, shapes and dtypes against the model (and the

@@ -10,7 +10,7 @@ loaded and ``layershard checkpoint info`` reports it.
 Saving again under the same name swaps the complete new folder and the old one in one step
 (Linux ``renameat2(RENAME_EXCHANGE)``), so ``latest`` never names a missing folder. Where the file
 system cannot exchange (NFS, macOS), the old folder is first renamed aside; a crash between that
-rename and the next leaves ``latest`` naming a missing folder, and :func:`resolve` then takes the
+rename and the next leaves ``latest`` naming a missing folder, and ``resolve()`` then takes the
 complete new folder (``<name>.tmp-*``, manifest written) or else the old one (``<name>.trash-*``).
 """
 

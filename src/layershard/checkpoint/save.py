@@ -186,7 +186,7 @@ class _Save:
 
 
 class AsyncCheckpoint:
-    """A checkpoint being written in the background by :func:`save_checkpoint` with
+    """A checkpoint being written in the background by ``save_checkpoint()`` with
     ``async_save=True``. The state was copied when the call returned; ``wait()`` returns the
     published folder or raises the save's error. Until then the folder is a ``*.tmp-*`` one that
     is never loaded, exactly as for a synchronous save."""
@@ -343,7 +343,7 @@ def save_checkpoint(
     Each rank writes its own slices in parallel; the folder becomes visible (atomic rename) only
     once every rank has finished and the manifest is written, then ``<parent>/latest`` names it.
     ``extra`` (JSON: e.g. the data loader's position, an LR scheduler's state) and ``run_config``
-    (the resolved run config) come back from :func:`load_checkpoint`. With ``keep_last=K`` only the
+    (the resolved run config) come back from ``load_checkpoint()``. With ``keep_last=K`` only the
     K newest checkpoints in the parent folder remain. Returns the checkpoint folder.
 
     A save that cannot fit (checked before writing) or runs out of space while writing raises
@@ -351,7 +351,7 @@ def save_checkpoint(
     A failure of any phase on any rank raises on every rank, and the save leaves nothing behind.
 
     ``async_save=True`` copies the state (to pinned CPU memory on CUDA) and returns an
-    :class:`AsyncCheckpoint` at once; ``torch.distributed.checkpoint.async_save`` writes it in a
+    ``AsyncCheckpoint`` at once; ``torch.distributed.checkpoint.async_save`` writes it in a
     background thread over a gloo group of the same ranks, every rank for a tensor-parallel model
     (made by the first asynchronous save: a collective of those ranks, ``layershard.groups``),
     then the manifest and the publication follow, with the same crash safety. One save per model

@@ -24,7 +24,7 @@ _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class ShardingPlugin:
-    """The options of ``ls.shard(model, ...)`` (see its docstring and the README's API table).
+    """The options of ``ls.shard(model, ...)`` (see its docstring and the docs' Trainer, TRL and accelerate guide).
 
     ``tp=N`` (transformers' ``base_model_tp_plan`` over N ranks that share each batch: the data
     loaders are split over ``world / N``) and ``ep=N`` (a MoE's experts split over N ranks) shard

@@ -149,11 +149,16 @@ class Muon(torch.optim.Optimizer):
 
     Args:
         model: what ``ls.shard`` returned. Build the optimizer after ``shard()``.
-        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
-            Muon's hyperparameters, with ``torch.optim.Muon``'s meanings and defaults
-            (``adjust_lr_fn``: ``None``/``"original"`` scales by sqrt(max(1, rows/cols)),
+        lr: Muon's learning rate (``torch.optim.Muon``'s meaning and default, as the next six).
+        weight_decay: decoupled weight decay of the Muon matrices.
+        momentum: the momentum of the update before orthogonalization.
+        nesterov: Nesterov momentum.
+        ns_coefficients: the Newton-Schulz iteration's coefficients.
+        eps: added to the norm that the Newton-Schulz iteration starts from.
+        ns_steps: Newton-Schulz iterations.
+        adjust_lr_fn: ``None``/``"original"`` scales the lr by sqrt(max(1, rows/cols)),
             ``"match_rms_adamw"`` by 0.2 sqrt(max(rows, cols)), so that AdamW's lr and weight
-            decay can be reused).
+            decay can be reused.
         adamw: keyword arguments of ``torch.optim.AdamW`` for the other parameters (default:
             AdamW's defaults).
         muon_params: which parameters Muon steps, by name: a collection of names or a predicate

@@ -98,6 +98,11 @@ def _ras(value: str) -> bool | int:
     return int(value)
 
 
+def _count(n: int) -> str:
+    """A parameter count as people say it: 6.74B, 125.03M."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group()
@@ -105,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json or its dir")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, default=8, help="total GPUs (data-parallel world size)")
-    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink within)")
     c.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     c.add_argument("--gpu-memory", type=float, metavar="GIB", help="override GPU memory (GiB)")
     c.add_argument("--tflops", type=float, help="override dense bf16 TFLOP/s")
@@ -211,7 +216,7 @@ def render(plan: Plan) -> str:
         else f"ffn={sh.ffn_dim}"
     )  # fmt: skip
     lines = [
-        f"layershard plan: {sh.name} ({sh.total_params / 1e9:.2f}B params, {sh.n_layers} layers, "
+        f"layershard plan: {sh.name} ({_count(sh.total_params)} params, {sh.n_layers} layers, "
         f"d={sh.dim}, {ffn}, heads={sh.n_heads}/{sh.n_kv_heads} kv, "
         f"vocab={sh.vocab_size}, tied={'yes' if sh.tie_embeddings else 'no'})",
         f"  on {cl.gpus} x {g.name} ({cl.nodes} node(s) x {cl.local}; {g.memory_bytes / GIB:.1f} "

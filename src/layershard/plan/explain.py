@@ -32,7 +32,8 @@ LINK_LABELS = {
 NOT_MODELLED = (
     "pipeline and context parallelism; TP's sequence parallelism (TP rows: plan/parallel.py)",
     "an unbalanced router (EP rows route every expert the same share of the tokens)",
-    "fp8 matmuls and 8-bit gathers; fp32 compute (planned at the bf16 kernel rates)",
+    "fp8 matmuls, and the quantize/dequantize work of 8-bit gathers (their bytes are "
+    "modelled); fp32 compute (planned at the bf16 kernel rates)",
     "torch.compile (its effect on compute enters through --calibrate)",
     "selective (per-op) activation checkpointing: only whole blocks are checkpointed",
     "NVLink SHARP / in-network reductions; NIC contention between a node's GPUs",

@@ -57,6 +57,7 @@ _HELP = {
     "warmup_steps": "linear warmup steps",
     "weight_decay": "AdamW weight decay (not on --no-decay parameters)",
     "no_decay": "name patterns without weight decay",
+    "optimizer": "adamw, or muon (ls.optim.Muon for the blocks' 2-D weights, AdamW for the rest)",
     "beta1": "AdamW beta1",
     "beta2": "AdamW beta2",
     "grad_clip": "clip the global gradient norm (0: off)",
@@ -73,8 +74,7 @@ _HELP = {
     "hold the same ones (ls.parallelize)",
     "tp": "tensor parallelism (the built-in Llama, or an --hf-config model with a "
     "base_model_tp_plan): each block's weights split over tp ranks that share a batch, sharded "
-    "over the world / tp others (ls.parallelize); the model is built whole on each rank first; "
-    "no checkpoints or final/ export yet",
+    "over the world / tp others (ls.parallelize)",
     "reshard_after_forward": "full: true, false (= grad_op) or K: keep each unit sharded over K "
     "ranks between forward and backward (hpZ)",
     "offload": "ls.CPUOffload(): shards, gradients and optimizer state in CPU memory",

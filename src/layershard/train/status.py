@@ -79,7 +79,7 @@ def me() -> dict[str, Any]:
 
 
 def alive(record: dict[str, Any]) -> bool | None:
-    """Is the process of ``record`` (from :func:`me`) running? None: it runs on another host."""
+    """Is the process of ``record`` (from ``me()``) running? None: it runs on another host."""
     if record.get("host") != socket.gethostname():
         return None
     pid = record.get("pid")

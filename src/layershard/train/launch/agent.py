@@ -8,9 +8,9 @@ processes, ``--max-restarts``, signal forwarding), with four additions:
   how, instead of leaving the user a peer's "connection reset";
 - it dies with ``layershard train`` (and its ranks with it), even when that is SIGKILLed;
 - with a dynamic rendezvous (c10d, etcd), the ranks learn which round of the rendezvous they
-  start in, a number every node agrees on (``LAYERSHARD_RDZV_ROUND``, see :class:`Rounds`);
+  start in, a number every node agrees on (``LAYERSHARD_RDZV_ROUND``, see ``Rounds``);
 - on many nodes, the nodes compare their settings at every rendezvous and refuse to start
-  when they differ, and a rendezvous that fails is one line (``rendezvous.py``, :class:`Agreed`).
+  when they differ, and a rendezvous that fails is one line (``rendezvous.py``, ``Agreed``).
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ class Agreed(RendezvousHandler):
 
 
 def wrap_rendezvous(args: Any) -> None:
-    """Every rendezvous handler torchrun makes for this agent goes through :class:`Agreed` and,
-    for a dynamic backend (c10d, etcd), :class:`Rounds`. One node (``--standalone``) has nobody
+    """Every rendezvous handler torchrun makes for this agent goes through ``Agreed`` and,
+    for a dynamic backend (c10d, etcd), ``Rounds``. One node (``--standalone``) has nobody
     to agree with."""
     import torch.distributed.elastic.rendezvous.registry as registry
 
