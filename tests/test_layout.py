@@ -21,7 +21,7 @@ LAYERS = [
     {"sharded", "full_state", "loss"},  # the façade: ls.shard, ShardedModule, the chunked loss
     {"", "models", "parallelize"},  # reference models and their TP plans; ls.parallelize
     {"checkpoint", "optim", "hf"},  # what users call on a sharded model
-    {"train", "bench", "plan", "cli", "__main__"},  # the commands
+    {"train", "bench", "plan", "testbed", "cli", "__main__"},  # the commands, the testbed
 ]
 # The only module that makes process groups and meshes (groups.py's docstring says who owns each).
 GROUP_MAKERS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "init_device_mesh"}

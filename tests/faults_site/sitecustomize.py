@@ -13,6 +13,9 @@ count, 0 by default):
                   (one rank per node)
     hold@5:0:1    rank 0 waits after step 5 (up to 120 s) until it receives a stop signal (as
                   torchrun sends when a node joins an elastic job)
+    mark@3:0      rank 0 creates the file LS_TEST_MARK after step 3, then waits (up to 120 s)
+                  until LS_TEST_MARK.go exists (the test changes the world meanwhile: a link
+                  goes down)
 
 With LS_TEST_FAULT_BY_NODE=1 the RANK field names a node (the launcher's --node-rank) instead:
 under an elastic rendezvous torchrun numbers the ranks in an order of its own.
@@ -40,6 +43,16 @@ def _patch(loop, faults: list[tuple[str, int, int, int]]) -> None:
                 continue
             if action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if action == "mark":
+                import time
+
+                mark = os.environ["LS_TEST_MARK"]
+                open(mark, "w").close()
+                for _ in range(1200):
+                    if os.path.exists(mark + ".go"):
+                        break
+                    time.sleep(0.1)
+                continue
             if action == "hold":
                 import time
 

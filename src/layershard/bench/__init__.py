@@ -13,6 +13,7 @@ IMPLS = (
     "layershard-grad_op",
     "layershard-no_shard",
     "layershard-hybrid",
+    "layershard-hpz",
     "layershard-bf16r",
     "layershard-fp8",
     "layershard-fp8-bf16r",
@@ -44,6 +45,7 @@ STRATEGY_IMPL = {
     "grad_op": "layershard-grad_op",
     "no_shard": "layershard-no_shard",
     "hybrid": "layershard-hybrid",
+    "hpz": "layershard-hpz",  # full, each unit kept 1/K over a node's K ranks for the backward
 }
 
 # layershard (full) with wire dtypes (issue 34): the gather dtype and, with "-bf16r", gradients

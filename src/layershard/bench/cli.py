@@ -10,6 +10,7 @@ one JSON file under ``OUT/runs/``; ``report.py`` aggregates them into ``OUT/resu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -150,8 +151,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["full"],
         choices=list(STRATEGY_IMPL),
-        help="layershard strategies to run (hybrid from 4 ranks, as 2 groups)",
+        help="layershard strategies to run (hybrid from 4 ranks, as 2 groups, or a group per node "
+        "with --nodes; hpz: the backward gathers within a node, or within half the ranks)",
     )
+    r.add_argument(
+        "--nodes", type=int, default=1, metavar="N",
+        help="nodes of the testbed (network namespaces on this machine, needs root): --nproc "
+        "ranks on each, the nodes joined by --link",
+    )  # fmt: skip
+    r.add_argument(
+        "--link", nargs="+", default=None, metavar="PRESET|RATE[,DELAY]",
+        help="the links between the --nodes: a cluster preset scaled to this CPU's matmul FLOP/s "
+        "(h100-ib400, h100-roce100, h100-eth25, a100-ib200) or RATE[,DELAY[,JITTER[,LOSS%%]]] "
+        "(200mbit,1ms); several: every run on each, and a plot of step time against rate",
+    )  # fmt: skip
     r.add_argument(
         "--gather-dtype", nargs="+", default=[], choices=["fp8", "int8"],
         help="also run layershard with its weights gathered in these dtypes (fp8: e4m3, a "
@@ -218,6 +231,52 @@ def _model_tag(args) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nodes < 1 or (args.nodes > 1 and not args.link) or (args.link and args.nodes < 2):
+        print("layershard bench: --nodes N (2 or more) and --link go together", file=sys.stderr)
+        return 2
+    if args.link:
+        return _run_links(args)
+    return _run_shapes(args)
+
+
+def _run_links(args: argparse.Namespace) -> int:
+    """Every shape on each link of ``--link``, each on a testbed of ``--nodes`` namespaces; the
+    reports per link (``OUT/<link>/``) and the plot across links (``links.png``)."""
+    from layershard.bench import report
+    from layershard.testbed import links, netns
+
+    try:
+        cpu_flops = links.matmul_flops()
+        chosen = [links.parse(text, cpu_flops) for text in args.link]
+    except ValueError as e:
+        print(f"layershard bench: {e}", file=sys.stderr)
+        return 2
+    why = netns.unavailable(chosen[0])
+    if why is not None:
+        print(f"layershard bench: --nodes: {why}", file=sys.stderr)
+        return 2
+    base = args.out
+    for link in chosen:
+        print(f"layershard bench: {args.nodes} nodes x {args.nproc} ranks, link {link.describe()}"
+              f" (this CPU: {cpu_flops / 1e9:.0f} GFLOP/s fp32 matmul)", flush=True)  # fmt: skip
+        link_args = argparse.Namespace(**vars(args))
+        link_args.out = str(Path(base or "benchmarks/links") / _slug(link))
+        link_args.link_info = {**link.as_dict(), "cpu_flops": cpu_flops}
+        bed = contextlib.nullcontext(None) if args.report_only else netns.Testbed(args.nodes, link)
+        with bed as tb:
+            link_args.testbed = tb
+            rc = _run_shapes(link_args)
+        if rc:
+            return rc
+    report.plot_links(Path(base or "benchmarks/links"))
+    return 0
+
+
+def _slug(link) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in link.name) or "link"
+
+
+def _run_shapes(args: argparse.Namespace) -> int:
     if args.model is None and args.hf_config is None:
         shapes = args.shape or DEFAULT_SHAPES
     elif args.shape:
@@ -297,17 +356,19 @@ def run_shape(args: argparse.Namespace) -> int:
             )
             return 2
     for n in args.nproc:
-        if _global_batch(args, n) % n:
+        w = n * args.nodes  # the world size
+        if _global_batch(args, w) % w:
             print(
                 f"layershard bench: --global-batch {args.global_batch} is not divisible by "
-                f"--nproc {n}",
+                f"{w} ranks",
                 file=sys.stderr,
             )
             return 2
 
     if not args.report_only:
         for n in args.nproc:  # runs of other world sizes stay: they aggregate together
-            for f in [*runs_dir.glob(f"*-n{n}-r*.json"), *runs_dir.glob(f"*-n{n}-r*.error")]:
+            w = n * args.nodes
+            for f in [*runs_dir.glob(f"*-n{w}-r*.json"), *runs_dir.glob(f"*-n{w}-r*.error")]:
                 f.unlink()
         if device == "cuda":
             import torch
@@ -323,13 +384,17 @@ def run_shape(args: argparse.Namespace) -> int:
         for n in args.nproc:
             for r in range(args.repeats):
                 order = impls if r % 2 == 0 else impls[::-1]
-                # hybrid needs two groups of two or more ranks
-                plan += [(n, r, i) for i in order if i != "layershard-hybrid" or n >= 4]
+                # hybrid needs two groups of two or more ranks; hpZ a group smaller than all
+                two = n * args.nodes >= 4 and (args.nodes == 1 or n >= 2)
+                plan += [(n, r, i) for i in order
+                         if i not in ("layershard-hybrid", "layershard-hpz") or two]  # fmt: skip
         t_start = time.time()
         for k, (n, r, impl) in enumerate(plan):
-            path = runs_dir / f"{impl}-n{n}-r{r}.json"
+            w = n * args.nodes
+            path = runs_dir / f"{impl}-n{w}-r{r}.json"
             t0 = time.time()
-            print(f"[{k + 1}/{len(plan)}] {impl:<10} nproc={n} repeat={r} ...", end=" ", flush=True)
+            where = f"nproc={n}" + (f" x {args.nodes} nodes" if args.nodes > 1 else "")
+            print(f"[{k + 1}/{len(plan)}] {impl:<10} {where} repeat={r} ...", end=" ", flush=True)
             rc, tail = _launch(args, impl, n, device, path)
             dt = time.time() - t0
             if path.exists():  # written atomically at the very end: complete even if rc != 0
@@ -344,7 +409,7 @@ def run_shape(args: argparse.Namespace) -> int:
                 print(f"FAILED (rc {rc}) in {dt:.0f} s", flush=True)
                 path.with_suffix(".error").write_text(tail)
                 path.with_suffix(".json").write_text(
-                    json.dumps({"impl": impl, "world_size": n, "repeat": r, "error": tail[-4000:]})
+                    json.dumps({"impl": impl, "world_size": w, "repeat": r, "error": tail[-4000:]})
                 )
         print(f"all runs: {time.time() - t_start:.0f} s", flush=True)
 
@@ -377,54 +442,104 @@ def _settings(args, device: str) -> dict:
         "precision": args.precision or ("bf16" if device == "cuda" else "fp32"),
         "cores": _cores(),
         "load_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "nodes": args.nodes,
+        "link": getattr(args, "link_info", None),
     }
 
 
 def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]:
-    threads = args.threads or max(1, _cores() // n)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+    """One run of ``impl`` on ``n`` ranks per node: under torchrun here, or, on the testbed
+    (``--nodes``), one torchrun per node in that node's namespace."""
+    nodes = args.nodes
+    threads = args.threads or max(1, _cores() // (n * nodes))
+    worker = [
         "-m", "layershard.bench.worker", "--impl", impl, "--seq-len", str(args.seq_len),
-        "--global-batch", str(_global_batch(args, n)), "--steps", str(args.steps),
+        "--global-batch", str(_global_batch(args, n * nodes)), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--seed", str(args.seed), "--lr", str(args.lr),
         "--optimizer", args.optimizer, "--loss", args.loss, "--out", str(path),
     ]  # fmt: skip
     if args.ep:
-        cmd += ["--ep", str(args.ep)]
+        worker += ["--ep", str(args.ep)]
     if args.tp:
-        cmd += ["--tp", str(args.tp)]
+        worker += ["--tp", str(args.tp)]
     if args.hf_config:
-        cmd += ["--hf-config", args.hf_config]
+        worker += ["--hf-config", args.hf_config]
     else:
-        cmd += ["--model", args.model, "--vocab-size", str(args.vocab_size or 8192)]
+        worker += ["--model", args.model, "--vocab-size", str(args.vocab_size or 8192)]
         for item in args.model_override:
-            cmd += ["--model-override", item]
+            worker += ["--model-override", item]
     if args.hf_config and args.vocab_size:
-        cmd += ["--vocab-size", str(args.vocab_size)]
+        worker += ["--vocab-size", str(args.vocab_size)]
     if args.precision:
-        cmd += ["--precision", args.precision]
+        worker += ["--precision", args.precision]
     if device == "cpu":
-        cmd += ["--threads", str(threads)]
+        worker += ["--threads", str(threads)]
     if args.no_mem:
-        cmd.append("--no-mem")
+        worker.append("--no-mem")
     env = dict(os.environ)
     if device == "cpu":
         env["OMP_NUM_THREADS"] = str(threads)
     env["LAYERSHARD_BENCH_WATCHDOG_S"] = str(int(args.timeout))
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
-    # Own session, killed on timeout: that is the launcher only, as torchrun starts each rank in
-    # a session of its own; the ranks end themselves at ``args.timeout`` (the worker's watchdog).
-    p = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = p.communicate(timeout=args.timeout + 60)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}"]
+    testbed = getattr(args, "testbed", None)
+    if testbed is None:
+        cmds = [[*run, "--standalone", *worker]]
+    else:
+        port = str(_free_port())
+        cmds = [
+            testbed.command(
+                k,
+                [
+                    *run,
+                    f"--nnodes={nodes}",
+                    f"--node-rank={k}",
+                    f"--master-addr={testbed.ip(0)}",
+                    f"--master-port={port}",
+                    *worker,
+                ],
+            )  # fmt: skip
+            for k in range(nodes)
+        ]
+        env.update(testbed.env(0))
+    # Own sessions, killed on timeout: that is the launchers only, as torchrun starts each rank
+    # in a session of its own; the ranks end themselves at ``args.timeout`` (the worker's
+    # watchdog), and a testbed's are killed with its namespaces.
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        for cmd in cmds
+    ]
+    outputs, rc = [], 0
+    deadline = time.time() + args.timeout + 60
+    for p in procs:
         try:
-            output, _ = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:  # a rank outlived its watchdog and holds the pipe
-            output = ""
-        return 124, f"timed out after {args.timeout + 60:.0f} s\n{output[-20000:]}"
-    return p.returncode, output[-20000:]
+            output, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(q.pid, signal.SIGKILL)
+            try:
+                output, _ = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:  # a rank outlived its watchdog and holds the pipe
+                output = ""
+            return 124, f"timed out after {args.timeout + 60:.0f} s\n{output[-20000:]}"
+        outputs.append(output)
+        rc = rc or p.returncode
+    tail = "\n".join(f"--- node {k} ---\n{o[-10000:]}" if len(outputs) > 1 else o[-20000:]
+                     for k, o in enumerate(outputs))  # fmt: skip
+    return rc, tail
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

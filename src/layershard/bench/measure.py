@@ -117,3 +117,31 @@ def ring_bytes_sent(op: str, nbytes: int, world: int) -> float:
         return 0.0
     f = (world - 1) / world
     return {"all_reduce": 2 * f * nbytes, "broadcast": f * nbytes}.get(op, f * nbytes)
+
+
+def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, layershard: bool) -> dict:
+    """params + grads + optimizer state + module buffers, counted by unique storage; then every
+    other tensor storage Python can see (the implementation's persistent working buffers); with
+    ``layershard``, the sharded model's own ``memory_report``."""
+    c = StorageCounter()
+    params = list(model.parameters())
+    for p in params:
+        c.add("params", p)
+    for p in params:
+        c.add("grads", p.grad)
+    for st in opt.state.values():
+        for v in st.values():
+            c.add("optimizer", v)
+    for b in model.buffers():
+        c.add("module_buffers", b)
+    out = dict(c.by_cat)
+    out["model_state"] = sum(c.by_cat.values())
+    for t in live_tensors():
+        c.add("other", t)
+    out["other_resident"] = c.by_cat.get("other", 0)
+    if layershard:  # its own account too
+        import layershard as ls
+
+        assert isinstance(model, ls.ShardedModule)
+        out["layershard_memory_report"] = model.memory_report(opt)
+    return out

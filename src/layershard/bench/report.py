@@ -201,6 +201,12 @@ def format_table(results: dict) -> str:
             f"global batch {st.get('global_batch')}, {st.get('warmup')} warm-up + {st.get('steps')} "
             f"timed steps x {st.get('repeats')} repeats, {st.get('cores')} cores"
         )
+    link = st.get("link")
+    if link:  # the testbed's (layershard bench --nodes N --link ...)
+        from layershard.testbed.links import Link
+
+        fields = {k: link[k] for k in ("rate_bps", "delay_s", "jitter_s", "loss", "name")}
+        lines.append(f"{st.get('nodes')} nodes on the testbed, link {Link(**fields).describe()}")
     w = max([11] + [len(i) + 1 for ws in results["world_sizes"].values() for i in ws["impls"]])
     hdr = (
         f"{'impl':<{w}}{'step s':>8}{'p25-p75':>14}{'min-max':>14}{'tok/s':>8}{'MFU':>6}{'x ls':>7}"
@@ -334,4 +340,63 @@ def plot(results: dict, path: Path) -> None:
         f"({st.get('precision', '')}, seq {st.get('seq_len', '')}, batch {st.get('global_batch', '')})"
     )
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def link_rows(base: Path) -> list[dict]:
+    """One row per (shape, link, world size, implementation) of a ``--link`` bench under
+    ``base``: the link's rate and delay, the median step time and the bytes sent per step."""
+    rows = []
+    for path in sorted(base.glob("*/**/results.json")):
+        results = json.loads(path.read_text())
+        st = results.get("settings", {})
+        link = st.get("link") or {}
+        for world, at in results.get("world_sizes", {}).items():
+            for impl, s in at["impls"].items():
+                if s.get("step_time_median") is None:
+                    continue
+                rows.append({
+                    "shape": st.get("shape"), "link": link.get("name"),
+                    "rate_bps": link.get("rate_bps"), "delay_s": link.get("delay_s"),
+                    "nodes": st.get("nodes"), "world": int(world), "impl": impl,
+                    "step_s": s["step_time_median"], "sent_per_step": s.get("bytes_sent_per_step"),
+                    "time_vs_layershard": s.get("time_vs_layershard"),
+                })  # fmt: skip
+    return rows
+
+
+def plot_links(base: Path) -> None:
+    """``base/links.png`` (one panel per shape: step time against the link's rate, one line per
+    implementation, each point labelled with the MB that implementation sends per step) and
+    ``base/links.json`` (the rows), for the runs of ``layershard bench --nodes N --link ...``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = link_rows(base)
+    (base / "links.json").write_text(json.dumps(rows, indent=1))
+    shapes = sorted({r["shape"] or "model" for r in rows})
+    if not rows or not any(r["rate_bps"] for r in rows):
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        mine = [r for r in rows if (r["shape"] or "model") == shape and r["rate_bps"]]
+        for impl in [i for i in IMPLS if any(r["impl"] == i for r in mine)]:
+            pts = sorted((r["rate_bps"], r["step_s"], r["sent_per_step"]) for r in mine
+                         if r["impl"] == impl)  # fmt: skip
+            ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            for x, y, sent in pts:
+                if sent:
+                    ax.annotate(f"{sent / 1e6:.0f} MB", (x / 1e6, y), fontsize=7,
+                                textcoords="offset points", xytext=(3, 3))  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link rate (Mbit/s, per node and direction)")
+        ax.set_ylabel("step time (s, median)")
+        ax.set_title(f"{shape}: step time against the link (MB sent per rank and step)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(base / "links.png", dpi=120)
     plt.close(fig)

@@ -31,9 +31,9 @@ from torch import nn
 from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, TP_IMPL, WIRE_IMPL
 from layershard.bench.measure import (
     CountCollectives,
-    StorageCounter,
     live_tensors,
     mem_tracker,
+    model_state_bytes,
     ring_bytes_sent,
 )
 
@@ -172,9 +172,15 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
             notes["wire"] = f"gather {gather or 'exact'}, reduce {reduce}"
         strategy = STRATEGY_IMPLS.get(impl, "full")
         kwargs: dict = {"strategy": strategy}
-        if strategy == "hybrid":  # two groups: 2 x 2 at world size 4
-            kwargs["shard_size"] = max(1, world // 2)
-            notes["groups"] = f"{world // kwargs['shard_size']} x {kwargs['shard_size']}"
+        # a node's ranks on the testbed (layershard bench --nodes); else two groups: 2 x 2 at 4
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        group = local if local < world else max(1, world // 2)
+        if strategy == "hybrid":
+            kwargs["shard_size"] = group
+            notes["groups"] = f"{world // group} x {group}"
+        if strategy == "hpz":  # ZeRO++ hpZ: the backward gathers within a node
+            kwargs = {"strategy": "full", "reshard_after_forward": group}
+            notes["groups"] = f"hpZ over {group} of {world}"
         model = ls.shard(model, mixed_precision=mp, device=device, **kwargs)
         return model, no_autocast, notes
     if impl == "plain":  # the unsharded model on each rank's own batch: no communication at all
@@ -299,36 +305,6 @@ def warnings_quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-# ---- measurement helpers ---------------------------------------------------------------------------
-
-
-def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, impl: str) -> dict:
-    """params + grads + optimizer state + module buffers, counted by unique storage; then every
-    other tensor storage Python can see (the implementation's persistent working buffers)."""
-    c = StorageCounter()
-    params = list(model.parameters())
-    for p in params:
-        c.add("params", p)
-    for p in params:
-        c.add("grads", p.grad)
-    for st in opt.state.values():
-        for v in st.values():
-            c.add("optimizer", v)
-    for b in model.buffers():
-        c.add("module_buffers", b)
-    out = dict(c.by_cat)
-    out["model_state"] = sum(c.by_cat.values())
-    for t in live_tensors():
-        c.add("other", t)
-    out["other_resident"] = c.by_cat.get("other", 0)
-    if is_layershard(impl):
-        import layershard as ls
-
-        assert isinstance(model, ls.ShardedModule)
-        out["layershard_memory_report"] = model.memory_report(opt)
-    return out
 
 
 def _engine_sha1() -> str:
@@ -502,7 +478,7 @@ def main(argv=None) -> int:
 
     def measure_state():
         gc.collect()
-        state.update(model_state_bytes(model, opt, args.impl))
+        state.update(model_state_bytes(model, opt, is_layershard(args.impl)))
 
     i += 1
     losses.append(step(batches[i], measure_state))

@@ -186,6 +186,20 @@ def release_lock(lock_path: Path | None) -> None:
 # ---- ranks ------------------------------------------------------------------------------------------
 
 
+def _address() -> str | None:
+    """The address this rank reaches the others from (its interface towards MASTER_ADDR, found
+    without sending anything); None outside torchrun."""
+    master = os.environ.get("MASTER_ADDR")
+    if not master:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 1))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
 class RankStatus:
     """One rank's ``rank-NNNNN.json``: rewritten when the step changes and when the rank exits."""
 
@@ -195,6 +209,7 @@ class RankStatus:
             **me(),
             "rank": rank,
             "node": int(os.environ[NODE_ENV]) if os.environ.get(NODE_ENV) else None,
+            "addr": _address(),
             "launch_id": launch_id,
             "attempt": attempt,
             "step": None,

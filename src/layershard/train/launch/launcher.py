@@ -50,6 +50,7 @@ from layershard.train.launch.nodes import (
     loopback,
     lost_nodes,
     nproc,
+    partitioned,
     rdzv_backend,
     rdzv_timeout_conf,
     settings,
@@ -558,6 +559,9 @@ def outcome(run_dir: Path, opts: LaunchOptions, rc: int, signalled: str | None) 
     for _, s in sorted(ranks.items()):
         if s.get("exit") == 2:  # a problem the user can fix, agreed by the ranks
             return 2, str(s.get("error"))
+    cut = partitioned(run_dir, ranks, opts)  # every rank alive and waiting: the network failed
+    if cut:
+        return 1, f"{cut}{_resume_hint(run_dir, opts)}"
     for r, s in sorted(ranks.items()):
         if s.get("exit") not in (None, 0) and not s.get("peer_lost"):
             first = str(s.get("error") or "").splitlines()[0] if s.get("error") else "an error"

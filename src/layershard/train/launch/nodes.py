@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,6 +141,58 @@ def settings(cfg: TrainConfig, opts: LaunchOptions, corpus: str, resume: str | N
 def loopback(endpoint: str | None) -> bool:
     host = (endpoint or "").rpartition(":")[0] or (endpoint or "")
     return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+TIMED_OUT = ("Timed out waiting", "timed out waiting in")  # gloo's, and layershard's wrapping
+
+
+def timed_out(s: dict[str, Any]) -> bool:
+    return s.get("exit") not in (None, 0) and any(m in str(s.get("error")) for m in TIMED_OUT)
+
+
+def settled(
+    run_dir: Path, opts: LaunchOptions, ranks: dict[int, dict[str, Any]], wait_s: float = 5.0
+) -> dict[int, dict[str, Any]]:
+    """``ranks`` read again until every rank has recorded its end or ``wait_s`` passed: the
+    ranks of other nodes time out at about the same moment as this node's, and write a moment
+    later."""
+    deadline = time.monotonic() + wait_s
+    while any("exit" not in s for s in ranks.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        ranks = st.rank_statuses(run_dir, opts.launch_id) or ranks
+    return ranks
+
+
+def partitioned(run_dir: Path, ranks: dict[int, dict[str, Any]], opts: LaunchOptions) -> str:
+    """'' unless this node's ranks timed out in a collective and the other nodes' did too, none
+    of them dead: then the nodes could not reach each other (a link down, a partition), and the
+    line names the nodes this one lost, as in "node 1 (vm2, 10.0.0.2, rank 1)"."""
+    if world_size(opts) == nproc(opts) and not elastic(opts):
+        return ""
+    if not any(timed_out(s) for s in ranks.values()):
+        return ""
+    ranks = settled(run_dir, opts, ranks)
+    mine = {r: s for r, s in ranks.items() if s.get("node") == opts.node_rank}
+    others = {r: s for r, s in ranks.items() if s.get("node") != opts.node_rank}
+    if not mine or not others or not all(timed_out(s) for s in mine.values()):
+        return ""
+    if not all(timed_out(s) for s in others.values()):
+        return ""
+    by_node: dict[Any, list[int]] = {}
+    for r, s in sorted(others.items()):
+        by_node.setdefault(s.get("node"), []).append(r)
+    parts = []
+    for node, numbers in sorted(by_node.items(), key=lambda kv: str(kv[0])):
+        s = others[numbers[0]]
+        span = str(numbers[0]) if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]}"
+        where = ", ".join(str(x) for x in (s.get("host"), s.get("addr")) if x)
+        parts.append(f"node {node} ({where}, rank{'s' if len(numbers) > 1 else ''} {span})")
+    step = max((s.get("step") or 0) for s in ranks.values())
+    return (
+        f"node {opts.node_rank} lost contact with {' and '.join(parts)} after step {step}: every "
+        "rank waited in the same collective until the timeout and none died, so the network "
+        "between the nodes failed (a link down, a partition, a firewall)"
+    )
 
 
 def lost_nodes(ranks: dict[int, dict[str, Any]], opts: LaunchOptions) -> str:
