@@ -1,5 +1,5 @@
 """QLoRA through Hugging Face's trainers, as a user writes it for one GPU (``BitsAndBytesConfig`` +
-``LoraConfig``), run twice by tests/test_qlora_hf.py: on one process with the stock classes
+``LoraConfig``), run twice by tests/hf/test_qlora_hf.py: on one process with the stock classes
 (``transformers.Trainer``, trl's ``SFTTrainer``), and under torchrun at 2 ranks with
 ``ls.hf.Trainer`` / ``ls.hf.sharded(SFTTrainer)`` on the same global batch.
 

@@ -498,7 +498,7 @@ def test_float8_handoff(comm_path):
     the weights reach the modules as ``Float8TrainingTensor`` over the gathered bytes (torch's
     ``_scaled_mm`` on the GPU); either way logits and gradients bit for bit those of the same
     model on one process without layershard. Unverified until run on a GPU: the CPU suite
-    (tests/test_float8_handoff.py) covers the same code on gloo at 2 ranks."""
+    (tests/engine/test_float8_handoff.py) covers the same code on gloo at 2 ranks."""
     pytest.importorskip("torchao.float8")
     from test_float8_handoff import _bound_types, data, fp8_net, loss_of
 
@@ -532,7 +532,7 @@ def test_torchao_nf4_parity(comm_path):
     gathered through the comm stream into the slot and an ``NF4Tensor`` bound over them, the
     backward reading them from the slot. Losses within the spread of the reference trained in
     other orders, adapters within param_bound, the NF4 bytes bitwise unchanged. Unverified until
-    run on a GPU: tests/test_qlora_nf4.py covers the same code on gloo."""
+    run on a GPU: tests/engine/test_qlora_nf4.py covers the same code on gloo."""
     pytest.importorskip("torchao")
     from _nf4 import nf4_llama, nf4_weights
     from test_qlora_nf4 import _Params
@@ -563,7 +563,7 @@ def test_bf16_reduce_sums_in_fp32(comm_path):
     NCCL: ``all_to_all_single``, the sum on the comm stream), with a whole unit of receive
     scratch per gradient slot (as the planner predicts for NCCL at 2+ ranks). One rank: the sum of one chunk,
     so the gradients equal the copy path's bit for bit. The 2-4 rank sums are checked on gloo's
-    two code paths (tests/test_wire_dtypes.py); unverified here until run on a GPU."""
+    two code paths (tests/engine/test_wire_dtypes.py); unverified here until run on a GPU."""
     mp = ls.MixedPrecision(torch.float32, torch.bfloat16)
     x = _batches(1, SMALL["vocab_size"], 2, 64)[0]
     grads = {}

@@ -95,7 +95,8 @@ def control_group_is_made_as_under_nccl(rank: int, world: int) -> None:
     control = model._schedule.comm.control
     assert control is not model.process_group, "no control group of its own was made"
     assert dist.get_process_group_ranks(control) == list(range(world))
-    assert dist.get_backend(control) == "gloo" and _live() == start + 1
+    lanes = len(model._schedule.comm.lanes)  # gloo's, one per rank (engine/collectives.py)
+    assert dist.get_backend(control) == "gloo" and _live() == start + 1 + lanes
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     _step(model, opt, batches(1)[0], rank, world)  # its backward agrees on the control group
     del model, opt, control
@@ -195,6 +196,31 @@ def subgroup_shards_alone(rank: int, world: int) -> None:
         everyone = ls.shard(_tiny())
     opt = torch.optim.AdamW(everyone.parameters(), lr=LR)
     _step(everyone, opt, batches(1)[0], rank, world)
+
+
+@checks.check
+def gloo_lanes_change_no_bit(rank: int, world: int) -> None:
+    """On gloo each rank sends on a group of its own (engine/collectives.py, lanes; made here on
+    one machine by ``LAYERSHARD_GLOO_LANES=1``, by default only for groups that span nodes): one
+    lane per rank of the group gathered over (full: the world; hpZ: its groups of 2 as well), and
+    training
+    is bitwise the same as on one group (``LAYERSHARD_GLOO_LANES=0``): the chunks are the same
+    and each rank sums them in rank order either way. The losses of three steps, and the
+    weights after them."""
+    results = {}
+    for lanes, opts in [(on, o) for on in ("1", "0") for o in ({}, {"reshard_after_forward": 2})]:
+        with mock.patch.dict(os.environ, {"LAYERSHARD_GLOO_LANES": lanes}):
+            model = ls.shard(_tiny(), **opts)
+        made = len(model._schedule.comm.lanes)
+        assert made == (0 if lanes == "0" else world + (2 if opts else 0)), (lanes, opts, made)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = train_losses(model, batches(STEPS), rank, world, opt)
+        results[lanes, bool(opts)] = (losses, model.full_state_dict(rank0_only=False))
+        del model, opt
+    for hpz in (False, True):
+        (a, sa), (b, sb) = results["1", hpz], results["0", hpz]
+        assert a == b, (hpz, a, b)
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), hpz
 
 
 checks.collect(globals())

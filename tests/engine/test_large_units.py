@@ -24,7 +24,7 @@ VOCAB = 512  # embedding and head 16,384 elements each; a block of the tiny Llam
 STRATEGIES = MEMORY_CASES  # (name, ls.shard options, the planner's options), as there
 
 
-def _sgd(model):  # SGD, as tests/test_chunked_loss.py (why: above legit_chunked_runs there)
+def _sgd(model):  # SGD, as tests/engine/test_chunked_loss.py (why: above legit_chunked_runs there)
     return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
 

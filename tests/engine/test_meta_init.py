@@ -7,7 +7,7 @@ eager construction would give it.
   tensor the std and mean must agree with an eager build within sampling noise, constant tensors
   (norm weights, biases), rows of zeros (padding rows) and buffers must be equal exactly.
 
-Run ``python tests/test_meta_init.py`` to re-measure the noise floor behind ``Z_TOL``.
+Run ``python tests/engine/test_meta_init.py`` to re-measure the noise floor behind ``Z_TOL``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ H = 256
 # their means sigma * sqrt(2 / n). A tensor fails when |std_meta / std_eager - 1| * sqrt(n) or
 # |mean_meta - mean_eager| / (std_eager * sqrt(2 / n)) exceeds Z_TOL.
 # Calibrated eager against eager (these architectures, seed 0 against seeds 1..20: 235 random
-# tensors per pair; `python tests/test_meta_init.py`, torch 2.13 CPU, transformers 5.23): max |z| of
+# tensors per pair; `python tests/engine/test_meta_init.py`, torch 2.13 CPU, transformers 5.23): max |z| of
 # the std 3.29, of the mean 3.44. Z_TOL leaves ~75% headroom; the bugs it must catch are far above
 # it (before the fix: GPT-2's c_proj at 2.8x the std, z ~ 940; T5's q at 91x, z ~ 23000).
 Z_TOL = 6.0

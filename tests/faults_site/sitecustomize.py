@@ -1,4 +1,4 @@
-"""Deterministic faults for the end-to-end tests of `layershard train` (tests/test_train_faults.py).
+"""Deterministic faults for the end-to-end tests of `layershard train` (tests/train/test_train_faults.py).
 
 Put on PYTHONPATH, Python imports this module at start-up in every process of a test launch; it
 acts only in a rank (torchrun sets RANK and TORCHELASTIC_RESTART_COUNT) and only when
@@ -20,7 +20,7 @@ count, 0 by default):
 With LS_TEST_FAULT_BY_NODE=1 the RANK field names a node (the launcher's --node-rank) instead:
 under an elastic rendezvous torchrun numbers the ranks in an order of its own.
 
-LS_TEST_WRITES=FILE (tests/test_multinode.py): every process appends to FILE one line per file
+LS_TEST_WRITES=FILE (tests/train/test_multinode.py): every process appends to FILE one line per file
 it opens for writing or renames into place: its node (LS_TEST_NODE), pid and the path.
 """
 

@@ -31,7 +31,7 @@ from layershard.train.loop.report import read_metrics
 pytestmark = pytest.mark.slow
 
 STEPS = 20
-# A 2-layer, 64-wide Llama on 40 corpus files (as tests/test_train_cli.py), evaluated twice.
+# A 2-layer, 64-wide Llama on 40 corpus files (as tests/train/test_train_cli.py), evaluated twice.
 TINY = [
     "--nproc-per-node", "2", "--max-files", "40", "--val-fraction", "0.2", "--vocab-size", "512",
     "--seq-len", "64", "--micro-batch", "4", "--lr", "3e-3", "--warmup-steps", "3",

@@ -11,7 +11,7 @@ Two of torch's tools, both deterministic on CPU (see layershard.plan.measure):
   only one of the two that sees a checkpoint's inputs and the logits the caller holds.
 
 "before" is the model with today's RMSNorm, attention and loss math before the change (the
-reference copy in tests/test_activation_memory.py, swapped into the same modules).
+reference copy in tests/engine/test_activation_memory.py, swapped into the same modules).
 
     PYTHONPATH=src python benchmarks/memory/activations/measure.py > benchmarks/memory/activations/results.txt
 """

@@ -6,6 +6,10 @@ The worker (``layershard.bench.worker``) runs one implementation and writes one 
 ``layershard.bench.report`` aggregates them into a table, ``results.json`` and ``bench.png``.
 """
 
+# Steps a worker runs after the timed ones (collectives counted, model state measured, memory
+# tracked or not): what crosses a testbed's links during a run is per all of its steps.
+UNTIMED_STEPS = 3
+
 # The implementations a bench compares, in the order of its tables: layershard's strategies
 # ("layershard" is "full"), torch's, and the unsharded model on each rank with no communication.
 IMPLS = (

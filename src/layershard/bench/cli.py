@@ -20,7 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, TP_IMPL, wire_impl
+from layershard.bench import (
+    EP_IMPLS,
+    IMPLS,
+    MUON_ALTERNATIVE,
+    STRATEGY_IMPL,
+    TP_IMPL,
+    UNTIMED_STEPS,
+    wire_impl,
+)
 from layershard.models import hf as models_hf
 
 TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain", "fsdp2-ep", "transformers-ep")
@@ -166,6 +174,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(200mbit,1ms); several: every run on each, and a plot of step time against rate",
     )  # fmt: skip
     r.add_argument(
+        "--cpu-flops", type=float, default=None, metavar="GFLOPS",
+        help="scale the --link presets by this fp32 matmul rate instead of measuring it: the "
+        "same links as an earlier run's (its results.json, settings.link.cpu_flops / 1e9)",
+    )  # fmt: skip
+    r.add_argument(
         "--gather-dtype", nargs="+", default=[], choices=["fp8", "int8"],
         help="also run layershard with its weights gathered in these dtypes (fp8: e4m3, a "
         "scale per parameter; int8: a scale per 256), each as layershard-<dtype>",
@@ -246,7 +259,7 @@ def _run_links(args: argparse.Namespace) -> int:
     from layershard.testbed import links, netns
 
     try:
-        cpu_flops = links.matmul_flops()
+        cpu_flops = args.cpu_flops * 1e9 if args.cpu_flops else links.matmul_flops()
         chosen = [links.parse(text, cpu_flops) for text in args.link]
     except ValueError as e:
         print(f"layershard bench: {e}", file=sys.stderr)
@@ -395,12 +408,22 @@ def run_shape(args: argparse.Namespace) -> int:
             t0 = time.time()
             where = f"nproc={n}" + (f" x {args.nodes} nodes" if args.nodes > 1 else "")
             print(f"[{k + 1}/{len(plan)}] {impl:<10} {where} repeat={r} ...", end=" ", flush=True)
+            testbed = getattr(args, "testbed", None)
+            sent0 = testbed.bytes_sent() if testbed else []
             rc, tail = _launch(args, impl, n, device, path)
             dt = time.time() - t0
             if path.exists():  # written atomically at the very end: complete even if rc != 0
                 d = json.loads(path.read_text())
                 st = sorted(d["step_times"])
                 print(f"ok in {dt:.0f} s (median step {st[len(st) // 2]:.3f} s)", flush=True)
+                if testbed:  # what crossed the links, counted by the kernel (setup included)
+                    sent = [b - a for a, b in zip(sent0, testbed.bytes_sent())]
+                    steps = args.warmup + args.steps + UNTIMED_STEPS
+                    d["link_bytes_sent"], d["link_steps"] = sent, steps
+                    path.write_text(json.dumps(d, indent=1))
+                    print(f"    link: {max(sent) / steps / 2**20:.1f} MiB per step from the "
+                          f"busiest node (its link's counter over the run's {steps} steps, "
+                          "setup included)", flush=True)  # fmt: skip
                 if rc != 0:
                     print(f"    (exit code {rc} after the results were written)", flush=True)
                     d["exit_error"] = tail[-2000:]

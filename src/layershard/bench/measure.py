@@ -90,6 +90,7 @@ class CountCollectives(TorchDispatchMode):
         "allreduce_coalesced_": "all_reduce",
         "broadcast_": "broadcast",
         "alltoall_base_": "all_to_all",
+        "scatter_": "scatter",
         "barrier": "barrier",
     }
 
@@ -105,14 +106,19 @@ class CountCollectives(TorchDispatchMode):
         if ns in ("c10d", "_c10d_functional", "c10d_functional"):
             name = self.NAMES.get(func._opname, func._opname)
             self.raw[str(func)] += 1
-            if name != "barrier":
+            if name == "scatter":  # its output: a rank's chunk (the root also passes them all)
+                self.count[name] += 1
+                self.bytes[name] += _nbytes(args[0])
+            elif name != "barrier":
                 self.count[name] += 1
                 self.bytes[name] += max((_nbytes(a) for a in args), default=0)
         return func(*args, **kwargs)
 
 
 def ring_bytes_sent(op: str, nbytes: int, world: int) -> float:
-    """Bytes one rank sends for a collective on a ``nbytes`` buffer with a ring algorithm."""
+    """Bytes one rank sends for a collective on a ``nbytes`` buffer with a ring algorithm. The
+    engine's gloo collectives (a broadcast or a scatter from each rank, ``nbytes`` summing to the
+    buffer over the group) send the same on average."""
     if world <= 1:
         return 0.0
     f = (world - 1) / world

@@ -450,7 +450,7 @@ def main(argv=None) -> int:
         memory["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
         memory["max_memory_reserved"] = torch.cuda.max_memory_reserved(device)
 
-    # Untimed: collectives of one step.
+    # Untimed (UNTIMED_STEPS of them, bench/__init__.py): collectives of one step.
     if is_layershard(args.impl):
         model.comm_stats(reset=True)
     if muon_opt is not None:

@@ -35,6 +35,22 @@ buffer where an all_reduce sends twice that (16.8 MB, 2 ranks: 7.2 against 11.5 
 the native collectives instead: the same code path as NCCL (a shard-sized scratch per gradient
 slot), which is how the CUDA path's buffer logic is tested on CPU.
 
+Note: gloo's lanes. Gloo joins two ranks of a group by one TCP connection, and a connection that
+carries large messages both ways at once moves them one way at a time: over a link shaped to 128
+Mbit/s (the testbed, benchmarks/links/), a 16 MB gather by broadcasts on one group took 1.08 s,
+twice its bytes' time, and the all-to-all reduce-scatter as long. So each gathered group has
+``lanes``: as many groups of the same ranks as it has members (``Groups.lanes``, made at shard()),
+and what rank r sends goes on lane r only: its chunk's broadcast, and the reduce-scatter as one
+``scatter`` from each rank on its own lane (rank r receives chunk r of every rank's buffer, as from
+the all-to-all). Each connection then carries data one way, and the same gather took 0.55 s, the
+link's rate. Every rank issues the lanes' collectives in the same order, so each lane's sequence
+agrees across ranks. Lanes are made only for groups that span nodes (torchrun's
+``LOCAL_WORLD_SIZE``): over loopback, where gloo's time is the cores' copying, not a link, the
+extra groups' threads cost time on 2 cores (the comm shape, 2 ranks: 2.2 s a step against 1.7 s).
+Groups of more than ``MAX_LANES`` ranks keep one connection per pair (lanes would grow as the
+square of the group), and so does a model over a subgroup of the world.
+``LAYERSHARD_GLOO_LANES=1`` makes lanes for every group (tests), ``0`` for none.
+
 16-bit reductions (``reduce_dtype=bf16``/fp16) take the all-to-all on every backend, NCCL too: the
 chunks travel in 16 bits and the receiving rank sums them in fp32 and rounds once, where NCCL's
 native bf16 reduce-scatter rounds its running sum at every hop of its ring. The same bytes cross
@@ -56,8 +72,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from layershard.distributed import local_world_size
 from layershard.engine.waits import waiting
 from layershard.engine.wire_dtype import WireGather
+
+MAX_LANES = 8  # the largest group given lanes on gloo (see the module docstring)
 
 # torch 2.13's names for the flat collectives; torch 2.11 (the GPU image's) has only the
 # deprecated ``*_tensor`` ones. Everything in layershard calls these two.
@@ -267,6 +286,20 @@ class Comm:
         self.gloo_workaround = (
             self.backend == "gloo" and os.environ.get("LAYERSHARD_GLOO_NATIVE") != "1"
         )
+        # gloo: one group per sending rank for each group gathered over (module docstring)
+        self._lanes: dict[str, list[dist.ProcessGroup]] = {}
+        # (over the whole world only: a model over a subgroup would make groups its other
+        # ranks do not, which torch's naming of such groups cannot take; groups.py)
+        lanes_env = os.environ.get("LAYERSHARD_GLOO_LANES", "auto")
+        if self.gloo_workaround and lanes_env != "0" and sharding.groups.whole_world:
+            per_node = local_world_size(dist.get_world_size())
+            for name in ("shard", "hpz", "expert"):
+                g, _, size = self._members[name]
+                if g is None or not 1 < size <= MAX_LANES:
+                    continue
+                nodes = {r // per_node for r in dist.get_process_group_ranks(g)}
+                if len(nodes) > 1 or lanes_env == "1":
+                    self._lanes[name] = sharding.groups.lanes(name, g)
         self.host_sync = False  # CPU offload: waits also synchronize the CPU (see Pending)
         self._two_stage: list[_TwoStage] = []
         # Small agreements between ranks (which units a backward reaches) run on the CPU: on
@@ -296,6 +329,38 @@ class Comm:
 
     def members(self, over: str) -> tuple[dist.ProcessGroup | None, int, int]:
         return self._members[over]
+
+    @property
+    def lanes(self) -> list[dist.ProcessGroup]:
+        """Every lane group this model made (gloo; module docstring)."""
+        return [g for lanes in self._lanes.values() for g in lanes]
+
+    def _broadcasts(self, out: torch.Tensor, n: int, over: str) -> list:
+        """Gloo's all-gather: each rank's chunk of ``out`` (``n`` elements) broadcast from it,
+        on its lane when the group has lanes."""
+        group = self._members[over][0]
+        assert group is not None  # only called when the group communicates
+        lanes = self._lanes.get(over)
+        return [
+            dist.broadcast(c, src=dist.get_global_rank(group, r),
+                           group=lanes[r] if lanes else group, async_op=True)
+            for r, c in enumerate(out.split(n))
+        ]  # fmt: skip
+
+    def _scatters(self, recv: torch.Tensor, inp: torch.Tensor, over: str, async_op: bool):
+        """Gloo's reduce-scatter exchange: row r of ``recv`` gets this rank's chunk of rank r's
+        ``inp``; an all-to-all, or with lanes one scatter from each rank on its own lane."""
+        group, rank, world = self._members[over]
+        assert group is not None  # only called when the group communicates
+        lanes = self._lanes.get(over)
+        if not lanes:
+            return dist.all_to_all_single(recv, inp, group=group, async_op=async_op)
+        chunks = list(inp.split(inp.numel() // world))
+        return [
+            dist.scatter(row, chunks if r == rank else None, src=dist.get_global_rank(group, r),
+                         group=lane, async_op=async_op)
+            for r, (row, lane) in enumerate(zip(recv.split(inp.numel() // world), lanes))
+        ]  # fmt: skip
 
     def communicates(self, over: str) -> bool:
         """Does group ``over`` move data (not a group of one; forced for tests)?"""
@@ -358,12 +423,7 @@ class Comm:
         with profiled(f"layershard::all_gather[{label}]"):
             if self.gloo_workaround:
                 own.copy_(src)
-                works = [
-                    dist.broadcast(
-                        c, src=dist.get_global_rank(group, r), group=group, async_op=True
-                    )
-                    for r, c in enumerate(out.split(n))
-                ]
+                works = self._broadcasts(out, n, over)
                 return Pending(work=works, timer=(self.stats.wait_s, phase), what=what)
 
             def run(async_op: bool):
@@ -412,12 +472,7 @@ class Comm:
         with profiled(f"layershard::all_gather[{label}]"):
             if self.gloo_workaround:
                 pack(own)
-                works = [
-                    dist.broadcast(
-                        c, src=dist.get_global_rank(group, r), group=group, async_op=True
-                    )
-                    for r, c in enumerate(wire.split(chunk))
-                ]
+                works = self._broadcasts(wire, chunk, over)
                 return Pending(
                     work=works,
                     post=lambda: unpack(wire),
@@ -458,7 +513,10 @@ class Comm:
             assert scratch is not None, "the reduce-scatter needs its gradient slot's scratch"
             if self.by_all_to_all(inp.dtype):  # all-to-all, then this rank sums what it got
                 recv = scratch[: inp.numel()]
-                first = lambda a: dist.all_to_all_single(recv, inp, group=group, async_op=a)  # noqa: E731
+                first = lambda a: (  # noqa: E731
+                    self._scatters(recv, inp, over, a) if self.gloo_workaround
+                    else dist.all_to_all_single(recv, inp, group=group, async_op=a)
+                )  # fmt: skip
                 if inp.dtype == torch.float32:  # into the first received chunk: inp is read only
                     rows = recv.split(n)
                     chunk = rows[0]

@@ -319,7 +319,7 @@ def _native_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     source; not run on a GPU here). CPU flash attention's grouped k/v gradients in bf16 were
     measured 1.2-1.4x farther from fp64 than the repeated heads' (seq 256-512, head_dim 64-128;
     benchmarks/memory/activations/gqa_accuracy.txt) and moved a 10-step bf16 training run
-    (tests/test_features.py) twice as far from its reference: on CPU it is used in fp32 and fp64
+    (tests/engine/test_features.py) twice as far from its reference: on CPU it is used in fp32 and fp64
     only, where it matches the repeated heads to fp32 rounding."""
     if q.device.type == "cuda":
         from torch.backends.cuda import SDPAParams, can_use_flash_attention

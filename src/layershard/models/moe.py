@@ -6,7 +6,7 @@ bias-free linear map to one logit per expert, softmax in fp32, the top-k probabi
 renormalized to sum to one; each expert's gate and up projections are one ``[2 * ffn, dim]``
 matrix (gate first), its down projection ``[dim, ffn]``, and the experts of a layer are stacked
 into 3-D parameters (``experts.gate_up_proj``, ``experts.down_proj``). The stacking is also what
-expert parallelism splits (dimension 0). ``tests/test_moe.py`` checks logits and loss against
+expert parallelism splits (dimension 0). ``tests/models/test_moe.py`` checks logits and loss against
 ``MixtralForCausalLM`` with the same weights.
 
 The load-balancing loss pools every layer's routing, as HF's ``load_balancing_loss_func``: with

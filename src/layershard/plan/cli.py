@@ -186,6 +186,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
                    help="fit the efficiencies to measured runs (layershard train run folders, "
                    "layershard bench output) on this --gpu, then plan with them")  # fmt: skip
+    k.add_argument("--testbed", nargs="+", metavar="BENCH_DIR",
+                   help="predict every row of a `layershard bench --nodes N --link ...` output "
+                   "(its model, ranks, link and CPU rate) and print it against the measured step "
+                   "(plan/testbed.py)")  # fmt: skip
     k.add_argument("--fit", default="auto", choices=["auto", "compute"],
                    help="auto: compute, plus communication when the runs separate them")  # fmt: skip
     p.add_argument("--explain", action="store_true",
@@ -384,6 +388,10 @@ def _qlora(args: argparse.Namespace, shape: ModelShape, gpu: GPU) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.testbed:
+        from layershard.plan.testbed import main as testbed_main
+
+        return testbed_main(args.testbed, args.compute_eff)
     bad = check_input(args)
     if bad:
         print(f"layershard plan: error: {bad}", file=sys.stderr)

@@ -73,7 +73,7 @@ STATE_KEYS = (
 )
 
 # Bytes per token and dim that transformers' Llama-style blocks save beyond ours: each of
-# the two RMSNorms keeps its input cast to fp32 (bf16/fp16 compute; tests/test_plan_memory.py)
+# the two RMSNorms keeps its input cast to fp32 (bf16/fp16 compute; tests/plan/test_plan_memory.py)
 HF_NORM_EXTRA = 8
 
 # Optimizer state bytes per parameter (fp32 states).
@@ -305,9 +305,9 @@ def layer_activation_bytes_per_token(
 
     For bf16, h hd = d and kv = h that is 16 d + 8 f + 8 + 4 h (Korthikanti's GPT block: 34 d
     with f = 4 d, dropout masks and GELU instead of SwiGLU; HF's ``LlamaForCausalLM`` saves 8 d
-    more: each RMSNorm's fp32 input copy and normalized input). tests/test_plan.py checks it
+    more: each RMSNorm's fp32 input copy and normalized input). tests/plan/test_plan.py checks it
     exactly against the tensors autograd saves (``saved_tensors_hooks``) for the reference Block,
-    and tests/test_activation_memory.py the whole model against torch's MemTracker.
+    and tests/engine/test_activation_memory.py the whole model against torch's MemTracker.
     ``repeat_kv``: the model repeats k and v when the SDPA kernel that runs has no grouped heads
     (``llama._native_gqa``; e.g. fp32 on CUDA, where flash attention does not run).
     """
@@ -343,7 +343,7 @@ def logits_bytes_per_token(
     lower: c V + 8 V with the fp32 cast of bf16/fp16 logits (freed after log-softmax), c V + 4 V
     in fp32 (no copy is made), + 8 for the shifted labels. Plus two fp32 scalars per step (the
     loss and nll_loss's total weight), not counted. Measured with MemTracker in
-    tests/test_activation_memory.py.
+    tests/engine/test_activation_memory.py.
 
     ``loss="fused"`` (flash-attn's fused cross-entropy, llm-foundry's default): the logits and
     their gradient in the compute dtype, 2 c V, and an fp32 log-sum-exp."""
@@ -373,7 +373,7 @@ def chunked_logits_bytes(
     The plain loss's ``(c + 12) V`` per token becomes about ``(c + 4) V / K + 4 d + 32`` (8 B
     a token for fp32 logits); the forward (``ceil(T / K)`` tokens at a time) holds no gradient
     and peaks lower. Plus three fp32 scalars per step, not counted. Measured with MemTracker in
-    tests/test_chunked_loss.py."""
+    tests/engine/test_chunked_loss.py."""
     c = dtype_bytes(compute_dtype)
     t = int(tokens)
     v = -(-shape.vocab_size // int(chunks))
@@ -486,7 +486,7 @@ def peak_bytes(
       head's call, before they are) + activations + logits (+ the head's weight gradient under
       the chunked loss, whose backward is also the head's);
       The fp32 gradient shards are not there yet (``zero_grad(set_to_none=True)``, torch's
-      default, freed them; measured with MemTracker, tests/test_plan_memory.py), nor the block
+      default, freed them; measured with MemTracker, tests/plan/test_plan_memory.py), nor the block
       a checkpointed layer recomputes in backward (``act["recompute"]``);
     - backward, at a unit's post-backward: model states + the activations still saved (at most
       all of them, a recomputing block's too) + that unit's unsharded gradients

@@ -18,7 +18,7 @@ adapters, as ``ls.shard`` stores it (engine/four_bit.py):
 The peak adds the LM head's gathered weights and the logits, which the engine does not hold at
 once (the head's weights are freed before the loss): an upper bound by that much. Not measured
 on a GPU; the model-state terms are checked against ``memory_report()`` on CPU
-(tests/test_qlora.py).
+(tests/engine/test_qlora.py).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ link that bounded each transfer in it (NVLink, network, PCIe, or latency).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -180,12 +181,14 @@ def predict_time(
     links: Links | None = None,
     gather_dtype: str | None = None,
     mesh: Any = None,
+    latency_fn: Callable[[str, int, int], float] | None = None,
 ) -> TimePlan:
     """Step time of one optimizer step (module docstring). Efficiencies: ``eff`` (default: the
     GPU's), ``compute_eff`` (a fraction of peak for every FLOP, instead of the kernel model)
     and ``comm_eff`` (NVLink and network alike) overriding its fields. ``links``: a cluster's
     bandwidths and efficiencies (``network.CLUSTERS``) instead of the GPU's defaults.
-    ``latency_s``: a flat latency per collective instead of NCCL's ring/tree model.
+    ``latency_s``: a flat latency per collective instead of NCCL's ring/tree model;
+    ``latency_fn(op, ranks, nodes)``: one's own (the testbed's, ``plan/testbed.py``).
     ``gather_dtype``: fp8/int8 weights over the all-gathers (their bytes; the quantize and
     dequantize kernels are not modelled). ``mesh``: a ``parallel.Mesh`` (TP and EP sizes;
     ``plan/parallel.py``)."""
@@ -239,7 +242,7 @@ def predict_time(
         nv = links_["nvlink"] / intra
         net = links_["network"] / inter if inter else 0.0
         lat = (latency_s if latency_s is not None
-               else collective_latency_s(t.op, t.size, _nodes(t, cluster)))  # fmt: skip
+               else (latency_fn or collective_latency_s)(t.op, t.size, _nodes(t, cluster)))  # fmt: skip
         tot = max(nv, net) + lat
         if tot <= 0:
             return 0.0, {}

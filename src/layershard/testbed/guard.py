@@ -6,7 +6,9 @@ owner's process group does not reach it."""
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from layershard.testbed.netns import _alive, _delete_namespace, _run, testbed_namespaces
 
@@ -22,6 +24,7 @@ def main() -> None:
         dev = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
         if dev.startswith(tag):
             _run(["ip", "link", "del", dev], check=False)
+    (Path(tempfile.gettempdir()) / f"{tag}-relay.log").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def parse(text: str, cpu_flops: float | None = None) -> Link:
     return Link(rate, delay, jitter, loss, name=text)
 
 
-def matmul_flops(dim: int = 512, tokens: int = 2048, repeats: int = 5) -> float:
+def matmul_flops(dim: int = 512, tokens: int = 2048, repeats: int = 9) -> float:
     """FLOP/s this CPU reaches on an fp32 matmul of a block's shape (``tokens x dim`` by ``dim x
     4 dim``), the median of ``repeats``: the compute a preset scales against."""
     import torch

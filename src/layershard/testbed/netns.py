@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -167,6 +169,7 @@ class Testbed:
         self.namespaces = [f"{self.tag}-n{k}" for k in range(nodes)]
         self.relayed = False  # delay by the userspace relay (no netem)
         self._relay: subprocess.Popen | None = None
+        self._relay_log: Path | None = None
         self._guard: subprocess.Popen | None = None
 
     # ---- addresses and commands ---------------------------------------------------------------
@@ -185,6 +188,14 @@ class Testbed:
     def popen(self, node: int, cmd: Sequence[str], env: dict | None = None, **kw):
         full = {**os.environ, **(env or {}), **self.env(node)}
         return subprocess.Popen(self.command(node, cmd), env=full, **kw)
+
+    def bytes_sent(self) -> list[int]:
+        """What each node has sent over its link so far (its ``eth0``'s counter)."""
+        out = []
+        for ns in self.namespaces:
+            info = json.loads(_run(["ip", "-j", "-s", "-n", ns, "link", "show", "eth0"]).stdout)
+            out.append(int(info[0]["stats64"]["tx"]["bytes"]))
+        return out
 
     def set_link(self, node: int, up: bool) -> None:
         """Take ``node``'s link down (both ends: nothing passes) or bring it back up."""
@@ -286,7 +297,7 @@ class Testbed:
                            capture_output=True, text=True)  # fmt: skip
         if p.returncode != 0:
             raise RuntimeError(f"nft in the testbed's router: {p.stderr.strip()}")
-        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"{self.tag}-relay.log"
+        log = self._relay_log = Path(tempfile.gettempdir()) / f"{self.tag}-relay.log"
         self._relay = subprocess.Popen(
             ["ip", "netns", "exec", r, sys.executable, "-m", "layershard.testbed.relay",
              "--port", str(RELAY_PORT), "--delay", str(link.delay_s),
@@ -307,6 +318,8 @@ class Testbed:
         if self._relay is not None and self._relay.poll() is None:
             self._relay.kill()
             self._relay.wait()
+        if self._relay_log is not None:
+            self._relay_log.unlink(missing_ok=True)
         for ns in [*self.namespaces, self.router]:
             _delete_namespace(ns)
         for k in range(self.nodes):  # a veth left in the root namespace by a failed setup

@@ -1,0 +1,55 @@
+"""``layershard plan --testbed``: the planner on a bench run over the testbed's links
+(plan/testbed.py), read from a recorded bench output (benchmarks/links/wire-2x1/a100-ib200)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from layershard.cli import main
+from layershard.plan import testbed
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks/links/wire-2x1/a100-ib200/comm"
+
+
+def test_bytes_per_step_are_the_bench_counts() -> None:
+    """2 nodes x 1 rank: everything a rank sends crosses the link, so the planner's bytes per
+    step must equal what the bench counted for each implementation (its collectives' sizes).
+    Within 0.5%: DDP's bench count also holds the module buffers' broadcast (0.26 MB of 87)."""
+    rows, _ = testbed.predict_bench(BENCH)
+    assert {r.impl for r in rows} == {
+        "layershard", "layershard-bf16r", "layershard-fp8-bf16r", "layershard-int8-bf16r",
+        "fsdp2", "ddp",
+    }  # fmt: skip
+    for r in rows:
+        assert r.measured_bytes is not None
+        assert abs(r.network_bytes / r.measured_bytes - 1) < 5e-3, (r.impl, r.network_bytes)
+
+
+def test_ddp_row_fits_compute_and_the_rest_are_predicted() -> None:
+    """The one fitted number (compute efficiency) reproduces the DDP row; a link-bound row's
+    exposed time is its bytes over the link's payload rate less what compute hides."""
+    rows, note = testbed.predict_bench(BENCH)
+    by = {r.impl: r for r in rows}
+    assert abs(by["ddp"].ratio - 1) < 1e-3 and "fitted on the ddp row" in note
+    rate = json.loads((BENCH / "results.json").read_text())["settings"]["link"]["rate_bps"] / 8
+    exact = by["layershard"]
+    wire_s = exact.network_bytes / (rate * testbed.TCP_EFF)
+    # the step: the first gather alone, then every transfer beside compute: at least the
+    # bytes' time, at most bytes + compute
+    assert wire_s <= exact.predicted_s <= wire_s + exact.compute_s + 0.5
+    assert by["layershard-fp8-bf16r"].predicted_s < by["layershard-bf16r"].predicted_s
+
+
+def test_refuses_what_is_not_a_testbed_bench(tmp_path: Path, capsys) -> None:
+    with pytest.raises(testbed.TestbedError, match="no readable results.json"):
+        testbed.predict_bench(tmp_path)
+    shutil.copytree(BENCH, tmp_path / "b")
+    d = json.loads((tmp_path / "b/results.json").read_text())
+    d["settings"]["link"] = None
+    (tmp_path / "b/results.json").write_text(json.dumps(d))
+    assert main(["plan", "--testbed", str(tmp_path / "b")]) == 2
+    assert "not a testbed bench" in capsys.readouterr().err
