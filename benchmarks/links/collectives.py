@@ -1,16 +1,18 @@
-"""How gloo's ways of all-gathering a flat buffer fare over a shaped link (the testbed).
+"""How gloo's collectives fare over a shaped link (the testbed): what the engine's lanes fix.
 
-    python benchmarks/links/collectives.py --link 128mbit,7.84ms --mb 4 16 64
+    python benchmarks/links/collectives.py --link 128mbit --mb 16 --repeats 7
 
-Two nodes of one rank each; for each size, each way is timed ``--repeats`` times (median):
-``broadcasts`` (one async broadcast per owner into the output, the engine's gloo all-gather),
-``all_to_all`` (each rank sends its chunk to every peer in one all_to_all_single), ``native``
-(gloo's all_gather_into_tensor), ``all_reduce`` of the whole buffer for scale; and two
-reduce-scatters of the buffer: ``rs_all_to_all`` (the engine's: an all_to_all_single and a local
-sum) and ``rs_native`` (gloo's reduce_scatter_tensor); and two patterns of a training step:
-``gather_and_rs`` (the backward's: a gather of the buffer beside the engine's reduce-scatter of
-another as large) and ``gathers_in_turn`` (the forward's: the buffer gathered as 8 units, each
-issued when the previous one is done). Prints one JSON line per (size, way).
+Two nodes of one rank each; for each size, each way is timed ``--repeats`` times (median).
+Gathers of the buffer: ``broadcasts`` (one async broadcast per owner, on one group: the engine's
+gloo all-gather without lanes), ``broadcasts_by_source`` (each owner's on a group of its own: with
+lanes, engine/collectives.py), ``all_to_all``, ``native`` (gloo's all_gather_into_tensor), and an
+``all_reduce`` of the whole buffer for scale. Reduce-scatters: ``rs_all_to_all`` (an
+all_to_all_single and a local sum: the engine's without lanes), ``rs_scatters_by_source`` (a
+scatter from each rank on its own group: with lanes), ``rs_native`` (gloo's
+reduce_scatter_tensor). A backward's pattern, a gather beside a reduce-scatter of another buffer
+as large: ``gather_and_rs`` (one group), ``gather_and_rs_two_groups`` (the reduce-scatter on a
+second group), ``gather_and_rs_by_source`` (lanes). A forward's: ``gathers_in_turn`` (the buffer
+gathered as 8 units, each issued when the previous one is done). One JSON line per (size, way).
 """
 
 from __future__ import annotations
@@ -86,6 +88,29 @@ def rank_main(mb: list[float], repeats: int) -> None:
         for w in works:
             w.wait()
 
+    def rs_scatters_by_source(out, chunk):  # the engine's reduce-scatter with lanes
+        recv, n = torch.empty_like(out), chunk.numel()
+        parts = list(out.split(n))
+        works = [dist.scatter(row, parts if r == rank else None, src=r, group=by_source[r],
+                              async_op=True) for r, row in enumerate(recv.split(n))]  # fmt: skip
+        for w in works:
+            w.wait()
+        torch.sum(recv.view(world, -1), dim=0, out=chunk)
+
+    def gather_and_rs_by_source(out, chunk):  # the backward's pattern, with lanes
+        grad = torch.ones_like(out)
+        works = []
+        n = chunk.numel()
+        recv = torch.empty_like(out)
+        for r in range(world):
+            works.append(dist.broadcast(out[r * n : (r + 1) * n], src=r, async_op=True,
+                                        group=by_source[r]))  # fmt: skip
+            works.append(dist.scatter(recv[r * n : (r + 1) * n], list(grad.split(n))
+                                      if r == rank else None, src=r, group=by_source[r],
+                                      async_op=True))  # fmt: skip
+        for w in works:
+            w.wait()
+
     def gathers_in_turn(out, chunk):  # the forward's pattern: 8 unit gathers, one after another
         n = chunk.numel() // 8
         for k in range(8):
@@ -105,6 +130,8 @@ def rank_main(mb: list[float], repeats: int) -> None:
                          ("rs_all_to_all", rs_all_to_all), ("rs_native", rs_native),
                          ("gather_and_rs", gather_and_rs),
                          ("gather_and_rs_two_groups", gather_and_rs_two_groups),
+                         ("rs_scatters_by_source", rs_scatters_by_source),
+                         ("gather_and_rs_by_source", gather_and_rs_by_source),
                          ("gathers_in_turn", gathers_in_turn)):  # fmt: skip
             times = []
             for _ in range(repeats + 1):

@@ -436,7 +436,11 @@ def run_shape(args: argparse.Namespace) -> int:
                 )
         print(f"all runs: {time.time() - t_start:.0f} s", flush=True)
 
-    results = report.aggregate(sorted(runs_dir.glob("*.json")), settings=_settings(args, device))
+    settings = _settings(args, device)
+    if args.report_only and (out / "results.json").is_file():  # the load when the runs ran
+        before = json.loads((out / "results.json").read_text()).get("settings", {})
+        settings["load_at_start"] = before.get("load_at_start")
+    results = report.aggregate(sorted(runs_dir.glob("*.json")), settings=settings)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(report.format_table(results))
     try:

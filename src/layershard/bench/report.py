@@ -91,7 +91,12 @@ def _summarize(impl: str, runs: list[dict], ls_runs: dict, n: int) -> dict:
         precision=first["precision"],
         threads_per_rank=first["threads_per_rank"],
         params=first["model"]["params"],
+        model=first["model"],
     )
+    if all("link_bytes_sent" in r for r in ok):  # the testbed: counted on the busiest link
+        s["link_bytes_per_step"] = _median(
+            [max(r["link_bytes_sent"]) / r["link_steps"] for r in ok]
+        )
     # Peak memory per rank: the largest rank, median over repeats.
     if first["device"] == "cuda":
         s["max_memory_allocated"] = _median(

@@ -85,12 +85,17 @@ def _settings_of(impl: str, nproc: int) -> dict[str, Any] | None:
     return kw
 
 
-def _shape(folder: Path) -> ModelShape:
-    for run in sorted((folder / "runs").glob("*.json")):
-        model = json.loads(run.read_text()).get("model") or {}
-        if model.get("source") == "preset":
-            return ModelShape.from_config(SimpleNamespace(**model), name=str(model["preset"]))
-    raise TestbedError(f"{folder}: no run of a layershard model preset under runs/")
+def _shape(folder: Path, results: dict[str, Any]) -> ModelShape:
+    """The model the bench ran: recorded with each implementation's results."""
+    for entry in results.get("world_sizes", {}).values():
+        for s in entry.get("impls", {}).values():
+            model = s.get("model") or {}
+            if model.get("source") == "preset":
+                return ModelShape.from_config(SimpleNamespace(**model), name=str(model["preset"]))
+    raise TestbedError(
+        f"{folder}: results.json names no layershard model preset (a bench of a --hf-config, or "
+        "one from before the model was recorded: run it again)"
+    )
 
 
 def predict_bench(path: str | Path, compute_eff: float = 0.5) -> tuple[list[Row], str]:
@@ -110,7 +115,7 @@ def predict_bench(path: str | Path, compute_eff: float = 0.5) -> tuple[list[Row]
             f"{folder}: not a testbed bench (no settings.link); run layershard bench --nodes N "
             "--link ..."
         )
-    shape = _shape(folder)
+    shape = _shape(folder, d)
     nodes, cores = int(st["nodes"]), int(st.get("cores") or 1)
     rows: list[tuple[str, int, float, dict[str, Any]]] = []
     sent: dict[tuple[str, int], float] = {}
