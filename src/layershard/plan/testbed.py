@@ -17,7 +17,8 @@ The testbed is a small cluster whose GPUs are this CPU's ranks, so the same time
 
 Each bench implementation maps to the settings the planner knows: ``layershard`` is ``full``;
 ``-bf16r`` a bf16 reduction; ``-fp8``/``-int8`` gathers in 8 bits (their quantization's CPU time
-is not modelled); ``-hybrid`` sharded within a node; ``-hpz`` hpZ over a node; FSDP2 and FSDP1
+is not modelled); ``-hybrid`` sharded within a node; ``-hpz`` hpZ over a node; ``-grad_op``, ``-no_shard``
+themselves; FSDP2 and FSDP1
 the same bytes as ``full``; DDP ``no_shard``.
 """
 
@@ -80,6 +81,8 @@ def _settings_of(impl: str, nproc: int) -> dict[str, Any] | None:
             kw.update(strategy="hybrid", shard_size=nproc)
         elif part == "hpz":
             kw["reshard_after_forward"] = nproc
+        elif part in ("grad_op", "no_shard"):
+            kw["strategy"] = part
         else:
             return None
     return kw
