@@ -548,8 +548,9 @@ def _tail(out: str, n: int = 6000) -> str:
 def run_page(page: Page, workdir: Path, cache: Path, log=None, verbose: bool = False) -> None:
     """Run every unit of ``page`` in order in ``workdir`` (a fresh folder)."""
     (workdir / "examples").symlink_to(REPO / "examples", target_is_directory=True)
-    # a recorded testbed bench, where plan.md reads "the bench's --out links-out"
-    (workdir / "links-out").symlink_to(REPO / "benchmarks/links/wire-2x1", target_is_directory=True)
+    # a recorded testbed bench, read by plan.md (read only: no page writes there)
+    recorded = REPO / "benchmarks/links/wire-2x1"
+    (workdir / "recorded-links").symlink_to(recorded, target_is_directory=True)
     env = base_env(cache)
     for unit in page.units:
         output, seconds = run_unit(unit, workdir, env)
