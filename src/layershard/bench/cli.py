@@ -402,13 +402,13 @@ def run_shape(args: argparse.Namespace) -> int:
                 plan += [(n, r, i) for i in order
                          if i not in ("layershard-hybrid", "layershard-hpz") or two]  # fmt: skip
         t_start = time.time()
+        testbed = getattr(args, "testbed", None)  # the nodes' namespaces (--nodes), if any
         for k, (n, r, impl) in enumerate(plan):
             w = n * args.nodes
             path = runs_dir / f"{impl}-n{w}-r{r}.json"
             t0 = time.time()
             where = f"nproc={n}" + (f" x {args.nodes} nodes" if args.nodes > 1 else "")
             print(f"[{k + 1}/{len(plan)}] {impl:<10} {where} repeat={r} ...", end=" ", flush=True)
-            testbed = getattr(args, "testbed", None)
             sent0 = testbed.bytes_sent() if testbed else []
             rc, tail = _launch(args, impl, n, device, path)
             dt = time.time() - t0

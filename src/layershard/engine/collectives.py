@@ -286,20 +286,7 @@ class Comm:
         self.gloo_workaround = (
             self.backend == "gloo" and os.environ.get("LAYERSHARD_GLOO_NATIVE") != "1"
         )
-        # gloo: one group per sending rank for each group gathered over (module docstring)
-        self._lanes: dict[str, list[dist.ProcessGroup]] = {}
-        # (over the whole world only: a model over a subgroup would make groups its other
-        # ranks do not, which torch's naming of such groups cannot take; groups.py)
-        lanes_env = os.environ.get("LAYERSHARD_GLOO_LANES", "auto")
-        if self.gloo_workaround and lanes_env != "0" and sharding.groups.whole_world:
-            per_node = local_world_size(dist.get_world_size())
-            for name in ("shard", "hpz", "expert"):
-                g, _, size = self._members[name]
-                if g is None or not 1 < size <= MAX_LANES:
-                    continue
-                nodes = {r // per_node for r in dist.get_process_group_ranks(g)}
-                if len(nodes) > 1 or lanes_env == "1":
-                    self._lanes[name] = sharding.groups.lanes(name, g)
+        self._lanes = self._make_lanes(sharding)  # gloo: by group, one per sending rank
         self.host_sync = False  # CPU offload: waits also synchronize the CPU (see Pending)
         self._two_stage: list[_TwoStage] = []
         # Small agreements between ranks (which units a backward reaches) run on the CPU: on
@@ -330,6 +317,22 @@ class Comm:
     def members(self, over: str) -> tuple[dist.ProcessGroup | None, int, int]:
         return self._members[over]
 
+    def _make_lanes(self, sharding) -> dict[str, list[dist.ProcessGroup]]:
+        """The lanes of each gathered group that spans nodes (module docstring); none for a model
+        over a subgroup, whose other ranks would not make them (torch's naming: groups.py)."""
+        env = os.environ.get("LAYERSHARD_GLOO_LANES", "auto")
+        if not self.gloo_workaround or env == "0" or not sharding.groups.whole_world:
+            return {}
+        per_node = local_world_size(dist.get_world_size())
+        out = {}
+        for name in ("shard", "hpz", "expert"):
+            g, _, size = self._members[name]
+            if g is None or not 1 < size <= MAX_LANES:
+                continue
+            if env == "1" or len({r // per_node for r in dist.get_process_group_ranks(g)}) > 1:
+                out[name] = sharding.groups.lanes(name, g)
+        return out
+
     @property
     def lanes(self) -> list[dist.ProcessGroup]:
         """Every lane group this model made (gloo; module docstring)."""
@@ -347,19 +350,20 @@ class Comm:
             for r, c in enumerate(out.split(n))
         ]  # fmt: skip
 
-    def _scatters(self, recv: torch.Tensor, inp: torch.Tensor, over: str, async_op: bool):
-        """Gloo's reduce-scatter exchange: row r of ``recv`` gets this rank's chunk of rank r's
-        ``inp``; an all-to-all, or with lanes one scatter from each rank on its own lane."""
+    def _exchange(self, recv: torch.Tensor, inp: torch.Tensor, over: str, async_op: bool):
+        """A reduce-scatter's exchange: row r of ``recv`` gets this rank's chunk of rank r's
+        ``inp``; an all-to-all, or with lanes (gloo) one scatter from each rank on its own."""
         group, rank, world = self._members[over]
         assert group is not None  # only called when the group communicates
         lanes = self._lanes.get(over)
         if not lanes:
             return dist.all_to_all_single(recv, inp, group=group, async_op=async_op)
-        chunks = list(inp.split(inp.numel() // world))
+        n = inp.numel() // world
+        chunks = list(inp.split(n))  # the root's: chunk r to rank r
         return [
             dist.scatter(row, chunks if r == rank else None, src=dist.get_global_rank(group, r),
                          group=lane, async_op=async_op)
-            for r, (row, lane) in enumerate(zip(recv.split(inp.numel() // world), lanes))
+            for r, (row, lane) in enumerate(zip(recv.split(n), lanes))
         ]  # fmt: skip
 
     def communicates(self, over: str) -> bool:
@@ -513,10 +517,7 @@ class Comm:
             assert scratch is not None, "the reduce-scatter needs its gradient slot's scratch"
             if self.by_all_to_all(inp.dtype):  # all-to-all, then this rank sums what it got
                 recv = scratch[: inp.numel()]
-                first = lambda a: (  # noqa: E731
-                    self._scatters(recv, inp, over, a) if self.gloo_workaround
-                    else dist.all_to_all_single(recv, inp, group=group, async_op=a)
-                )  # fmt: skip
+                first = lambda a: self._exchange(recv, inp, over, a)  # noqa: E731
                 if inp.dtype == torch.float32:  # into the first received chunk: inp is read only
                     rows = recv.split(n)
                     chunk = rows[0]

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from layershard.plan.calibrate import _golden
 from layershard.plan.hardware import GPU, Cluster, TiB
 from layershard.plan.model import ModelShape
 from layershard.plan.sources import Efficiency
@@ -152,12 +153,10 @@ def predict_bench(path: str | Path, compute_eff: float = 0.5) -> tuple[list[Row]
     note = f"compute at {compute_eff:.3g} of the matmul rate (--compute-eff)"
     ddp = [r for r in rows if r[0] == "ddp"]
     if ddp:
-        _, world, measured, kw = ddp[0]
-        lo, hi = 1e-3, 1.0
-        for _ in range(60):  # the step time falls as the efficiency rises: bisect in log space
-            mid = math.sqrt(lo * hi)
-            lo, hi = (mid, hi) if predict(kw, world, mid).step_s > measured else (lo, mid)
-        compute_eff = math.sqrt(lo * hi)
+        _, world, measured, ddp_kw = ddp[0]
+        compute_eff = _golden(
+            lambda x: math.log(predict(ddp_kw, world, x).step_s / measured) ** 2, 1e-3, 1.0
+        )
         note = (
             f"compute at {compute_eff:.3g} of the matmul rate: fitted on the ddp row (the one "
             "number fitted; every other row is predicted)"
