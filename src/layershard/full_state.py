@@ -6,6 +6,9 @@ the dict's validity before any data moves, then each rank copies its slice of ea
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -107,6 +110,12 @@ def _validate(model, sd: dict, strict: bool) -> str:
     for key, kind, ref in model._entries:
         if key not in sd:
             continue
+        if not isinstance(sd[key], torch.Tensor):  # its shape may match, its copy would fail
+            what = f"{type(sd[key]).__module__}.{type(sd[key]).__qualname__}"
+            return (
+                f"load_full_state_dict(): {key} is a {what.removeprefix('builtins.')}, not a "
+                "torch.Tensor; pass tensors (torch.from_numpy(...))"
+            )
         if kind == "quant_state":
             if not torch.equal(sd[key].to(ref.device), ref):
                 return (
@@ -135,22 +144,60 @@ def whole(model, slot, part: torch.Tensor) -> torch.Tensor:
     return slot.kind.gather_whole(part, model.sharding)
 
 
+def keeps_full_state(model) -> bool:
+    """Does this rank keep ``full_state_dict(rank0_only=True)``? Rank 0 of the model's group
+    and, for a tensor-parallel model, of its TP group (one TP coordinate keeps the whole
+    tensors): one rank in all, the one that writes what the others gathered with it."""
+    tp_group = dtensor.tp_group(s.kind for f in model.flat_params for s in f.slots)
+    first = dist.get_rank(model.process_group) == 0
+    return first and (tp_group is None or dist.get_rank(tp_group) == 0)
+
+
+@contextlib.contextmanager
+def agreed_by_model(model) -> Iterator[None]:
+    """``agreed`` over every rank that gathers ``model``'s weights with this one: its group
+    and, for a tensor-parallel model, its TP group. Nested, so that a failure spreads over the
+    TP group, then over the data-parallel group of each of its ranks: every rank of the mesh.
+    Collective."""
+    tp_group = dtensor.tp_group(s.kind for f in model.flat_params for s in f.slots)
+    with agreed(model.process_group):
+        if tp_group is None:
+            yield
+        else:
+            with agreed(tp_group):
+                yield
+
+
+def keep_copy(t: torch.Tensor, cpu: bool) -> torch.Tensor:
+    """What the rank that keeps the full state holds of a gathered tensor: the step that fails
+    on that rank alone (it holds the whole model: out of memory)."""
+    return t.to("cpu") if cpu else t.clone()
+
+
 def full_state_dict(model, rank0_only: bool, cpu: bool, packed: bool) -> dict[str, torch.Tensor]:
     """``ShardedModule.full_state_dict`` (its docstring says what)."""
-    keep = not rank0_only or dist.get_rank(model.process_group) == 0
-    tp_group = dtensor.tp_group(s.kind for f in model.flat_params for s in f.slots)
-    if tp_group is not None and rank0_only:  # one TP coordinate keeps the whole tensors
-        keep = keep and dist.get_rank(tp_group) == 0
+    keep = not rank0_only or keeps_full_state(model)
     full: dict[int, torch.Tensor] = {}
+    error: Exception | None = None  # kept until every flat is gathered: the others gather on
     for f in model.flat_params:
         if f.packed and not packed:
             continue
         views = model.whole_views(f, model.gather_flat(f))
-        if keep:
-            for slot, t in zip(f.slots, views):
-                full[id(slot)] = t.to("cpu") if cpu else t.clone()
-    if not keep:
-        return {}
+        if keep and error is None:
+            try:
+                for slot, t in zip(f.slots, views):
+                    full[id(slot)] = keep_copy(t, cpu)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error, full = e, {}
+    with agreed_by_model(model):
+        if error is not None:
+            raise error
+        return _assemble(model, full, cpu, packed) if keep else {}
+
+
+def _assemble(model, full: dict[int, torch.Tensor], cpu: bool, packed: bool) -> dict:
+    """The state dict in the wrapped model's ``state_dict()`` order: the gathered parameters
+    (``full``, by slot), quantization states and persistent buffers (copies)."""
     out = {}
     for key, kind, ref in model._entries:
         if kind == "param":

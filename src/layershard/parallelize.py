@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from layershard.engine import options
 from layershard.meshes import hybrid_replicas, make_meshes
 from layershard.models.moe import Experts
 from layershard.parallel.expert import ExpertGroup, is_hf_experts, split_hf_experts
@@ -49,6 +50,7 @@ def parallelize(
     other way: ``shard_size`` ranks (default: a node's) hold one replica, so ``dp_replicate =
     world / shard_size`` (``layershard train --strategy hybrid`` and ``ShardingPlugin`` say it so).
     """
+    options.check("parallelize()", tp=tp, ep=ep, dp_replicate=dp_replicate, **shard_options)
     if not dist.is_initialized():
         raise RuntimeError("parallelize(): call ls.init_distributed() first")
     dp_replicate = _replicas(shard_options, dp_replicate)

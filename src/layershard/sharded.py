@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from layershard import full_state, meshes
 from layershard.distributed import default_device
-from layershard.engine import dtensor
+from layershard.engine import dtensor, options
 from layershard.engine.agreement import agreed
 from layershard.engine.buffers import nbytes
 from layershard.engine.build import build_schedule, make_storage
@@ -111,6 +111,11 @@ def shard(
 
     Build the optimizer *after* this call, from the returned module's ``parameters()``.
     """
+    options.check(
+        "shard()", strategy=strategy, shard_size=shard_size, mixed_precision=mixed_precision,
+        reshard_after_forward=reshard_after_forward, offload=offload, compile=compile,
+        activation_checkpointing=activation_checkpointing,
+    )  # fmt: skip
     if isinstance(model, ShardedModule) or model in _sharded_models:
         raise ValueError("shard(): this model is already sharded")
     inner = next((n for n, m in model.named_modules() if isinstance(m, ShardedModule)), None)
@@ -145,8 +150,8 @@ def shard(
     with agreed(group):  # a check that fails on one rank alone fails on every rank
         check_experts(specs, sharding)
         check_shared_modules(model, specs)
+        check_quantized(specs)  # first: an 8-bit or 4-bit weight's own message, not its dtype's
         check_dtypes(specs)
-        check_quantized(specs)
         if expert_mesh is None:  # else the meshes give every group (engine/strategy.py)
             dtensor.check_groups((p for spec in specs for p, _ in spec.params), group)
     disable_cpu_repacking(model)
@@ -199,9 +204,9 @@ def shard(
     blocks = [u for u in units if u.is_block]
     block_modules = [u.module for u in blocks if u.module is not None]
     if compile:
-        options = compile if isinstance(compile, dict) else {}
+        compile_options = compile if isinstance(compile, dict) else {}
         for m in block_modules:  # the block's computation only: the unit's hooks stay outside
-            m.forward = torch.compile(m.forward, **options)
+            m.forward = torch.compile(m.forward, **compile_options)
     for u in blocks[:activation_checkpointing]:
         assert u.module is not None
         u.module.forward = partial(schedule.checkpoint_forward, u, u.module.forward)

@@ -1,6 +1,8 @@
 """Input schemas for the command line: pydantic types that say what a value must be, and the one
 line that explains the first value that is not. ``layershard train`` (its config and launch
-options) and ``layershard plan`` validate through these; nothing else checks types or ranges.
+options), ``layershard plan`` and the Python API's options (``engine/options.py``: ``ls.shard``,
+``ls.parallelize``, ``ShardingPlugin``) validate through these; nothing else checks types or
+ranges.
 
 A field's ``description`` is the rule in words ("a finite number >= 0"), used when a constraint
 fails; type errors are phrased from the expected type.
@@ -103,6 +105,8 @@ def one_line(
         if not isinstance(e.get("input"), str):
             return f"{label} must be a string, got {value!r}"
         return f"{label} must be one of {ctx.get('expected', '')}, got {value!r}"
+    if kind == "is_instance_of" and rule:  # an object of the Python API (ls.MixedPrecision)
+        return f"{label} must be {rule}, got {value!r}"
     if kind in _CONSTRAINTS and rule:
         return f"{label} must be {rule}, got {value!r}"
     if kind in _CONSTRAINTS and kind != "finite_number":

@@ -140,6 +140,52 @@ def test_failed_export_leaves_the_existing_folder_intact(saved, tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+def test_info_says_when_latest_names_no_checkpoint(saved, tmp_path, capsys):
+    """A dangling ``latest`` (its checkpoint deleted): resume falls back to the newest complete
+    one, and ``info`` of that one says so instead of a bare "integrity ok"."""
+    run = tmp_path / "checkpoints"
+    shutil.copytree(saved / "run_a", run)
+    (run / pub.LATEST).write_text("step_000999")
+    assert main(["checkpoint", "info", str(run / "step_000001")]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"latest       BROKEN: {run}/latest points to 'step_000999', which does not exist "
+        "(--resume takes the newest complete one, step_000001)" in out
+    ), out
+    assert "integrity    ok" in out
+    assert "step_000999" in checkpoint_info(run / "step_000001")["latest_error"]
+    assert "latest_error" not in checkpoint_info(saved / "run_a" / "step_000001")
+
+
+def test_export_over_a_file_size_limit_is_one_line_and_leaves_nothing(saved, tmp_path):
+    """A write the OS refuses (here ``ulimit -f``; a full disk alike) inside safetensors: one
+    line naming the cause and the fix, exit 1, no traceback, no folder or temporary left."""
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "hf"
+    limit = 16 * 1024  # bytes: less than one shard
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "layershard",
+        "checkpoint",
+        "export",
+        str(saved / "run_a"),
+        str(out),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limited, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert "File too large" in r.stderr and "raise the file-size limit (ulimit -f)" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_export_refuses_a_file_as_output(saved, tmp_path, capsys):
     out = tmp_path / "hf"
     out.write_text("not a folder")

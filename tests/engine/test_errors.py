@@ -43,7 +43,7 @@ def test_layers_not_inside_model():
 
 
 def test_strategy_arguments():
-    with pytest.raises(ValueError, match="unknown strategy.*full, grad_op, no_shard, hybrid"):
+    with pytest.raises(ValueError, match="strategy must be one of 'full', 'grad_op', 'no_shard'"):
         ls.shard(tiny_llama(), strategy="zero4")
     with pytest.raises(ValueError, match="shard_size=...\\) applies to strategy='hybrid'"):
         ls.shard(tiny_llama(), strategy="full", shard_size=2)

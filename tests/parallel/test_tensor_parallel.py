@@ -474,6 +474,19 @@ def _refusals(rank: int, world: int) -> None:
         ls.shard(tiny_llama(), mesh=mesh, process_group=dist.group.WORLD)
     with pytest.raises(ValueError, match=r"\('dp_shard', 'tp'\) or"):
         ls.shard(tiny_llama(), mesh=mesh)  # no data-parallel dim
+    # a layer the plan would split unevenly: one line naming it (was a matmul shape error later)
+    odd = (
+        f"tp={world} must divide the output features \\(column-wise split\\) of layers.0.mlp.w1: 63"
+    )
+    with pytest.raises(ValueError, match=odd):
+        parallelize_llama(tiny_llama(ffn_dim=63), mesh)
+    hf = hf_llama()
+    for layer in hf.model.layers:
+        layer.mlp.down_proj = torch.nn.Linear(63, 32, bias=False)  # a row-wise split of 63
+    with pytest.raises(
+        ValueError, match=r"input features \(row-wise split\) of layers.0.mlp.down_proj: 63"
+    ):
+        parallelize_hf(hf, mesh)
 
 
 def _bf16(rank: int, world: int) -> None:

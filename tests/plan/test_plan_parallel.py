@@ -163,10 +163,22 @@ def test_tp1_ep1_rows_are_the_1d_rows(shape):
 
 
 def test_mesh_candidates():
+    """Only the sizes `layershard train` accepts (its check_tp_model): 2 KV heads split 2 ways
+    at most (tp 4 was tried, and written to configs train refused), a MoE's TP only with EP."""
     cl = Cluster(16, 8)
-    assert mesh_candidates(DENSE, cl) == [(1, 1), (2, 1), (4, 1)]  # 4 heads: tp <= 4
-    assert mesh_candidates(MOE, cl, tp=2) == [(2, 1), (2, 2), (2, 4), (2, 8)]
-    assert mesh_candidates(MOE, cl, ep=8) == [(1, 8), (2, 8), (4, 8)]
+    assert mesh_candidates(DENSE, cl) == [(1, 1), (2, 1)]
+    assert mesh_candidates(MOE, cl, tp=2) == [(2, 2), (2, 4), (2, 8)]
+    assert mesh_candidates(MOE, cl, ep=8) == [(1, 8), (2, 8)]
+    # a TP size train refuses is still planned when given (--write-config refuses it)
+    assert mesh_candidates(DENSE, cl, tp=4) == [(4, 1)]
+    # Qwen3-30B-A3B: 32 heads over 4 KV heads, its experts packed (train splits them by EP only)
+    qwen = ModelShape.from_hf_config(CONFIGS / "qwen3-30b-a3b")
+    pairs = mesh_candidates(qwen, Cluster(8, 8))
+    assert pairs == [
+        (1, 1),
+        *((1, e) for e in (2, 4, 8)),
+        *((t, e) for t in (2, 4) for e in (2, 4, 8)),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -186,10 +198,10 @@ def test_refusals(shape, mesh, message):
 def test_cli_refuses_in_one_line(capsys):
     assert main(["plan", "--model", "moe", "--gpus", "6", "--ep", "3", "--no-suggest"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "layershard plan: --ep 3 does not divide the 8 experts"
+    assert err == "layershard plan: error: --ep 3 does not divide the 8 experts"
     assert main(["plan", "--model", "llama-7b", "--gpus", "6", "--tp", "3", "--no-suggest"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "layershard plan: --tp 3 does not divide the 32 attention heads"
+    assert err == "layershard plan: error: --tp 3 does not divide the 32 attention heads"
 
 
 def test_cli_tp_row_and_recommendation(capsys):
@@ -293,3 +305,15 @@ def test_tp_moe_elementwise_of_its_share_of_the_tokens():
     outside = 2 * (2 * c * shape.dim * T / hbm)  # the embedding's and the final norm's bytes
     assert ew > floor_f  # the bytes, not the launch floor, bound it here
     assert t.compute_by_kind["elementwise"] == pytest.approx((blocks + outside) / e.compute_scale)
+
+
+def test_train_refuses_a_tp_that_splits_a_layer_unevenly():
+    """train's own check of the layers a TP plan splits (models/splits.py), not only the heads:
+    a preset whose FFN width tp does not divide is no row train can run."""
+    from layershard.plan.parallel import Mesh, train_refuses
+
+    shape = ModelShape(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=130)
+    assert train_refuses(Mesh(8, 2, 1), shape) is None
+    why = train_refuses(Mesh(8, 4, 1), shape)
+    assert why is not None and "--tp 4 must divide the output features" in why, why
+    assert "layers.0.mlp.w1: 130" in why

@@ -393,6 +393,30 @@ def test_nodes_started_with_different_settings_refuse_in_one_line(tmp_path, cach
     assert not run.exists()
 
 
+def test_a_node_that_cannot_see_node_0s_run_folder_refuses_in_one_line(
+    tmp_path, cache, no_leftovers
+):
+    """Node 1 started with another --run-dir (as a node with the same path on a disk of its own
+    would be): its ranks died with a FileNotFoundError traceback (launch.json). Now the nodes
+    compare what they see at the rendezvous and both refuse in one line before any rank
+    starts; node 0 takes back what it wrote."""
+    port = _free_port()
+    common = [*ONE, *COMMON, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    nodes = [Node(tmp_path, 0, [*common, "--run-dir", str(run)], _env(cache, 0)),
+             Node(tmp_path, 1, [*common, "--run-dir", str(elsewhere)], _env(cache, 1))]  # fmt: skip
+    assert [n.wait() for n in nodes] == [2, 2], [n.stderr()[-2000:] for n in nodes]
+    expected = (
+        f"layershard train: error: node 1 cannot see the run folder node 0 wrote ({run}/"
+        "launch.json): every node must see the same run folder, at the same path, on storage "
+        "they share (NFS, Lustre, ...); pass that --run-dir on every node"
+    )
+    for n in nodes:
+        assert n.stderr().strip().splitlines()[-1] == expected, n.stderr()[-2000:]
+        assert "Traceback" not in n.stderr()
+    assert not run.exists() and not elsewhere.exists()
+
+
 def test_an_unreachable_rendezvous_is_one_line_naming_the_endpoint(tmp_path, cache, no_leftovers):
     """Issue 35: a node pointed at a rendezvous nobody hosts printed ~30 lines of C++ frames,
     ended with "the training ranks failed" though no rank started, and waited torch's 600 s.

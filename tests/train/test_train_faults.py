@@ -165,14 +165,16 @@ def test_dead_rank_is_named_and_a_corrupt_checkpoint_is_not_resumed_silently(
     assert "--resume-fallback to resume from the newest intact one (step_000001)" in err[0]
     # the same size, other bytes: found by the ranks' SHA-256 check, reported once, no traceback
     data.write_bytes(kept[:-8] + bytes(8))
-    metrics = (run / "metrics.jsonl").read_bytes()
-    assert train_main(["--resume", "--run-dir", str(run)]) == 2
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    # (with a changed setting: the ranks' refusal puts config.yaml back as it was)
+    assert train_main(["--resume", "--run-dir", str(run), "--eval-interval", "3"]) == 2
     cap = capfd.readouterr()
     assert "Traceback" not in cap.err
     assert cap.err.count("SHA-256") == 1, cap.err
     last = cap.err.strip().splitlines()[-1]
     assert f"{data}: corrupt (SHA-256 differs" in last and "--resume-fallback" in last, last
-    assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing was resumed
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert after == before  # nothing was resumed, nothing rewritten
     assert train_main(["--resume", "--run-dir", str(run), "--resume-fallback"]) == 0
     assert "resuming from step_000001; skipped the corrupt step_000002" in capfd.readouterr().err
     assert_same_final(run, reference)
@@ -190,6 +192,32 @@ def test_resuming_a_finished_run_touches_nothing(tmp_path, reference, capsys):
     assert json.loads((run / "launch.json").read_text()) == json.loads(
         (reference / "launch.json").read_text()
     )
+
+
+def test_a_resume_that_changes_the_trained_state_is_refused_and_changes_nothing(
+    tmp_path, reference, capsys
+):
+    """The checkpoints hold the run's optimizer state and trainable parameters: a resume with
+    another optimizer, or with or without --qlora, is refused before launch, config.yaml kept."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    (run / "summary.json").unlink()  # not finished: --resume would train
+    before = (run / "config.yaml").read_bytes()
+    assert train_main(["--resume", "--run-dir", str(run), "--optimizer", "muon"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert "--resume: --optimizer muon instead of the run's adamw, but the checkpoints" in err
+    assert (run / "config.yaml").read_bytes() == before
+    # --qlora / --lora-rank (a QLoRA run is too slow to train here: the comparison itself)
+    from layershard.train.config import resolve
+    from layershard.train.identity import _state_change
+
+    full, qlora = resolve({}), resolve({"qlora": True, "init_from": "/m"})
+    assert "--qlora trains LoRA adapters" in _state_change(full, qlora)
+    assert "--no-qlora trains every weight" in _state_change(qlora, full)
+    r8 = resolve({"qlora": True, "init_from": "/m", "lora_rank": 8})
+    assert _state_change(qlora, r8) == "--lora-rank 8 instead of the run's 16"
+    assert _state_change(qlora, qlora) == ""
 
 
 def test_a_second_run_on_the_same_folder_refuses(tmp_path, reference, capsys):

@@ -21,7 +21,8 @@ from _train import TINY, refused_one_line, train_main
 
 import layershard as ls
 from layershard.train import status as st
-from layershard.train.launch.launcher import DEFAULT_TIMEOUT_S, LaunchOptions, prepare, rank_env
+from layershard.train.launch.launcher import DEFAULT_TIMEOUT_S, LaunchOptions, rank_env
+from layershard.train.launch.preflight import prepare
 from layershard.train.loop.faults import StopRequest
 from layershard.train.loop.report import read_metrics
 
@@ -71,6 +72,70 @@ def test_launch_options_and_models_are_refused_before_launch(tmp_path, capsys):
     (llama / "pytorch_model.bin").write_bytes(b"pickle")
     err = refused("--init-from", str(llama))
     assert f"--init-from {llama} has no *.safetensors weights (it has pytorch_model.bin" in err
+
+
+def test_parallel_splits_that_cannot_work_are_refused_before_launch(tmp_path, capsys):
+    """--ep / --tp that the ranks would refuse (or fail on in the first step) say so in one line
+    before any rank starts, and leave no run folder."""
+
+    def refused(*argv):
+        return refused_one_line(capsys, tmp_path, *TINY, *argv)
+
+    moe = ["--model", "moe", "--model-override", "n_heads=4", "--model-override", "n_kv_heads=2"]
+    assert "--ep 2: the model has no expert layers to split" in refused("--ep", "2")
+    assert "--ep 2 must divide every expert layer's number of experts (got 3)" in refused(
+        *moe, "--model-override", "n_experts=3", "--model-override", "top_k=1", "--ep", "2"
+    )
+    assert "ep 2 is not supported with --optimizer muon yet" in refused(
+        *moe, "--ep", "2", "--optimizer", "muon"
+    )
+    assert (
+        "--tp 2 must divide the output features (column-wise split) of layers.0.mlp.w1: 129"
+        in refused("--tp", "2", "--model-override", "ffn_dim=129")
+    )
+
+
+def test_overwrite_during_another_launchs_data_preparation_is_refused(
+    tmp_path, capsys, monkeypatch
+):
+    """A launch holds the run folder from before its data work (minutes on a large corpus): an
+    --overwrite meanwhile is refused and deletes nothing (it used to pass, the first launch had
+    not locked yet, and delete the folder under it)."""
+    import layershard.train.launch.preflight as preflight
+    from layershard.train import cli as train_cli
+
+    run = tmp_path / "run"
+    assert train_main([*TINY, "--run-dir", str(run), "--dry-run"]) == 0
+    run.mkdir()
+    (run / "config.yaml").write_text("model: tiny\n")  # a run folder --overwrite may replace
+    (run / "metrics.jsonl").write_text("{}\n")
+    refusals = []
+    real = preflight.prepare_splits
+
+    def while_preparing(*args, **kwargs):
+        if not refusals:  # the second launch comes while the first prepares its data
+            refusals.append(train_main([*TINY, "--run-dir", str(run), "--overwrite"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(preflight, "prepare_splits", while_preparing)
+    monkeypatch.setattr(train_cli, "launch", lambda run_dir, opts: (0, None))  # no ranks
+    assert train_main([*TINY, "--run-dir", str(run), "--overwrite"]) == 0
+    assert refusals == [2]
+    err = capsys.readouterr().err
+    assert f"run folder {run} is in use by another layershard train (pid {os.getpid()}" in err
+    assert not (run / "metrics.jsonl").exists()  # the first launch's --overwrite, not the second's
+    assert (run / "launch.json").is_file() and not (run / ".layershard" / "lock").exists()
+
+
+def test_a_run_folder_that_cannot_be_created_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    # a file on the way; a folder the kernel refuses to create (procfs)
+    for where in (tmp_path / "file" / "run", Path("/proc/layershard-test-run")):
+        assert train_main([*TINY, "--run-dir", str(where)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("layershard train: error: run folder"), err
+        assert "choose another --run-dir" in err
+    assert (tmp_path / "file").read_text() == ""
 
 
 def test_more_ranks_than_cores_warns_with_the_memory_per_rank(tmp_path, capsys):

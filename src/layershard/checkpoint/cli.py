@@ -59,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
                     f"saved        {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(info['created_unix']))} "
                     f"by layershard {info['layershard_version']}, torch {info['torch_version']}"
                 )
-        if info.get("latest"):
+        if info.get("latest_error"):
+            done = info["checkpoints"]
+            newest = (
+                f"the newest complete one, {done[-1]['name']}" if done else "none: none is complete"
+            )
+            print(f"latest       BROKEN: {info['latest_error']} (--resume takes {newest})")
+        elif info.get("latest"):
             print(f"latest       {info['latest']}")
         if info["checkpoints"]:
             print(
@@ -98,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 verify=not args.no_verify,
             )
         except (CheckpointError, ValueError, OSError) as e:
-            print(f"layershard checkpoint export: {e}", file=sys.stderr)
+            print(f"layershard checkpoint export: error: {e}", file=sys.stderr)
             return 1
         print(f"exported {args.path} -> {out} ({args.dtype}) in {time.perf_counter() - t0:.1f} s")
         return 0

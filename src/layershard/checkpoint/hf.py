@@ -123,12 +123,20 @@ class ShardedSafetensorsWriter:
         self.total += n
 
     def flush(self) -> None:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         if not self.pending:
             return
         path = self.out_dir / f".part-{self.tag}-{len(self.files):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
+        try:
+            save_file(self.pending, str(path), metadata={"format": "pt"})
+        except SafetensorError as e:  # the OS's error (a full disk, a file-size limit) inside
+            path.unlink(missing_ok=True)
+            raise OSError(
+                f"writing a safetensors file failed ({e}); free disk space or raise the "
+                "file-size limit (ulimit -f), then export again"
+            ) from None
         self.files.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 

@@ -13,7 +13,8 @@ from layershard.checkpoint.errors import CheckpointError
 def checkpoint_info(path: str | os.PathLike, verify: bool = True) -> dict:
     """``{"path", "ok", "error", "step", "world_size", "params", "numel", "optimizer", "files",
     "bytes", "created_unix", "layershard_version", "checkpoints" (siblings), "latest",
-    "leftovers" (folders of interrupted saves)}``. Never raises for a bad checkpoint: ``ok`` is
+    "latest_error" (when ``latest`` names no complete checkpoint), "leftovers" (folders of
+    interrupted saves)}``. Never raises for a bad checkpoint: ``ok`` is
     False and ``error`` says why."""
     from layershard.checkpoint.manifest import total_numel
     from layershard.checkpoint.validate import open_checkpoint
@@ -27,6 +28,10 @@ def checkpoint_info(path: str | os.PathLike, verify: bool = True) -> dict:
     )
     if (parent / pub.LATEST).is_file():
         out["latest"] = (parent / pub.LATEST).read_text().strip()
+        try:
+            pub.resolve(parent)
+        except CheckpointError as e:  # `--resume` then takes the newest complete checkpoint
+            out["latest_error"] = str(e)
     out["checkpoints"] = [
         {"name": d.name, "step": s}
         for s, _, d in (pub.sibling_checkpoints(parent) if parent.is_dir() else [])

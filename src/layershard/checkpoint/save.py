@@ -360,19 +360,26 @@ def save_checkpoint(
     t0 = time.perf_counter()
     everyone = dtensor.checkpoint_group(model, "save_checkpoint()")  # every rank of a TP model
     final = Path(path).absolute()
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"save_checkpoint(keep_last={keep_last}): must be at least 1")
-    if step is not None and not isinstance(step, int):
-        raise TypeError(f"save_checkpoint(step={step!r}): must be an int")
-    extra = jsonable(extra, "save_checkpoint(extra=...)")
-    run_config = jsonable(run_config, "save_checkpoint(run_config=...)")
     wait_for_pending_save(model)
     bg = _background(model, everyone) if async_save else None
     group = everyone if bg is None else bg.group  # where DCP writes
     save = _Save(final, keep_last, everyone, group)
     ph = save.phases
 
-    got: Collected = ph.each(COLLECT, lambda: collect(model, optimizer, ph.rank))
+    def gather_state() -> tuple[Any, Any, Collected]:
+        # the arguments too: extra is often a rank's own (where its data stands), and a rank
+        # that refused it alone would leave the others in the phases below
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"save_checkpoint(keep_last={keep_last}): must be at least 1")
+        if step is not None and not isinstance(step, int):
+            raise TypeError(f"save_checkpoint(step={step!r}): must be an int")
+        return (
+            jsonable(extra, "save_checkpoint(extra=...)"),
+            jsonable(run_config, "save_checkpoint(run_config=...)"),
+            collect(model, optimizer, ph.rank),
+        )
+
+    extra, run_config, got = ph.each(COLLECT, gather_state)
     summary = ph.gather(
         COLLECT, lambda: (got.optimizer and got.optimizer["state"], _nbytes(got.tensors))
     )

@@ -18,8 +18,9 @@ Read in the order of one training step:
    takes which slot, arithmetic the planner shares), ``collectives`` (all-gather and
    reduce-scatter across torch versions and backends).
 
-The options: ``strategy`` (full, grad_op, no_shard, hybrid, hpZ), ``precision`` (mixed
-precision, fp16's scaler), ``wire_dtype`` (fp8/int8 gathers). The kinds of parameter
+The options: ``options`` (their types, checked where they enter), ``strategy`` (full, grad_op,
+no_shard, hybrid, hpZ), ``precision`` (mixed precision, fp16's scaler), ``wire_dtype`` (fp8/int8
+gathers). The kinds of parameter
 (``param_kind``): ``four_bit`` (4-bit weights as packed bytes), ``dtensor`` (tensor-parallel
 DTensor shards), ``float8`` (fp8 bytes handed to torchao's ``Float8Linear``). Keeping the ranks
 in step: ``agreement`` (one rank's failure raises on every rank) and ``waits`` (what a blocked

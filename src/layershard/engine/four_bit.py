@@ -180,19 +180,30 @@ class Packed(ParamKind):
 
 
 def check_quantized(specs: list, largest_block_numel: int | None = None) -> None:
-    """Refuse 4-bit weights the engine cannot keep packed, each in one line:
+    """Refuse quantized weights the engine cannot keep, each in one line:
 
-    - a trainable one: 4-bit codes have no gradient (``Linear4bit``'s backward computes none)
+    - a bitsandbytes 8-bit one (``Int8Params``: ``load_in_8bit``, ``Linear8bitLt``): its int8
+      codes would be sharded, but its scales (``CB``/``SCB``, attributes of the weight) are not
+      carried by a gathered view, so its first forward failed (``AttributeError: ... 'CB'``);
+    - a 4-bit trainable one: 4-bit codes have no gradient (``Linear4bit``'s backward computes none)
       and no optimizer can step them; train adapters on a frozen base (PEFT's LoRA);
     - one not yet quantized (``bnb_quantized`` False: bitsandbytes quantizes on ``.to(device)``):
       its data is still the full-precision weight;
     - one on the meta device (its bytes do not exist yet).
     """
+    int8 = getattr(sys.modules.get("bitsandbytes.nn.modules"), "Int8Params", None)
     for s in specs:
         for p, uses in s.params:
+            name = uses[0].name
+            if int8 is not None and isinstance(p, int8):
+                raise ValueError(
+                    f"shard(): {name} is a bitsandbytes 8-bit weight (load_in_8bit, "
+                    "Linear8bitLt), which layershard cannot shard; load the base in 4 bits for "
+                    "QLoRA (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')) or "
+                    "in bf16/fp32"
+                )
             if not is_packed(p):
                 continue
-            name = uses[0].name
             kind = "torchao NF4" if is_nf4(p) else "bitsandbytes"
             if p.requires_grad:
                 raise ValueError(

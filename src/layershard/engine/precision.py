@@ -36,14 +36,14 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         if self.gather_dtype is not None and self.gather_dtype not in GATHER_DTYPES:
             raise ValueError(
-                f"MixedPrecision.gather_dtype={self.gather_dtype} is not supported; use None "
+                f"MixedPrecision.gather_dtype={self.gather_dtype!r} is not supported; use None "
                 "(the compute dtype, exact), torch.float8_e4m3fn or torch.int8"
             )
         for field_name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field_name)
             if dtype not in _FLOATS:
                 raise ValueError(
-                    f"MixedPrecision.{field_name}={dtype} is not supported; "
+                    f"MixedPrecision.{field_name}={dtype!r} is not supported; "
                     "use torch.float32, torch.bfloat16 or torch.float16"
                 )
 

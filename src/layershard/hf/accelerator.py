@@ -29,6 +29,8 @@ from accelerate.utils import DistributedType, DynamoBackend
 from torch import nn
 
 import layershard as ls
+from layershard.engine.agreement import agreed
+from layershard.full_state import agreed_by_model
 from layershard.hf.fused_head import bridge_fused_lm_head
 from layershard.hf.plugin import ShardingPlugin
 from layershard.sharded import ShardedModule
@@ -247,16 +249,20 @@ class Accelerator(accelerate.Accelerator):
         sharded = sharded_of(model)
         if sharded is None:
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
-        state_dict = self.get_state_dict(sharded)
         inner: Any = sharded.module
         if not hasattr(inner, "save_pretrained"):
-            super().save_model(inner, save_directory, max_shard_size, safe_serialization)
-        elif self.is_main_process:
-            kwargs: dict[str, Any] = {"safe_serialization": safe_serialization}
-            if not _is_peft(inner):
-                kwargs["max_shard_size"] = max_shard_size
-            inner.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
-        self.wait_for_everyone()
+            # accelerate's: our get_state_dict (the gather) first, then the main process writes
+            with agreed():
+                super().save_model(inner, save_directory, max_shard_size, safe_serialization)
+            return None
+        state_dict = self.get_state_dict(sharded)
+        with agreed():  # the main process writes: its failure is every rank's
+            if self.is_main_process:
+                kwargs: dict[str, Any] = {"safe_serialization": safe_serialization}
+                if not _is_peft(inner):
+                    kwargs["max_shard_size"] = max_shard_size
+                inner.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
+        return None
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -267,7 +273,10 @@ class Accelerator(accelerate.Accelerator):
         objects), and for each sharded model a ``layershard_model_<i>/`` sharded checkpoint
         with its optimizer (``ls.save_checkpoint``: each rank writes its slices). Collective."""
         pairs, others, other_opts = self._split_state()
-        with self._only(others, other_opts):
+        # accelerate writes files on the main process alone (schedulers, registered objects):
+        # agreed before the sharded saves (its barrier, under automatic_checkpoint_naming,
+        # precedes its writes)
+        with self._only(others, other_opts), agreed():
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         for i, (sharded, opt) in enumerate(pairs):
             path = Path(location) / f"{STATE_PREFIX}_{i}" / f"step_{self.step:06d}"
@@ -277,9 +286,11 @@ class Accelerator(accelerate.Accelerator):
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
         """Undo ``save_state``, at this or another world size (RNG states of ranks that did not
         exist when saving are left as they are, as accelerate does)."""
-        input_dir = self._resolve_load_dir(input_dir)
         pairs, others, other_opts = self._split_state()
-        with self._only(others, other_opts):
+        # each rank reads accelerate's files (no collective in it): a folder one rank cannot
+        # see fails before the sharded loads
+        with self._only(others, other_opts), agreed():
+            input_dir = self._resolve_load_dir(input_dir)
             super().load_state(input_dir, load_kwargs, **kwargs)
         for i, (sharded, opt) in enumerate(pairs):
             path = Path(input_dir) / f"{STATE_PREFIX}_{i}"
@@ -393,9 +404,10 @@ def full_state_dict(sharded: ShardedModule) -> dict[str, torch.Tensor]:
     sd = sharded.full_state_dict(rank0_only=True, packed=not _is_peft(sharded.module))
     copies: dict[int, torch.Tensor] = {}
     out = {}
-    for key in list(sd):
-        t = sd.pop(key)
-        if id(t) not in copies:
-            copies[id(t)] = t.clone()
-        out[key] = copies[id(t)]
+    with agreed_by_model(sharded):  # rank 0 alone copies the whole model (out of memory)
+        for key in list(sd):
+            t = sd.pop(key)
+            if id(t) not in copies:
+                copies[id(t)] = t.clone()
+            out[key] = copies[id(t)]
     return out

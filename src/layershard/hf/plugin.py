@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from layershard.engine import options
 from layershard.engine.precision import MixedPrecision
 from layershard.engine.strategy import CPUOffload
 
@@ -60,6 +61,9 @@ class ShardingPlugin:
     # tensor parallelism: the model's base_model_tp_plan over tp ranks that share a batch
     # (ls.parallelize); the data is split over the world / tp data-parallel ranks
     tp: int = 1
+
+    def __post_init__(self) -> None:
+        options.check("ShardingPlugin()", **{f.name: getattr(self, f.name) for f in fields(self)})
 
     def shard_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ls.shard(model, **kwargs)``."""

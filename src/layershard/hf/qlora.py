@@ -6,7 +6,8 @@
   dequantized and its adapter merged (W + scaling x B @ A), in bf16 safetensors, written unit by
   unit: rank 0 holds one unit's weights at a time, never the model.
 
-Both are collective (every rank calls them); rank 0 writes.
+Both are collective (every rank calls them); rank 0 writes, and every rank raises its error
+(``engine/agreement.py``): the others would otherwise wait for it until the timeout.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from layershard.engine.four_bit import Packed
 from layershard.engine.units import Unit
+from layershard.full_state import agreed_by_model, keeps_full_state
 from layershard.hf.accelerator import sharded_of
 from layershard.sharded import ShardedModule
 
@@ -31,14 +32,16 @@ PEFT_PREFIX = "base_model.model."
 
 def save_adapter(model: Any, folder: str | os.PathLike) -> None:
     """Write the PEFT adapters of a sharded PEFT model into ``folder`` (``adapter_config.json``,
-    ``adapter_model.safetensors``). Collective."""
+    ``adapter_model.safetensors``). Collective; one rank writes, and its failure is every
+    rank's."""
     sharded = _sharded_peft(model, "save_adapter")
     sd = sharded.full_state_dict(rank0_only=True, packed=False)
-    if dist.get_rank(sharded.process_group) == 0:
-        copies = {k: v.clone() for k, v in sd.items()}  # views of one buffer: own storage each
-        peft_model: Any = sharded.module
-        peft_model.save_pretrained(str(folder), state_dict=copies)
-    dist.barrier(sharded.process_group)
+    with agreed_by_model(sharded):
+        if keeps_full_state(sharded):
+            _check_folder(Path(folder), "save_adapter")
+            copies = {k: v.clone() for k, v in sd.items()}  # views of one buffer: own storage each
+            peft_model: Any = sharded.module
+            peft_model.save_pretrained(str(folder), state_dict=copies)
 
 
 def export_merged(
@@ -47,43 +50,64 @@ def export_merged(
     """Write a Hugging Face model folder (``config.json`` without the quantization, safetensors
     in ``dtype``, one file per unit and an index) with every LoRA adapter merged into its
     dequantized base weight, loadable with ``from_pretrained``. Collective; gathers one unit at
-    a time."""
+    a time; one rank writes, and its failure is every rank's."""
     from safetensors.torch import save_file
 
     sharded = _sharded_peft(model, "export_merged")
     peft_model: Any = sharded.module
     lora_layers = _lora_layers(peft_model)
-    rank0 = dist.get_rank(sharded.process_group) == 0
+    writer = keeps_full_state(sharded)
     out = Path(folder)
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
+    with agreed_by_model(sharded):
+        if writer:
+            _check_folder(out, "export_merged")
+            out.mkdir(parents=True, exist_ok=True)
     units = sharded.units
     weight_map: dict[str, str] = {}
+    error: Exception | None = None  # the writer's, kept until every unit is gathered
     for i, u in enumerate(units):
         tensors = _unit_tensors(sharded, u)  # collective: every rank gathers the unit
-        if not rank0:
+        if not writer or error is not None:
             continue
-        merged = _merge_unit(u, tensors, lora_layers, dtype)
-        name = f"model-{i + 1:05d}-of-{len(units):05d}.safetensors"
-        save_file(merged, str(out / name), metadata={"format": "pt"})
-        weight_map.update((k, name) for k in merged)
-    if rank0:
-        buffers = {
-            _hf_name(k): b.detach().to("cpu", dtype if b.is_floating_point() else b.dtype)
-            for k, b in sharded.persistent_buffers()
-        }
-        if buffers:
-            name = "model-buffers.safetensors"
-            save_file(buffers, str(out / name), metadata={"format": "pt"})
-            weight_map.update((k, name) for k in buffers)
-        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        config = copy.deepcopy(peft_model.get_base_model().config)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.dtype = dtype
-        config.save_pretrained(str(out))
-    dist.barrier(sharded.process_group)
+        try:
+            merged = _merge_unit(u, tensors, lora_layers, dtype)
+            name = f"model-{i + 1:05d}-of-{len(units):05d}.safetensors"
+            save_file(merged, str(out / name), metadata={"format": "pt"})
+            weight_map.update((k, name) for k in merged)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+    with agreed_by_model(sharded):
+        if error is not None:
+            raise error
+        if writer:
+            _write_rest(sharded, out, weight_map, dtype)
+
+
+def _check_folder(out: Path, what: str) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"ls.hf.{what}: {out} exists and is not a folder; choose another folder")
+
+
+def _write_rest(sharded: ShardedModule, out: Path, weight_map: dict[str, str], dtype) -> None:
+    """After the units: the buffers, the index and the config without the quantization."""
+    from safetensors.torch import save_file
+
+    peft_model: Any = sharded.module
+    buffers = {
+        _hf_name(k): b.detach().to("cpu", dtype if b.is_floating_point() else b.dtype)
+        for k, b in sharded.persistent_buffers()
+    }
+    if buffers:
+        name = "model-buffers.safetensors"
+        save_file(buffers, str(out / name), metadata={"format": "pt"})
+        weight_map.update((k, name) for k in buffers)
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = copy.deepcopy(peft_model.get_base_model().config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    config.save_pretrained(str(out))
 
 
 def _sharded_peft(model: Any, what: str) -> ShardedModule:

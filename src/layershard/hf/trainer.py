@@ -30,6 +30,7 @@ import transformers
 from transformers.trainer import SCHEDULER_NAME
 
 import layershard as ls
+from layershard.engine.agreement import agreed
 from layershard.engine.four_bit import is_packed
 from layershard.hf.accelerator import (
     _ATTR,
@@ -175,7 +176,8 @@ class ShardedTrainerMixin(_TrainerBase):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = self.accelerator.get_state_dict(sharded)  # collective; {} but on rank 0
-        self._save(output_dir, state_dict=state_dict)
+        with agreed():  # rank 0 writes: its failure is every rank's
+            self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         self.accelerator.wait_for_everyone()
@@ -191,10 +193,12 @@ class ShardedTrainerMixin(_TrainerBase):
             inner_optimizer(self.optimizer),
             step=step,
         )
-        if self.args.should_save and self.lr_scheduler is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # torch's "save the optimizer too"
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        with agreed():  # rank 0 alone writes the scheduler: its failure is every rank's
+            if self.args.should_save and self.lr_scheduler is not None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # torch's "save the optimizer"
+                    state = self.lr_scheduler.state_dict()
+                    torch.save(state, os.path.join(output_dir, SCHEDULER_NAME))
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -224,10 +228,11 @@ class ShardedTrainerMixin(_TrainerBase):
         folder = Path(checkpoint) / CHECKPOINT_DIR
         ls.load_checkpoint(folder, sharded, inner_optimizer(self.optimizer), restore_rng=False)
         scheduler = Path(checkpoint) / SCHEDULER_NAME
-        if scheduler.is_file() and self.lr_scheduler is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        with agreed():  # each rank reads the file: one that cannot fails every rank
+            if scheduler.is_file() and self.lr_scheduler is not None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_best_model(self) -> None:
         sharded, best = self._ls_sharded(), self.state.best_model_checkpoint

@@ -15,6 +15,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from layershard.models.splits import check_tp
+
 
 class ReplicatedOverHeads(ParallelStyle):
     """transformers' ``replicated_with_grad_allreduce`` (Qwen3's q/k norms): a norm over each
@@ -81,5 +83,7 @@ def parallelize_hf(model: nn.Module, tp_mesh: DeviceMesh, experts: bool = True) 
             raise ValueError(f"parallelize_hf: {key}={n} must be divisible by the TP size {tp}")
     base = model.base_model
     assert isinstance(base, nn.Module), "parallelize_hf: a transformers model was expected"
-    parallelize_module(base, tp_mesh, hf_tp_plan(config, experts))
+    plan = hf_tp_plan(config, experts)
+    check_tp(base, plan, tp)
+    parallelize_module(base, tp_mesh, plan)
     return model

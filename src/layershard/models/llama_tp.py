@@ -12,6 +12,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from layershard.models.splits import check_tp
+
 
 def llama_tp_plan() -> dict[str, ParallelStyle]:
     """``parallelize_module`` plan for one built-in Llama block (``models/llama.py``'s
@@ -31,22 +33,30 @@ def llama_tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
+def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    """``llama_tp_plan`` for this block: its attention part only for a MoE block, whose experts
+    go to EP (or stay whole)."""
+    plan = llama_tp_plan()
+    if not hasattr(block.mlp, "w1"):
+        plan = {name: style for name, style in plan.items() if name.startswith("attn.")}
+    return plan
+
+
 def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Apply ``llama_tp_plan`` to every block of a built-in Llama (``LlamaForCausalLM``) over the
     1-D ``tp_mesh``, and give each attention its local head counts (the column-parallel q/k/v
     produce ``heads / tp`` heads per rank). The embedding, final norm and head stay replicated.
     Returns ``model``."""
     tp = tp_mesh.size()
-    for block in model.layers:  # type: ignore[union-attr]
+    for i, block in enumerate(model.layers):  # type: ignore[union-attr]
         attn = block.attn
         if attn.n_heads % tp or attn.n_kv_heads % tp:
             raise ValueError(
                 f"parallelize_llama: n_heads={attn.n_heads} and n_kv_heads={attn.n_kv_heads} "
                 f"must be divisible by the TP size {tp}"
             )
-        plan = llama_tp_plan()
-        if not hasattr(block.mlp, "w1"):  # a MoE block: its experts go to EP (or stay whole)
-            plan = {name: style for name, style in plan.items() if name.startswith("attn.")}
+        plan = block_plan(block)
+        check_tp(block, plan, tp, prefix=f"layers.{i}.")
         parallelize_module(block, tp_mesh, plan)
         attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
     return model

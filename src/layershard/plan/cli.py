@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, StrictBool, ValidationError
 from pydantic.dataclasses import dataclass
 
 from layershard.plan.calibrate import CalibrationError, read_runs
@@ -25,25 +25,10 @@ from layershard.plan.parallel import mesh_candidates, train_flags, train_refuses
 from layershard.plan.planner import DEFAULT_HEADROOM, Plan, Settings, Suggestion, make_plan, suggest
 from layershard.plan.qlora import QLoRASettings
 from layershard.plan.qlora import render as render_qlora
+from layershard.plan.qlora import to_dict as qlora_dict
+from layershard.plan.render import render, render_suggestion
 from layershard.plan.sources import FRAGMENTATION
 from layershard.validation import NonNegativeInt, Number, PositiveInt, PositiveNumber, one_line
-
-GIB = 2**30
-
-_LABELS = {
-    "params": "params (fp32 master shards)",
-    "grads": "grads (fp32 shards)",
-    "optimizer": "optimizer state",
-    "gather_buffers": "gather_buffers",
-    "grad_buffers": "grad_buffers",
-    "reduce_scratch": "reduce_scratch",
-    "large_gather": "large_gather (units > a block)",
-    "large_grad": "large_grad (units > a block)",
-    "module_buffers": "module_buffers (RoPE tables)",
-    "no_sync": "no_sync accumulators",
-}
-_HOST = ("params", "grads", "optimizer", "no_sync")
-
 
 Efficiency = Annotated[Number | None, Field(gt=0, le=1, description="in (0, 1]")]
 
@@ -62,6 +47,11 @@ class PlanInput:
     tp: PositiveInt | None = None
     ep: PositiveInt | None = None
     loss_chunks: NonNegativeInt = 0
+    lora_rank: PositiveInt = 16
+    reshard_after_forward: Annotated[
+        StrictBool | PositiveInt,
+        Field(description="true, false or a number of ranks K >= 1 (hpZ)"),
+    ] = True
     gpu_memory: PositiveNumber | None = None
     tflops: PositiveNumber | None = None
     intra_bw: PositiveNumber | None = None
@@ -86,7 +76,39 @@ def check_input(args: argparse.Namespace) -> str:
         PlanInput(**given)
     except ValidationError as e:
         return one_line(e, dict(PlanInput.__pydantic_fields__), given, prefix="--")  # type: ignore[attr-defined]  # pydantic dataclass
+    return _check_outputs(args)
+
+
+def _check_outputs(args: argparse.Namespace) -> str:
+    """A file ``--json`` / ``--write-config`` cannot write, as one line (checked before the
+    plan, which would otherwise print and then fail), or ''."""
+    for option, path in (("--json", args.json), ("--write-config", args.write_config)):
+        if path is None:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            return f"{option} {p} is a folder; name a file in it"
+        if not p.parent.is_dir():
+            return (
+                f"{option} {p}: the folder {p.parent} does not exist; create it or choose "
+                "another path"
+            )
     return ""
+
+
+def checkpoint_layers(value: str, n_layers: int) -> int:
+    """``--checkpoint-layers K|all`` as a number of blocks; ``ValueError`` (one line) if not."""
+    if str(value).lower() == "all":
+        return n_layers
+    try:
+        k = int(value)
+    except ValueError:
+        k = -1
+    if not 0 <= k <= n_layers:
+        raise ValueError(
+            f"--checkpoint-layers must be a number of blocks 0..{n_layers} or all, got {value!r}"
+        )
+    return k
 
 
 def _ras(value: str) -> bool | int:
@@ -95,12 +117,12 @@ def _ras(value: str) -> bool | int:
         return True
     if low == "false":
         return False
-    return int(value)
-
-
-def _count(n: int) -> str:
-    """A parameter count as people say it: 6.74B, 125.03M."""
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    try:
+        return int(value)  # PlanInput checks its range
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"true, false or a number of ranks K (hpZ), got {value!r}"
+        ) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -204,213 +226,154 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="suggest checkpointing and micro-batch only, for the given strategy")  # fmt: skip
 
 
-def _gib(x: float) -> str:
-    return f"{x / GIB:10.2f}"
+def _error(message: str) -> int:
+    """``layershard plan``'s one-line refusal (exit 2)."""
+    print(f"layershard plan: error: {message}", file=sys.stderr)
+    return 2
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:10.2f}"
+def _defaults() -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
 
 
-def render(plan: Plan) -> str:
-    sh, g, cl, s, mem, t = plan.shape, plan.gpu, plan.cluster, plan.settings, plan.memory, plan.time
-    a = t.assumptions
-    ffn = (
-        f"{sh.n_experts} experts of ffn {sh.moe_ffn_dim}, top-{sh.top_k}" if sh.moe
-        else f"ffn={sh.ffn_dim}"
-    )  # fmt: skip
-    lines = [
-        f"layershard plan: {sh.name} ({_count(sh.total_params)} params, {sh.n_layers} layers, "
-        f"d={sh.dim}, {ffn}, heads={sh.n_heads}/{sh.n_kv_heads} kv, "
-        f"vocab={sh.vocab_size}, tied={'yes' if sh.tie_embeddings else 'no'})",
-        f"  on {cl.gpus} x {g.name} ({cl.nodes} node(s) x {cl.local}; {g.memory_bytes / GIB:.1f} "
-        f"GiB, {g.bf16_tflops:g} TFLOP/s bf16, NVLink {g.intra_bw_gbs:g} GB/s, "
-        f"network {g.inter_bw_gbs:g} GB/s, PCIe {g.pcie_gbs:g} GB/s per GPU)",
-        f"  seq {s.seq_len}, micro-batch {s.micro_batch}, grad-accum {s.grad_accum}, "
-        f"{s.param_dtype} params, {s.reduce_dtype} reduce, "
-        + (f"{s.gather_dtype} gathers, " if s.gather_dtype else "")
-        + f"{s.optimizer}, "
-        f"{s.checkpoint_layers}/{sh.n_layers} layers checkpointed",
-        f"  strategy: {plan.strategy_label}",
-        "",
-        f"{'Memory per GPU':40s}{'GiB':>10s}",
-    ]
-    for key, label in _LABELS.items():
-        where = "   (host)" if s.offload and key in _HOST else ""
-        lines.append(f"  {label:38s}{_gib(mem[key])}{where}")
-    lines += [
-        f"  {'= model states (memory_report total)':38s}{_gib(mem['model_states'])}",
-        f"  {'activations (saved for backward)':38s}{_gib(mem['activations'])}",
-        f"  {_logits_label(s.loss_chunks):38s}{_gib(mem['logits'])}",
-    ]
-    if "loss_head_grad" in mem:
-        lines.append(
-            f"  {'head weight grad (in the chunked loss)':38s}{_gib(mem['loss_head_grad'])}"
+# What --qlora's plan reads: memory of one data-parallel layout, every block checkpointed.
+# Any other option given with it would be dropped without a word.
+_QLORA_READS = {
+    "model", "hf_config", "gpus", "gpus_per_node", "gpu", "gpu_memory", "seq_len", "micro_batch",
+    "grad_accum", "param_dtype", "offload", "qlora", "lora_rank", "no_double_quant",
+    "frozen_dtype", "json", "write_config", "no_suggest", "testbed",
+}  # fmt: skip
+
+
+def _qlora_unused(args: argparse.Namespace) -> list[str]:
+    """The options given with --qlora that its plan does not use, as flags."""
+    unused = []
+    for name, default in _defaults().items():
+        value = getattr(args, name)
+        if name == "checkpoint_layers":  # every block is checkpointed: "all" says so
+            given = str(value).lower() not in ("0", "all")
+        else:
+            given = name not in _QLORA_READS and value != default
+        if given:
+            unused.append("--" + name.replace("_", "-"))
+    return unused
+
+
+def _qlora_train_refuses(args: argparse.Namespace) -> str:
+    """Why ``layershard train --qlora`` could not run these settings (--write-config), or ''."""
+    if not args.hf_config:
+        return (
+            "--write-config with --qlora needs --hf-config MODEL_FOLDER: layershard train "
+            "--qlora loads a Hugging Face model folder (--init-from), not a preset"
         )
-    lines += [
-        f"  {'gather buffers given back at the loss':38s}{_gib(-mem['released_at_loss'])}",
-        f"  {'one unit unsharded grads (backward)':38s}{_gib(mem['unit_grads'])}",
-        f"  {'= peak on the GPU (max of fwd, bwd)':38s}{_gib(mem['peak'])}",
-        f"  {'usable for tensors (after the margins)':38s}{_gib(plan.budget)}"
-        f"   {'fits' if plan.fits_device else 'DOES NOT FIT'}",
-    ]
-    if s.offload:
-        lines.append(
-            f"  {'host memory per node (offloaded)':38s}{_gib(mem['host_per_node'])}   of "
-            f"{plan.host_budget / GIB:.0f} usable, {'fits' if plan.fits_host else 'DOES NOT FIT'}"
+    if args.no_double_quant:
+        return (
+            "--write-config: layershard train quantizes with double quantization; drop "
+            "--no-double-quant"
         )
-    lines += [
-        "",
-        f"{'Communication per GPU per step':28s}{'group':>22s}{'NVLink GB':>10s}"
-        f"{'network GB':>12s}{'PCIe GB':>10s}",
-    ]
-    tot = {"nvlink": 0.0, "network": 0.0, "pcie": 0.0}
-    for kind, links in t.comm_bytes.items():
-        lines.append(
-            f"  {kind:26s}{t.comm_groups.get(kind, '')[:22]:>22s}{_gb(links['nvlink'])}  "
-            f"{_gb(links['network'])}{_gb(links['pcie'])}"
+    if args.frozen_dtype not in (None, "fp32"):
+        return (
+            "--write-config: layershard train --qlora loads the unquantized weights in fp32; "
+            "drop --frozen-dtype"
         )
-        for k in tot:
-            tot[k] += links[k]
-    lines.append(
-        f"  {'total':26s}{'':22s}{_gb(tot['nvlink'])}  {_gb(tot['network'])}{_gb(tot['pcie'])}"
-    )
-    lines += [
-        "",
-        f"{'Time per step':40s}{'s':>10s}",
-        f"  {'compute (incl. recompute)':38s}{t.compute_s:10.3f}",
-    ]
-    if t.copy_s:
-        lines.append(f"  {'copies on the compute stream':38s}{t.copy_s:10.3f}")
-    lines += [
-        f"  {'communication (if not overlapped)':38s}{t.comm_s:10.3f}",
-        f"  {'forward / backward / optimizer':38s}{t.forward_s:10.3f} / {t.backward_s:.3f} / "
-        f"{t.optimizer_s:.3f}{' (CPU)' if s.offload else ''}",
-        f"  {'= step (overlapped)':38s}{t.step_s:10.3f}",
-        f"  {'exposed communication':38s}{t.exposed_comm_s:10.3f}",
-        f"  {'MFU':38s}{t.mfu * 100:9.1f}%",
-        f"  {'tokens/s per GPU':38s}{t.tokens_per_s_per_gpu:10.0f}",
-        "",
-        f"Efficiencies ({g.name}): compute {a['compute_model']}{_at(a['compute_eff'])}, "
-        f"NVLink {a['nvlink_eff']:.3g}, network {a['network_eff']:.3g}, PCIe {a['pcie_eff']:.3g}, "
-        f"host {a['host_eff']:.3g}; latency: "
-        + (
-            a["latency_model"]
-            if a["latency_s"] is None
-            else f"{a['latency_s'] * 1e6:g} us per collective"
+    return ""
+
+
+def _qlora(args: argparse.Namespace, shape: ModelShape, gpu: GPU, cluster: Cluster) -> int:
+    unused = _qlora_unused(args)
+    if unused:
+        return _error(
+            "--qlora plans data-parallel QLoRA with every block checkpointed and does not use "
+            f"{', '.join(unused)}; drop {'it' if len(unused) == 1 else 'them'}"
         )
-        + (f"; cluster {a['cluster']}" if a.get("cluster") else "")
-        + " (sources: plan/sources.py, docs/plan.md)",
-        "Model: each GEMM by (m, n, k) on a tile/wave roofline, flash attention by sequence length, "
-        "element-wise bytes (plan/kernels.py);",
-        "  collectives: ring bytes per link at the links' bandwidth + NCCL's ring/tree latency "
-        "(plan/network.py);",
-        "  step: the engine's schedule, each unit's compute against its neighbours' transfers "
-        "(plan/steptime.py); MFU = model FLOPs / (step x peak); --explain takes it apart.",
-    ]
-    return "\n".join(lines)
-
-
-def _at(eff: float | None) -> str:
-    return "" if eff is None else f" at {eff:.3g} of peak"
-
-
-def _logits_label(chunks: int) -> str:
-    return f"logits + loss ({chunks} chunks)" if chunks else "logits + loss"
-
-
-def render_suggestion(sug: Suggestion, requested: Settings) -> str:
-    lines = [f"Suggestion: {sug.message}"]
-    if sug.plan is not None:
-        sp = sug.plan
-        s = sp.settings
-        flags = [f"--tp {s.tp} --ep {s.ep}"] if sp.mesh is not None else []
-        flags.append(f"--strategy {s.strategy}")
-        if s.shard_size:
-            flags.append(f"--shard-size {s.shard_size}")
-        if s.reshard_after_forward is not True:
-            flags.append(f"--reshard-after-forward {s.reshard_after_forward}")
-        if s.offload:
-            flags.append("--offload")
-        if s.loss_chunks:
-            flags.append(f"--loss-chunks {s.loss_chunks}")
-        flags += [
-            f"--micro-batch {s.micro_batch}",
-            f"--grad-accum {s.grad_accum}",
-            f"--checkpoint-layers {s.checkpoint_layers}",
-        ]
-        lines.append(
-            f"  predicted step {sp.time.step_s:.3f} s, MFU {sp.time.mfu * 100:.1f}%"
-            + ("" if s == requested else f" (flags: {' '.join(flags)})")
-        )
-        if sp.mesh is not None:
-            why = train_refuses(s, sp.shape.moe)
-            note = f" ({why}: issue 32)" if why else ""
-            lines.append(f"  layershard train{note}: {train_flags(s)}")
-        lines.append(f"  why: {sug.why}")
-    if len(sug.ranking) > 1:
-        lines += [
-            "",
-            f"  {'strategy (its fastest setting that fits)':46s}{'step s':>8s}{'x best':>8s}"
-            f"{'peak GiB':>9s}{'mb x ga':>8s}{'ckpt':>6s}  against the best",
-        ]
-        best = sug.plan.time.step_s if sug.plan else None
-        for r in sug.ranking:
-            if r.plan is None:
-                lines.append(f"  {r.label[:46]:46s}  {r.reason}")
-                continue
-            p = r.plan
-            ratio = f"{p.time.step_s / best:7.2f}x" if best else ""
-            lines.append(
-                f"  {r.label[:46]:46s}{p.time.step_s:8.3f}{ratio:>8s}{p.memory['peak'] / GIB:9.1f}"
-                f"{f'{p.settings.micro_batch}x{p.settings.grad_accum}':>8s}"
-                f"{p.settings.checkpoint_layers:6d}  {r.reason}"
-            )
-    return "\n".join(lines)
-
-
-def _qlora(args: argparse.Namespace, shape: ModelShape, gpu: GPU) -> int:
-    if args.lora_rank < 1:
-        print("layershard plan: --lora-rank must be >= 1", file=sys.stderr)
-        return 2
+    why = _qlora_train_refuses(args) if args.write_config else ""
+    if why:
+        return _error(why)
+    seq = args.seq_len or min(4096, shape.max_seq_len)
+    if args.write_config and seq > shape.max_seq_len:
+        return _error(_seq_len_refused(seq, shape))
     settings = QLoRASettings(
         world=args.gpus,
         lora_rank=args.lora_rank,
         double_quant=not args.no_double_quant,
         compute_dtype=args.param_dtype or "bf16",
-        seq_len=args.seq_len or min(4096, shape.max_seq_len),
+        seq_len=seq,
         micro_batch=args.micro_batch,
         offload=args.offload,
-        frozen_dtype=args.frozen_dtype,
+        # a config for train: planned as train loads them (train/loop/qlora.py)
+        frozen_dtype=args.frozen_dtype or ("fp32" if args.write_config else None),
     )
     print(render_qlora(shape, settings, gpu.name, gpu.memory_bytes))
+    out = qlora_dict(shape, settings, gpu.name, gpu.memory_bytes)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"qlora": out}, indent=2) + "\n")
+    if args.write_config:
+        if not out["fits"]:
+            return _error("--write-config: these settings do not fit; no config written")
+        _write(args.write_config, qlora_yaml(out, args, cluster))
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.testbed:
-        from layershard.plan.testbed import main as testbed_main
+def qlora_yaml(out: dict, args: argparse.Namespace, cluster: Cluster) -> str:
+    """A QLoRA plan (``qlora.to_dict``) as a ``layershard train --qlora`` YAML: the model
+    folder ``--hf-config`` names as ``init_from``, the predictions under ``plan:``."""
+    import yaml
 
-        return testbed_main(args.testbed, args.compute_eff)
-    bad = check_input(args)
-    if bad:
-        print(f"layershard plan: error: {bad}", file=sys.stderr)
-        return 2
+    s, m = out["settings"], out["memory_bytes"]
+    folder = Path(args.hf_config)
+    cfg = {
+        "init_from": str(folder if folder.is_dir() else folder.parent),
+        "qlora": True,
+        "lora_rank": s["lora_rank"],
+        "seq_len": s["seq_len"],
+        "micro_batch": s["micro_batch"],
+        "grad_accum": args.grad_accum,
+        "precision": s["compute_dtype"],
+        "activation_checkpointing": out["model"]["n_layers"],  # every block, as planned
+        "offload": s["offload"],
+        "plan": {
+            "gpus": cluster.gpus,
+            "gpus_per_node": cluster.local,
+            "gpu": out["gpu"],
+            "peak_bytes": m["peak"],
+            "model_states_bytes": m["model_states"],
+        },
+    }
+    return _run_comment(cluster, out["gpu"]) + yaml.safe_dump(cfg, sort_keys=False)
+
+
+def _run_comment(cl: Cluster, gpu: str) -> str:
+    nodes = f" --nnodes {cl.nodes}" if cl.nodes > 1 else ""
+    return (
+        f"# layershard plan's settings for {cl.gpus} x {gpu}; run with:\n"
+        f"#   layershard train --config THIS_FILE --nproc-per-node {cl.local}{nodes}\n"
+    )
+
+
+def _write(path: str, text: str) -> None:
+    Path(path).write_text(text)
+    print(f"\nwrote {path}: layershard train --config {path}")
+
+
+def _seq_len_refused(seq: int, shape: ModelShape) -> str:
+    return (
+        f"--write-config: layershard train refuses --seq-len {seq} beyond {shape.name}'s "
+        f"max_seq_len {shape.max_seq_len}; lower --seq-len"
+    )
+
+
+def _load_model(args: argparse.Namespace) -> ModelShape:
+    """The model ``--model`` or ``--hf-config`` names; ``ValueError`` naming the option."""
     try:
-        shape = load_model(args.model, args.hf_config)
-        links = get_cluster(args.cluster) if args.cluster else None
-        gpu = get_gpu(
-            args.gpu, args.gpu_memory, args.tflops,
-            args.intra_bw or (links.intra_gbs if links else None),
-            args.inter_bw or (links.inter_gbs if links else None), args.pcie_bw,
-            args.host_memory,
-        )  # fmt: skip
-        cluster = Cluster(args.gpus, args.gpus_per_node)
-    except (ValueError, OSError) as e:
-        print(f"layershard plan: {e}", file=sys.stderr)
-        return 2
-    if args.qlora:
-        return _qlora(args, shape, gpu)
+        return load_model(args.model, args.hf_config)
+    except ValueError as e:
+        raise ValueError(f"--hf-config {e}" if args.hf_config else f"--model: {e}") from None
+
+
+def _efficiency(args: argparse.Namespace, gpu: GPU) -> Any:
+    """The GPU's efficiencies with the ``--*-eff`` overrides."""
     eff = gpu.eff
     if args.compute_eff is not None:
         eff = replace(eff, compute=args.compute_eff)
@@ -420,22 +383,22 @@ def run(args: argparse.Namespace) -> int:
         eff = replace(eff, network=args.network_eff)
     if args.pcie_eff is not None:
         eff = replace(eff, pcie=args.pcie_eff)
-    ck = args.checkpoint_layers
-    k = shape.n_layers if str(ck).lower() == "all" else int(ck)
-    if args.loss_chunks < 0:
-        print("layershard plan: --loss-chunks must be >= 0 (0: the plain loss)", file=sys.stderr)
-        return 2
-    if not 0 <= k <= shape.n_layers:
-        print(f"layershard plan: --checkpoint-layers must be 0..{shape.n_layers}", file=sys.stderr)
-        return 2
+    return eff
+
+
+def _settings(args: argparse.Namespace, shape: ModelShape) -> Settings:
+    """The run's settings from the flags; ``ValueError`` (one line) for a bad one."""
+    k = checkpoint_layers(args.checkpoint_layers, shape.n_layers)
     seq = args.seq_len or min(4096, shape.max_seq_len)
+    if seq > shape.max_seq_len and args.write_config:
+        raise ValueError(_seq_len_refused(seq, shape))
     if seq > shape.max_seq_len:
         print(
             f"layershard plan: note: --seq-len {seq} exceeds the model's max_seq_len "
             f"{shape.max_seq_len} (the RoPE tables are sized by max_seq_len)",
             file=sys.stderr,
         )
-    settings = Settings(
+    return Settings(
         micro_batch=args.micro_batch,
         seq_len=seq,
         checkpoint_layers=k,
@@ -454,6 +417,35 @@ def run(args: argparse.Namespace) -> int:
         tp=args.tp or 1,
         ep=args.ep or 1,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.testbed:
+        from layershard.plan.testbed import main as testbed_main
+
+        return testbed_main(args.testbed, args.compute_eff)
+    bad = check_input(args)
+    if bad:
+        return _error(bad)
+    try:
+        shape = _load_model(args)
+        links = get_cluster(args.cluster) if args.cluster else None
+        gpu = get_gpu(
+            args.gpu, args.gpu_memory, args.tflops,
+            args.intra_bw or (links.intra_gbs if links else None),
+            args.inter_bw or (links.inter_gbs if links else None), args.pcie_bw,
+            args.host_memory,
+        )  # fmt: skip
+        cluster = Cluster(args.gpus, args.gpus_per_node)
+    except ValueError as e:
+        return _error(str(e))
+    if args.qlora:
+        return _qlora(args, shape, gpu, cluster)
+    try:
+        settings = _settings(args, shape)
+    except ValueError as e:
+        return _error(str(e))
+    eff = _efficiency(args, gpu)
     kw: dict[str, Any] = {
         "latency_s": None if args.latency_us is None else args.latency_us * 1e-6,
         "links": links,
@@ -472,8 +464,7 @@ def run(args: argparse.Namespace) -> int:
             out["calibration"] = f.as_dict()
         plan = make_plan(shape, gpu, cluster, settings, args.headroom, eff=eff, **kw)
     except (ValueError, OSError, CalibrationError) as e:
-        print(f"layershard plan: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     print(render(plan))
     if args.explain:
         print()
@@ -486,6 +477,7 @@ def run(args: argparse.Namespace) -> int:
             f"\nCalibrated: this plan's step {before.time.step_s:.4g} s with the default "
             f"efficiencies -> {plan.time.step_s:.4g} s calibrated ({moved})"
         )
+    chosen = plan
     if not args.no_suggest:
         sug = suggest(
             shape, gpu, cluster, settings, args.headroom, keep_strategy=args.keep_strategy,
@@ -493,55 +485,60 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         print()
         print(render_suggestion(sug, settings))
-        out["suggestion"] = {
-            "message": sug.message,
-            "why": sug.why,
-            "settings": None if sug.plan is None else out_settings(sug.plan),
-            "gpus_needed": sug.gpus_needed,
-            "ranking": [
-                {
-                    "strategy": r.label,
-                    "fits": r.plan is not None,
-                    "step_s": r.plan.time.step_s if r.plan else None,
-                    "reason": r.reason,
-                }
-                for r in sug.ranking
-            ],
-        }
+        out["suggestion"] = suggestion_dict(sug)
+        chosen = sug.plan or plan
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.write_config:
-        chosen = plan if args.no_suggest or sug.plan is None else sug.plan
-        if not (args.no_suggest or args.tp) and train_refuses(chosen.settings, chosen.shape.moe):
-            # searched: the fastest row train runs (given --tp, a row it cannot is refused)
-            runs = (r.plan for r in sug.ranking if r.plan is not None and r.plan.fits)
-            chosen = next((p for p in runs if not train_refuses(p.settings, p.shape.moe)), chosen)
-        if not chosen.fits:
-            print(
-                "layershard plan: error: --write-config: these settings do not fit and no "
-                "setting that fits was found; no config written",
-                file=sys.stderr,
-            )
-            return 2
-        try:
-            text = train_yaml(chosen, args)
-        except ValueError as e:
-            print(f"layershard plan: error: --write-config: {e}", file=sys.stderr)
-            return 2
-        Path(args.write_config).write_text(text)
-        print(f"\nwrote {args.write_config}: layershard train --config {args.write_config}")
+        return _write_config(chosen, args)
+    return 0
+
+
+def suggestion_dict(sug: Suggestion) -> dict[str, Any]:
+    return {
+        "message": sug.message,
+        "why": sug.why,
+        "settings": None if sug.plan is None else out_settings(sug.plan),
+        "gpus_needed": sug.gpus_needed,
+        "ranking": [
+            {
+                "strategy": r.label,
+                "fits": r.plan is not None,
+                "step_s": r.plan.time.step_s if r.plan else None,
+                "reason": r.reason,
+            }
+            for r in sug.ranking
+        ],
+    }
+
+
+def _write_config(chosen: Plan, args: argparse.Namespace) -> int:
+    """``--write-config``: the chosen plan (the suggestion's, else the given settings') as a
+    train config; refused in one line when it does not fit or train would not run it (the
+    search compares only TP sizes train runs: ``parallel.mesh_candidates``)."""
+    if not chosen.fits:
+        return _error(
+            "--write-config: these settings do not fit and no setting that fits was found; no "
+            "config written"
+        )
+    try:
+        text = train_yaml(chosen, args)
+    except ValueError as e:
+        return _error(f"--write-config: {e}")
+    _write(args.write_config, text)
     return 0
 
 
 def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
     """The plan's settings as a ``layershard train`` YAML, with the predictions recorded under
-    ``plan:`` (the run folder puts them next to the measured step time and memory)."""
+    ``plan:`` (the run folder puts them next to the measured step time and memory). Raises
+    ``ValueError`` (one line) for settings train refuses."""
     import yaml
 
     s, cl = plan.settings, plan.cluster
-    why = train_refuses(s, plan.shape.moe)
+    why = train_refuses(s, plan.shape)
     if why:
-        raise ValueError(f"layershard {why} (the plan's: {train_flags(s)})")
+        raise ValueError(f"layershard train refuses {train_flags(s)}: {why}")
     if s.reduce_dtype not in ("fp32", "bf16"):
         raise ValueError(
             f"layershard train reduces gradients in fp32 or bf16, not {s.reduce_dtype}"
@@ -584,12 +581,7 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
         "tokens_per_s_per_gpu": plan.time.tokens_per_s_per_gpu,
         "mfu": plan.time.mfu,
     }
-    nodes = f" --nnodes {cl.nodes}" if cl.nodes > 1 else ""
-    head = (
-        f"# layershard plan's settings for {cl.gpus} x {plan.gpu.name}; run with:\n"
-        f"#   layershard train --config THIS_FILE --nproc-per-node {cl.local}{nodes}\n"
-    )
-    return head + yaml.safe_dump(cfg, sort_keys=False)
+    return _run_comment(cl, plan.gpu.name) + yaml.safe_dump(cfg, sort_keys=False)
 
 
 def out_settings(plan: Plan) -> dict:

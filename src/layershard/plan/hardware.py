@@ -115,7 +115,8 @@ class Cluster:
             raise ValueError("--gpus and --gpus-per-node must be >= 1")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ValueError(
-                f"--gpus={self.gpus} is not a multiple of --gpus-per-node={self.gpus_per_node}"
+                f"--gpus {self.gpus} is not a multiple of --gpus-per-node {self.gpus_per_node}; "
+                "plan whole nodes (or fewer GPUs than a node)"
             )
 
     @property

@@ -49,6 +49,9 @@ class ModelShape:
     # expert parallelism (plan/parallel.py): the experts are units of their own, so a block's
     # unit holds its attention, norms and router only
     experts_apart: bool = False
+    # the config.json an --hf-config shape was read from: train's TP check reads it with
+    # transformers (its TP plan is the architecture's, not in the file's numbers)
+    hf_config: str | None = None
 
     @property
     def moe(self) -> bool:
@@ -162,12 +165,13 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> ModelShape:
-        """From a Hugging Face ``config.json`` (or a directory holding one); no transformers."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        raw = json.loads(p.read_text())
+        """From a Hugging Face ``config.json`` (or a directory holding one); no transformers.
+        Raises ``ValueError`` naming the file and what is wrong with it."""
+        p = _config_file(Path(path))
+        raw = _read_object(p)
         raw = raw.get("text_config", raw)  # multimodal wrappers keep the LM under text_config
+        if not isinstance(raw, dict):
+            raise ValueError(f"{p}: text_config must be an object, got {raw!r}")
         missing = [
             k
             for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -175,25 +179,80 @@ class ModelShape:
         ]
         if missing:
             raise ValueError(f"{p}: not a Llama-style config, missing {', '.join(missing)}")
-        heads = int(raw["num_attention_heads"])
+        dim = _positive(raw, "hidden_size", p)
+        heads = _positive(raw, "num_attention_heads", p)
+        kv = _positive(raw, "num_key_value_heads", p, heads)
+        if heads % kv:
+            raise ValueError(
+                f"{p}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
+            )
         experts = _hf_experts(raw, p)
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            dim=int(raw["hidden_size"]),
-            n_layers=int(raw["num_hidden_layers"]),
+            vocab_size=_positive(raw, "vocab_size", p),
+            dim=dim,
+            n_layers=_positive(raw, "num_hidden_layers", p),
             n_heads=heads,
-            n_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            ffn_dim=0
-            if experts
-            else int(raw.get("intermediate_size") or 4 * int(raw["hidden_size"])),
-            max_seq_len=int(raw.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            head_dim=raw.get("head_dim"),
-            name=raw.get("_name_or_path") or p.parent.name or "hf-config",
+            n_kv_heads=kv,
+            ffn_dim=0 if experts else _positive(raw, "intermediate_size", p, 4 * dim),
+            max_seq_len=_positive(raw, "max_position_embeddings", p, 4096),
+            tie_embeddings=_flag(raw, "tie_word_embeddings", p),
+            head_dim=_positive(raw, "head_dim", p, None),
+            name=str(raw.get("_name_or_path") or p.parent.name or "hf-config"),
             n_experts=experts.get("n_experts", 0),
             top_k=experts.get("top_k", 0),
             moe_ffn_dim=experts.get("moe_ffn_dim", 0),
+            hf_config=str(p),
         )
+
+
+def _config_file(p: Path) -> Path:
+    """``p``, or the config.json in the folder ``p``."""
+    fix = "pass a transformers config.json or its folder"
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{p} has no config.json; {fix}")
+        return p / "config.json"
+    if not p.exists():
+        raise ValueError(f"{p} does not exist; {fix}")
+    return p
+
+
+def _read_object(p: Path) -> dict:
+    """The JSON object in ``p``: a config is a mapping of its fields."""
+    fix = "point --hf-config at a transformers config.json (or its folder)"
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{p}: is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); {fix}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: cannot be read as text ({e}); {fix}") from None
+    if not isinstance(raw, dict):
+        kind = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
+        raise ValueError(f"{p}: holds a JSON {kind.get(type(raw), 'null')}, not an object; {fix}")
+    return raw
+
+
+_REQUIRED: Any = object()
+
+
+def _positive(raw: dict, key: str, p: Path, default: Any = _REQUIRED) -> Any:
+    """``raw[key]`` as a positive integer; ``default`` when absent or null (transformers' own
+    default then applies)."""
+    value = raw.get(key)
+    if value is None and default is not _REQUIRED:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{p}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(raw: dict, key: str, p: Path) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{p}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def _hf_experts(raw: dict, p: Path) -> dict[str, int]:
@@ -204,25 +263,27 @@ def _hf_experts(raw: dict, p: Path) -> dict[str, int]:
     ``moe``'s blocks (routed SwiGLU experts and a router; their saved activations as ours)."""
     if raw.get("n_routed_experts"):
         raise ValueError(f"{p}: {_NO_EXPERTS}")
-    n = raw.get("num_experts") or raw.get("num_local_experts")  # transformers 5: the latter
-    if n and raw.get("moe_intermediate_size"):  # Qwen3-MoE
-        sparse = int(raw.get("decoder_sparse_step", 1) or 1)
+    key = "num_experts" if raw.get("num_experts") else "num_local_experts"  # transformers 5
+    if not raw.get(key):
+        return {}
+    if raw.get("moe_intermediate_size"):  # Qwen3-MoE
+        sparse = raw.get("decoder_sparse_step", 1) or 1
         if raw.get("mlp_only_layers") or sparse != 1:
             raise ValueError(
                 f"{p}: dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step="
                 f"{sparse}) are not modelled: every layer must be a MoE layer"
             )
-        return _experts(raw, p, int(n), raw["moe_intermediate_size"])
-    if n:  # Mixtral
-        return _experts(raw, p, int(n), raw.get("intermediate_size"))
-    return {}
+        return _experts(raw, p, key, "moe_intermediate_size")
+    return _experts(raw, p, key, "intermediate_size")  # Mixtral
 
 
-def _experts(raw: dict, p: Path, e: int, fe: Any) -> dict[str, int]:
-    k = raw.get("num_experts_per_tok")
-    if not k or not fe:
+def _experts(raw: dict, p: Path, count: str, size: str) -> dict[str, int]:
+    if not raw.get("num_experts_per_tok") or not raw.get(size):
         raise ValueError(f"{p}: a MoE config needs num_experts_per_tok and the experts' size")
-    return {"n_experts": e, "top_k": int(k), "moe_ffn_dim": int(fe)}
+    e, k = _positive(raw, count, p), _positive(raw, "num_experts_per_tok", p)
+    if k > e:
+        raise ValueError(f"{p}: num_experts_per_tok={k} is more than the {e} experts ({count})")
+    return {"n_experts": e, "top_k": k, "moe_ffn_dim": _positive(raw, size, p)}
 
 
 _NO_EXPERTS = (

@@ -39,6 +39,8 @@ Rows with ``tp = ep = 1`` are the 1-D rows (``make_plan`` does not come here). M
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
+from types import SimpleNamespace
 from typing import Any
 
 from layershard.plan.hardware import GPU, Cluster
@@ -120,7 +122,9 @@ def check_mesh(shape: ModelShape, mesh: Mesh, settings: Any = None) -> None:
                 "no_shard or offload)"
             )
         if s.gather_dtype is not None:
-            raise ValueError("--tp/--ep are not modelled with --gather-dtype")
+            raise ValueError(
+                "--tp/--ep are not modelled with --gather-dtype; drop --gather-dtype or --tp/--ep"
+            )
 
 
 def tp_shape(shape: ModelShape, mesh: Mesh) -> ModelShape:
@@ -363,7 +367,9 @@ def mesh_candidates(
     shape: ModelShape, cluster: Cluster, tp: int | None = None, ep: int | None = None
 ) -> list[tuple[int, int]]:
     """The (tp, ep) pairs the suggestion compares: ``tp`` as given, else 1, 2, 4, 8 within a
-    node; ``ep`` as given, else 1 and the divisors of the experts up to the world."""
+    node; ``ep`` as given, else 1 and the divisors of the experts up to the world. Only pairs
+    ``layershard train`` runs (``train_refuses``), so that a written config is one it takes;
+    a given pair it refuses is still planned (a what-if; ``--write-config`` refuses it)."""
     n = cluster.gpus
 
     def ok(t: int, e: int) -> bool:
@@ -377,18 +383,81 @@ def mesh_candidates(
     eps = (
         [ep] if ep else [1] + [e for e in range(2, n + 1) if shape.moe and shape.n_experts % e == 0]
     )
-    return [(t, e) for t in tps for e in eps if ok(t, e)]
+    pairs = [(t, e) for t in tps for e in eps if ok(t, e)]
+    runs = [(t, e) for t, e in pairs if train_refuses(Mesh(n, t, e), shape) is None]
+    return runs or pairs
 
 
-def train_refuses(s: Any, moe: bool) -> str | None:
-    """Why ``layershard train`` cannot run these settings (None: it can). It takes ``--tp`` for
-    a dense model (the built-in Llama's TP plan, an HF config's ``base_model_tp_plan``), ``--ep``
-    for a MoE, and both for a MoE (attention over TP, experts over EP, each TP rank sending its
-    share of the tokens, as modelled here); not TP of a MoE without EP (its experts would stay
-    whole on every TP rank, which this plan does not model)."""
-    if s.tp > 1 and moe and s.ep == 1:
+def train_refuses(s: Any, shape: ModelShape) -> str | None:
+    """Why ``layershard train`` cannot run these ``tp`` / ``ep`` on this model (None: it can).
+    Its own check (train/parallel.py ``check_tp_model``: the heads and KV heads divisible by
+    tp, a TP plan for the architecture), and this plan's limit: TP of a MoE only with EP (its
+    experts would otherwise stay whole on every TP rank, which this plan does not model)."""
+    if s.tp == 1:
+        return None
+    if shape.moe and s.ep == 1:
         return "train takes --tp for a mixture of experts only with --ep"
+    from layershard.train.parallel import check_split_shapes, check_tp_model
+
+    try:
+        kind, spec = _train_model(shape)
+        wanted = SimpleNamespace(tp=s.tp, ep=s.ep)
+        check_tp_model(wanted, kind, spec)
+        check_split_shapes(wanted, kind, _one_block(shape))
+    except ValueError as e:
+        return str(e)
     return None
+
+
+@cache
+def _one_block(shape: ModelShape) -> Any:
+    """The model with one block, on the meta device: what train's check of the layers the TP
+    plan splits (``check_split_shapes``) reads; every block has the same widths."""
+    import dataclasses
+    import logging
+
+    import torch
+
+    kind, spec = _train_model(shape)
+    with torch.device("meta"):
+        if kind == "hf":
+            import transformers
+
+            one = spec.__class__.from_dict({**spec.to_dict(), "num_hidden_layers": 1})
+            logging.disable(logging.WARNING)  # the optional kernels transformers imports, unused
+            try:
+                return transformers.AutoModelForCausalLM.from_config(one)
+            finally:
+                logging.disable(logging.NOTSET)
+        from layershard.models import LlamaConfig, LlamaForCausalLM
+
+        fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+        given = {k: getattr(shape, k) for k in fields if hasattr(shape, k)}
+        return LlamaForCausalLM(LlamaConfig(**{**given, "n_layers": 1}))
+
+
+def _train_model(shape: ModelShape) -> tuple[str, Any]:
+    """The model as train's checks see it: a preset's shape, or the transformers config that
+    ``--hf-config`` names (its TP plan is the architecture's). Raises ``ValueError``."""
+    if shape.hf_config is None:
+        return "preset", shape
+    config, error = _transformers_config(shape.hf_config)
+    if error:
+        raise ValueError(error)
+    return "hf", config
+
+
+@cache
+def _transformers_config(path: str) -> tuple[Any, str]:
+    """(the config, '') or (None, why train cannot read it), read once per file."""
+    from layershard.models.hf import load_hf_config
+
+    try:
+        return load_hf_config(path), ""
+    except ImportError as e:
+        return None, f"layershard train reads --hf-config with transformers ({e})"
+    except Exception as e:  # noqa: BLE001 - ValueError, or transformers' own validation
+        return None, f"layershard train cannot read {path}: {' '.join(str(e).split())[:200]}"
 
 
 def train_flags(s: Any) -> str:

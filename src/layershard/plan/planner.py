@@ -17,7 +17,8 @@ always faster). The fastest of all those wins; within 0.5% of it (below what the
 resolve) the one with the lowest peak. If nothing fits, it reports the smallest GPU count that
 fits with micro-batch 1 and every layer checkpointed (``full``, with or without offload), or that
 none does. With TP/EP meshes (``plan/parallel.py``) it also compares ``full`` at each
-(tp, ep), the micro-batch per TP group scaled by tp to keep the global batch.
+(tp, ep) the plan models with the other settings (not with 8-bit gathers), the micro-batch per
+TP group scaled by tp to keep the global batch.
 """
 
 from __future__ import annotations
@@ -438,8 +439,10 @@ def suggest(
     for tp, ep in meshes or []:
         if (tp, ep) != (1, 1) or not options:
             mb = settings.micro_batch * tp // settings.tp
-            options.append({"strategy": "full", "shard_size": None, "reshard_after_forward": True,
-                            "offload": False, "tp": tp, "ep": ep, "micro_batch": max(1, mb)})  # fmt: skip
+            row = {"strategy": "full", "shard_size": None, "reshard_after_forward": True,
+                   "offload": False, "tp": tp, "ep": ep, "micro_batch": max(1, mb)}  # fmt: skip
+            if _modelled(shape, cluster, replace(settings, **row)):
+                options.append(row)
     ranking: list[Ranked] = []
     for opt in options:
         s = replace(settings, **opt)
@@ -505,6 +508,18 @@ def suggest(
         "activations of one micro-batch) alone exceeds the GPU memory",
         ranking,
     )
+
+
+def _modelled(shape: ModelShape, cluster: Cluster, s: Settings) -> bool:
+    """Whether the plan models this mesh row with the rest of the settings (not, e.g., with
+    8-bit gathers: ``parallel.check_mesh``)."""
+    from layershard.plan.parallel import Mesh, check_mesh
+
+    try:
+        check_mesh(shape, Mesh(cluster.gpus, s.tp, s.ep), s)
+    except ValueError:
+        return False
+    return True
 
 
 def _gpus_needed(

@@ -23,7 +23,7 @@ on a GPU; the model-state terms are checked against ``memory_report()`` on CPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from layershard.plan.memory import (
     dtype_bytes,
@@ -126,6 +126,21 @@ LABELS = {
     "dequantized_weight": "one weight dequantized",
     "logits": "logits + loss",
 }
+
+
+def to_dict(shape: ModelShape, s: QLoRASettings, gpu_name: str, gpu_memory: int) -> dict:
+    """The plan as ``--json`` writes it (under ``qlora``)."""
+    m = qlora_memory(shape, s)
+    budget = usable(gpu_memory)
+    return {
+        "model": asdict(shape) | {"params": shape.total_params},
+        "gpu": gpu_name,
+        "gpu_memory_bytes": gpu_memory,
+        "settings": asdict(s),
+        "memory_bytes": m,
+        "usable_bytes": budget,
+        "fits": m["peak"] <= budget,
+    }
 
 
 def render(shape: ModelShape, s: QLoRASettings, gpu_name: str, gpu_memory: int) -> str:

@@ -21,15 +21,14 @@ from layershard.train.config import (
     check_launch,
     field_infos,
 )
-from layershard.train.launch.launcher import (
-    DEFAULT_TIMEOUT_S,
+from layershard.train.launch.launcher import DEFAULT_TIMEOUT_S, launch, outcome
+from layershard.train.launch.nodes import DEFAULT_RDZV_TIMEOUT_S
+from layershard.train.launch.preflight import (
     AlreadyFinished,
-    launch,
-    outcome,
     prepare,
+    refused_before_training,
     undo_writes,
 )
-from layershard.train.launch.nodes import DEFAULT_RDZV_TIMEOUT_S
 from layershard.train.launch.rendezvous import read_report
 
 _HELP = {
@@ -244,8 +243,9 @@ def run(args: argparse.Namespace) -> int:
         refused = read_report(opts.agent_report)
         if opts.agent_report is not None:
             opts.agent_report.unlink(missing_ok=True)
-    if refused is not None and refused.get("first_round") and opts.node_rank == 0:
-        undo_writes(Path(run_dir), opts)  # no rank started: the run folder as it was before
+    first_round = refused is not None and refused.get("first_round")  # no rank started
+    if opts.node_rank == 0 and (first_round or refused_before_training(Path(run_dir), opts, code)):
+        undo_writes(Path(run_dir), opts)  # nothing trained: the run folder as it was before
     if code != 0:
         label = "error: " if code not in (st.EXIT_STOPPED,) else ""
         print(f"layershard train: {label}{message}", file=sys.stderr, flush=True)

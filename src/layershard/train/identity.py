@@ -72,6 +72,22 @@ def _model_change(was: TrainConfig, now: TrainConfig) -> str:
     return ", ".join(diff[:6]) + (f", ... ({len(diff)} in all)" if len(diff) > 6 else "")
 
 
+def _state_change(was: TrainConfig, now: TrainConfig) -> str:
+    """'' if ``now`` trains the state ``was`` checkpointed (the same trainable parameters and
+    optimizer), else what differs, e.g. ``--optimizer muon instead of the run's adamw``."""
+    if was.qlora != now.qlora:
+        return (
+            "--qlora trains LoRA adapters on a 4-bit base, the run trained every weight"
+            if now.qlora
+            else "--no-qlora trains every weight, the run trained --qlora adapters"
+        )
+    if now.qlora and was.lora_rank != now.lora_rank:
+        return f"--lora-rank {now.lora_rank} instead of the run's {was.lora_rank}"
+    if was.optimizer != now.optimizer:
+        return f"--optimizer {now.optimizer} instead of the run's {was.optimizer}"
+    return ""
+
+
 def _recorded_sources(run_dir: Path) -> list[dict[str, Any]] | None:
     """The corpus the run's last launch trained on (absolute paths and fingerprints)."""
     try:
@@ -105,6 +121,13 @@ def check_resume(
             "tokenizer: resume without the change (config.yaml is unchanged), or start a new run "
             "from its weights (--init-from an export: layershard checkpoint export "
             f"{run_dir}/checkpoints OUT)"
+        )
+    change = _state_change(was, cfg)
+    if change:
+        raise ConfigError(
+            f"--resume: {change}, but the checkpoints hold the run's state; resume without the "
+            "change (config.yaml is unchanged), or start a new run from its weights (--init-from "
+            f"an export: layershard checkpoint export {run_dir}/checkpoints OUT)"
         )
     sources = _recorded_sources(run_dir)
     if sources is None:

@@ -33,6 +33,11 @@ def check_parallel(cfg: Any) -> None:
                 "(reshard_after_forward true or false); drop --strategy/--reshard-after-forward, "
                 f"or --{name}"
             )
+    if cfg.ep > 1 and cfg.optimizer == "muon":
+        raise ValueError(
+            f"ep {cfg.ep} is not supported with --optimizer muon yet (the experts are sharded "
+            "over another group than the other weights); use --optimizer adamw, or drop --ep"
+        )
     if cfg.tp == 1:
         return
     refused = (  # what --tp does not run with yet: (flag, given, why)
@@ -75,6 +80,28 @@ def check_tp_model(cfg: Any, kind: str, spec: Any) -> None:
                 f"--tp {tp} must divide the model's {key}={n} (each TP rank computes "
                 f"{key} / tp heads); change --tp"
             )
+
+
+def check_split_shapes(cfg: Any, kind: str, model: nn.Module) -> None:
+    """Can ``model`` (built on the meta device) be split ``cfg.tp`` and ``cfg.ep`` ways, with
+    the plans ``ls.parallelize`` applies (models/splits.py)? Raises ``ValueError`` (one line)."""
+    from layershard.models.splits import check_ep, check_tp
+
+    try:
+        check_ep(model, cfg.ep)
+        if cfg.tp == 1:
+            return
+        if kind == "preset":
+            from layershard.models.llama_tp import block_plan
+
+            for i, block in enumerate(model.layers):
+                check_tp(block, block_plan(block), cfg.tp, prefix=f"layers.{i}.")
+        else:
+            from layershard.models.hf_tp import hf_tp_plan
+
+            check_tp(model.base_model, hf_tp_plan(model.config, cfg.ep == 1), cfg.tp)
+    except ValueError as e:
+        raise ValueError(f"--{str(e).replace('=', ' ', 1)}") from None
 
 
 def check_replica(cfg: Any, world: int, local_world: int | None) -> None:

@@ -34,13 +34,6 @@ from layershard.train.launch import rendezvous as rdzv
 from layershard.train.loop.faults import ROUND_ENV, die_with_parent
 
 
-def _launch_id(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "launch.json").read_text()).get("launch_id")
-    except (OSError, ValueError):
-        return None
-
-
 class Rounds(RendezvousHandler):
     """The user's rendezvous handler (c10d, etcd, ...), unchanged, plus the number of the round
     the ranks start in (1, 2, ... in this launch), the same on every node. Agents start their
@@ -107,8 +100,10 @@ class Agreed(RendezvousHandler):
     ``rendezvous.agree`` (the nodes compare their settings) at each round, and one line instead
     of torch's output when the rendezvous fails (``rendezvous.said``)."""
 
-    def __init__(self, inner: RendezvousHandler, params: RendezvousParameters) -> None:
-        self._inner, self._static = inner, params.backend == "static"
+    def __init__(
+        self, inner: RendezvousHandler, params: RendezvousParameters, run_dir: Path
+    ) -> None:
+        self._inner, self._static, self._run_dir = inner, params.backend == "static", run_dir
         self._endpoint, self._limits = params.endpoint, rdzv.timeouts(params)
         self._rounds = 0
 
@@ -118,7 +113,7 @@ class Agreed(RendezvousHandler):
                 info = self._inner.next_rendezvous()
                 # A static job's store is the same in every round, and no node joins it later.
                 if not (self._static and self._rounds):
-                    rdzv.agree(info.store, info.rank, info.world_size)
+                    rdzv.agree(info.store, info.rank, info.world_size, self._run_dir)
         except rdzv.Refused as e:
             e.first_round = not self._rounds  # later: this node's ranks trained before
             raise
@@ -148,7 +143,7 @@ class Agreed(RendezvousHandler):
         return self._inner.shutdown()
 
 
-def wrap_rendezvous(args: Any) -> None:
+def wrap_rendezvous(args: Any, run_dir: Path) -> None:
     """Every rendezvous handler torchrun makes for this agent goes through ``Agreed`` and,
     for a dynamic backend (c10d, etcd), ``Rounds``. One node (``--standalone``) has nobody
     to agree with."""
@@ -163,7 +158,7 @@ def wrap_rendezvous(args: Any) -> None:
             handler = make(params)
         if params.backend != "static":  # one agent, or no membership changes
             handler = Rounds(handler, handler.get_backend())
-        return Agreed(handler, params)
+        return Agreed(handler, params, run_dir)
 
     registry.get_rendezvous_handler = get
 
@@ -181,7 +176,7 @@ def main(argv: list[str]) -> int:
     if launcher:
         die_with_parent(signal.SIGTERM, int(launcher))
     os.environ["LAYERSHARD_AGENT_PID"] = str(os.getpid())
-    wrap_rendezvous(args)
+    wrap_rendezvous(args, run_dir)
     try:
         run(args)
     except ChildFailedError as e:
@@ -197,7 +192,7 @@ def main(argv: list[str]) -> int:
         }
         st.write_json(
             st.state_dir(run_dir) / st.FAILURES,
-            {"launch_id": _launch_id(run_dir), "failures": failures},
+            {"launch_id": rdzv.launch_seen(run_dir), "failures": failures},
         )
         return 1
     except SignalException as e:  # torchrun itself was signalled; it has stopped the ranks

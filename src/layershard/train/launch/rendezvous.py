@@ -86,28 +86,60 @@ def differences(nodes: list[dict[str, Any]]) -> str:
     return "; ".join(parts[:_SHOWN]) + more
 
 
-def agree(store: Any, rank: int, world: int) -> None:
-    """Publish this node's settings in the round's store, read every node's, and raise
-    ``Refused`` on every node alike when they differ. The nodes then wait (briefly) until all
-    have read, so that the node hosting the store does not close it under a slower one."""
+def launch_seen(run_dir: Path) -> str | None:
+    """The launch id in ``run_dir/launch.json`` as this node sees it (None: no such file)."""
+    try:
+        return json.loads((run_dir / "launch.json").read_text()).get("launch_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def unseen_run_folder(nodes: list[dict[str, Any]]) -> str:
+    """'' if every node sees the launch.json the first node (node 0) wrote, else the line that
+    says which do not. Only node 0 writes the run folder; a node that reads another (another
+    --run-dir, or the same path on a disk of its own) would fail in its ranks."""
+    first = nodes[0]
+    blind = [n["node"] for n in nodes[1:] if n.get("launch") != first.get("launch")]
+    if not blind:
+        return ""
+    who = ", ".join(map(str, blind))
+    return (
+        f"node{'s' if len(blind) > 1 else ''} {who} cannot see the run folder node "
+        f"{first['node']} wrote ({first.get('run_dir')}/launch.json): every node must see the "
+        "same run folder, at the same path, on storage they share (NFS, Lustre, ...); pass that "
+        "--run-dir on every node"
+    )
+
+
+def agree(store: Any, rank: int, world: int, run_dir: Path | None = None) -> None:
+    """Publish this node's settings (and what it sees in ``run_dir``) in the round's store,
+    read every node's, and raise ``Refused`` on every node alike when they differ. The nodes
+    then wait (briefly) until all have read, so that the node hosting the store does not close
+    it under a slower one."""
     mine = os.environ.get(SETTINGS_ENV)
     node = os.environ.get("LAYERSHARD_NODE", str(rank))
     payload = {"node": int(node), "settings": json.loads(mine)} if mine else None
+    if payload is not None and run_dir is not None:
+        payload.update(run_dir=str(run_dir.absolute()), launch=launch_seen(run_dir))
     store.set(f"{_KEY}/{rank}", json.dumps(payload))
     nodes = [json.loads(store.get(f"{_KEY}/{r}")) for r in range(world)]
     if any(n is None for n in nodes):  # a node started without a launcher: nothing to compare
         return
-    diff = differences(sorted(nodes, key=lambda n: n["node"]))
-    if not diff:
+    nodes.sort(key=lambda n: n["node"])
+    diff = differences(nodes)
+    if diff:
+        message = (
+            f"the nodes were started with different settings: {diff}; start the same command "
+            "on every node (only --node-rank differs)"
+        )
+    else:
+        message = unseen_run_folder(nodes) if run_dir is not None else ""
+    if not message:
         return
     store.set(f"{_KEY}/read/{rank}", "1")
     with contextlib.suppress(Exception):
         store.wait([f"{_KEY}/read/{r}" for r in range(world)], timedelta(seconds=30))
-    raise Refused(
-        2,
-        f"the nodes were started with different settings: {diff}; start the same command "
-        "on every node (only --node-rank differs)",
-    )
+    raise Refused(2, message)
 
 
 def timeouts(params: Any) -> tuple[float | None, float | None]:

@@ -356,7 +356,7 @@ class Trainer:
         chosen = self.launch.get("resume")
         folder = self.run_dir / "checkpoints"
         if attempt() > 0:  # a restart, or a new round of an elastic job (faults.attempt)
-            from layershard.train.launch.launcher import latest_checkpoint
+            from layershard.train.launch.preflight import latest_checkpoint
 
             latest = latest_checkpoint(self.run_dir)
             chosen = str(latest) if latest is not None else chosen
