@@ -63,6 +63,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from layershard.distributed import default_timeout
+
 # LAYERSHARD_FORCE_CONTROL_GROUP=1: make the control group on gloo too (as under NCCL), so that
 # tests walk the NCCL path's group creation on CPU.
 FORCE_CONTROL = "LAYERSHARD_FORCE_CONTROL_GROUP"
@@ -160,7 +162,7 @@ class Groups:
         if self.whole_world:
             mine = None
             for ranks in partition:  # every rank, every group, in order
-                group = dist.new_group(ranks, backend=backend)
+                group = dist.new_group(ranks, backend=backend, timeout=default_timeout())
                 if me in ranks:
                     mine = group
             return mine
@@ -172,7 +174,9 @@ class Groups:
             self._check_names(dist.group.WORLD)
         for ranks in partition:  # this rank's group only
             if me in ranks:
-                return dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+                return dist.new_group(
+                    ranks, backend=backend, timeout=default_timeout(), use_local_synchronization=True
+                )
         return None
 
     def _check_names(self, group: dist.ProcessGroup | None) -> None:

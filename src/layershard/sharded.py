@@ -542,6 +542,11 @@ class ShardedModule(nn.Module):
             self._schedule.comm.stats.reset()
         return out
 
+    def comm_wait_s(self) -> float:
+        """Seconds the main thread has blocked on this model's collectives (CPU; on CUDA waits
+        are stream events, not counted), until ``comm_stats(reset=True)``."""
+        return sum(self._schedule.comm.stats.wait_s.values())
+
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds, by category (unique storages; includes optimizer state when an
         optimizer is given). ``grad_buffers`` and ``reduce_scratch`` are what the gradient slots

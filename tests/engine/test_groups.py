@@ -223,4 +223,18 @@ def gloo_lanes_change_no_bit(rank: int, world: int) -> None:
         assert all(torch.equal(sa[k], sb[k]) for k in sa), hpz
 
 
+@checks.check
+def groups_get_the_layershard_timeout(rank: int, world: int) -> None:
+    """A subgroup (hybrid's, TP's, the control group) waits as long as the default group, not
+    torch's default for new groups (30 minutes on gloo): a hung collective on it fails in the
+    same time. (Read from the gloo backend's options: private, the only place it is kept.)"""
+    model = ls.shard(_tiny(), strategy="hybrid", shard_size=2)
+    expected = float(os.environ["LAYERSHARD_TIMEOUT_S"])
+    groups = (model.sharding.shard_group, model.sharding.replicate_group)
+    assert all(g is not None and g is not dist.group.WORLD for g in groups)
+    for group in groups:
+        backend = group._get_backend(torch.device("cpu"))
+        assert backend.options._timeout.total_seconds() == expected, backend.options._timeout
+
+
 checks.collect(globals())

@@ -210,6 +210,22 @@ def test_one_host_read_per_step_whatever_the_micro_batches(trainer, monkeypatch)
         assert len(reads) == 1, reads
         assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
         assert ("mem_mib" in stats) == with_memory
+        if with_memory:  # each rank's busy seconds, for naming a straggler (report.straggler)
+            busy = stats["busy_s"]
+            assert len(busy) == trainer.world and all(0 < b < 60 for b in busy), busy
+
+
+def test_the_slowest_node_is_named_and_the_end_of_the_run_estimated():
+    from layershard.train.loop.report import finish_eta, straggler
+
+    # 2 nodes of 2 ranks: a node is as slow as its slowest rank
+    assert straggler([1.0, 1.0, 1.0, 1.3], local_world=2) == (1, pytest.approx(1.3))
+    assert straggler([1.0, 1.05, 1.0, 1.0], local_world=2) is None  # within 10%
+    assert straggler([1.0, 5.0], local_world=2) is None  # one node: nothing to compare
+    assert straggler([2.0, 1.0, 1.0, 1.0], local_world=1) == (0, pytest.approx(2.0))
+    assert finish_eta(10.0, 0, 5) == ""
+    eta = finish_eta(120.0, 4, 130)  # 30 s a step, 130 steps left: 65 minutes
+    assert eta.startswith("ends ~") and eta.endswith("(in 1:05:00)"), eta
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run_without_saving(trainer, capsys):

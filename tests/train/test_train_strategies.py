@@ -349,9 +349,12 @@ def test_without_tensorboard_metrics_go_to_jsonl_with_a_note(tmp_path, capsys, m
     import sys
 
     from layershard.train.loop.report import MetricsLog
+    from layershard.train.loop.sinks import open_sinks
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
-    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=tmp_path / "tensorboard")
+    log = MetricsLog(
+        tmp_path / "metrics.jsonl", sinks=open_sinks(tmp_path, ["tensorboard"], {}, None)
+    )
     log.write({"step": 1, "loss": 2.5})
     log.close()
     err = capsys.readouterr().err.strip()

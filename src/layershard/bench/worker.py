@@ -243,7 +243,7 @@ def _wrap_ep(impl: str, model: nn.Module, device: torch.device, bf16: bool, worl
 
     if impl in ("layershard-ep", TP_IMPL):  # TP_IMPL: ``ep`` is the TP size
         mp = ls.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
-        sizes = {"tp" if impl == TP_IMPL else "ep": ep}
+        sizes: dict[str, Any] = {"tp" if impl == TP_IMPL else "ep": ep}
         return ls.parallelize(model, mixed_precision=mp, device=device, **sizes)
     if impl == "transformers-ep":  # an HF MoE model: transformers applies EP and FSDP2 itself
         from transformers.distributed import DistributedConfig

@@ -48,7 +48,7 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     produce ``heads / tp`` heads per rank). The embedding, final norm and head stay replicated.
     Returns ``model``."""
     tp = tp_mesh.size()
-    for i, block in enumerate(model.layers):  # type: ignore[union-attr]
+    for i, block in enumerate(model.layers):  # type: ignore[arg-type]
         attn = block.attn
         if attn.n_heads % tp or attn.n_kv_heads % tp:
             raise ValueError(

@@ -29,7 +29,7 @@ def expert_counts(model: nn.Module) -> list[int]:
         if isinstance(m, Experts):
             counts.append(m.n_experts)
         elif is_hf_experts(m):
-            counts.append(int(m.gate_up_proj.shape[0]))
+            counts.append(int(getattr(m, "gate_up_proj").shape[0]))  # noqa: B009
     return counts
 
 

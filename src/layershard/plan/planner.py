@@ -439,7 +439,7 @@ def suggest(
     for tp, ep in meshes or []:
         if (tp, ep) != (1, 1) or not options:
             mb = settings.micro_batch * tp // settings.tp
-            row = {"strategy": "full", "shard_size": None, "reshard_after_forward": True,
+            row: dict[str, Any] = {"strategy": "full", "shard_size": None, "reshard_after_forward": True,
                    "offload": False, "tp": tp, "ep": ep, "micro_batch": max(1, mb)}  # fmt: skip
             if _modelled(shape, cluster, replace(settings, **row)):
                 options.append(row)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from layershard.train.launch.preflight import (
     undo_writes,
 )
 from layershard.train.launch.rendezvous import read_report
+from layershard.train.loop.sinks import record_failure
 
 _HELP = {
     "model": "model preset: tiny, small, llama-1b, llama-7b, llama-13b, llama-70b, moe (architectures)",
@@ -87,6 +89,8 @@ _HELP = {
     "async_checkpoint": "write periodic checkpoints in the background (DCP async_save)",
     "max_bad_steps": "stop after this many non-finite steps in a row (each one is skipped)",
     "log_interval": "log metrics every N steps",
+    "report_to": "where metrics also go: tensorboard, wandb, mlflow (comma-separated), or none; "
+    "WANDB_* and MLFLOW_* variables say where (docs/train.md, Watching a run)",
     "run_dir": "run folder (default runs/<name or timestamp>)",
     "name": "run name: the run folder becomes runs/<name>",
     "sample_tokens": "tokens sampled from the trained model at the end",
@@ -138,6 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["type"], kwargs["metavar"] = _bool_or_int, "true|false|K"
         elif annotation == "<class 'bool'>" or f.name == "compile":
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.name == "report_to":
+            kwargs["metavar"] = "NAME,..."
         elif f.name in ("data", "no_decay"):
             kwargs["nargs"] = "*" if f.name == "no_decay" else "+"
             kwargs["metavar"] = "PATH" if f.name == "data" else "PATTERN"
@@ -246,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
     first_round = refused is not None and refused.get("first_round")  # no rank started
     if opts.node_rank == 0 and (first_round or refused_before_training(Path(run_dir), opts, code)):
         undo_writes(Path(run_dir), opts)  # nothing trained: the run folder as it was before
+    elif opts.node_rank == 0 and code != 0:
+        _report_failure(Path(run_dir), cfg.report_to, message)
     if code != 0:
         label = "error: " if code not in (st.EXIT_STOPPED,) else ""
         print(f"layershard train: {label}{message}", file=sys.stderr, flush=True)
@@ -261,6 +269,18 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def _report_failure(run_dir: Path, report_to: Sequence[str], message: str) -> None:
+    """The line that ends a run that did not finish, to its W&B / MLflow runs too."""
+    try:
+        record_failure(run_dir, report_to, message)
+    except Exception as e:  # noqa: BLE001 - the run's own outcome must still be said
+        print(
+            f"layershard train: warning: could not record the failure in {report_to} "
+            f"({type(e).__name__}: {e})",
+            file=sys.stderr,
+        )
 
 
 def _done(run_dir: Path, t0: float) -> None:

@@ -19,6 +19,7 @@ from pydantic import model_validator as _model_validator
 from pydantic.dataclasses import dataclass
 
 from layershard.engine.strategy import check_options as check_strategy_options
+from layershard.train.loop.sinks import Reporters
 from layershard.train.parallel import check_parallel, check_replica
 from layershard.validation import (
     Int,
@@ -114,6 +115,7 @@ class TrainConfig:
     async_checkpoint: StrictBool = False  # periodic checkpoints in the background (DCP)
     max_bad_steps: PositiveInt = 3  # non-finite steps (loss or gradient norm) in a row
     log_interval: PositiveInt = 1
+    report_to: Reporters = field(default_factory=lambda: ["tensorboard"])  # loop/sinks.py
     run_dir: StrictStr | None = None  # default runs/<name or timestamp>
     name: StrictStr | None = None
     sample_tokens: NonNegativeInt = 120  # tokens generated from sample_prompt at the end
@@ -210,13 +212,12 @@ def _non_finite(value: Any, path: str = "") -> tuple[str, float] | None:
 
 
 _DEFAULT_LOSS_SCALE = 65536.0
-# torch.compile's keyword arguments (its signature, less the model)
 _COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 
 
 def _check_compile(options: dict[str, Any]) -> None:
-    """``compile: {...}``: torch.compile's own keywords, and a backend torch knows, checked here
-    rather than in every rank at its first block."""
+    """``compile: {...}``: torch.compile's own keywords (``_COMPILE_KEYS``, its signature less
+    the model), and a backend torch knows, checked here rather than in every rank."""
     for key in options:
         if key not in _COMPILE_KEYS:
             raise ValueError(unknown_key(str(key), _COMPILE_KEYS, "compile").replace(

@@ -94,12 +94,15 @@ def check_split_shapes(cfg: Any, kind: str, model: nn.Module) -> None:
         if kind == "preset":
             from layershard.models.llama_tp import block_plan
 
-            for i, block in enumerate(model.layers):
+            layers = model.get_submodule("layers")
+            assert isinstance(layers, nn.ModuleList), "a built-in Llama's blocks"
+            for i, block in enumerate(layers):
                 check_tp(block, block_plan(block), cfg.tp, prefix=f"layers.{i}.")
         else:
             from layershard.models.hf_tp import hf_tp_plan
 
-            check_tp(model.base_model, hf_tp_plan(model.config, cfg.ep == 1), cfg.tp)
+            base = model.get_submodule(getattr(model, "base_model_prefix", "model"))
+            check_tp(base, hf_tp_plan(getattr(model, "config"), cfg.ep == 1), cfg.tp)  # noqa: B009
     except ValueError as e:
         raise ValueError(f"--{str(e).replace('=', ' ', 1)}") from None
 

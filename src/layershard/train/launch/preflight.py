@@ -47,6 +47,7 @@ from layershard.train.launch.nodes import (
     settings,
     world_size,
 )
+from layershard.train.loop.sinks import missing as missing_reporters
 from layershard.train.modeling import check_model, check_seq_len, model_spec
 
 
@@ -244,6 +245,9 @@ def _resolved(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConf
     check_seq_len(cfg, max_len)
     check_model(cfg, kind, spec)
     _cores_warning(cfg, kind, spec, opts)
+    absent = missing_reporters(cfg.report_to)
+    if absent:
+        raise ConfigError(absent)
     return cfg, run_dir, base
 
 

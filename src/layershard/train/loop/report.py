@@ -1,12 +1,11 @@
-"""What a run leaves behind: metrics as JSONL and TensorBoard event files, and a loss-curve PNG
+"""What a run leaves behind: metrics as JSONL (and to the sinks of --report-to: sinks.py), a loss-curve PNG
 (train and validation)."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
-import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,29 +13,17 @@ import torch
 import torch.distributed as dist
 
 from layershard.engine.waits import waiting
-
-# metrics.jsonl key -> TensorBoard tag (mem_mib, a list per rank, is written per rank and as max)
-TB_TAGS = {
-    "loss": "train/loss",
-    "lr": "train/lr",
-    "grad_norm": "train/grad_norm",
-    "tokens_per_s": "train/tokens_per_s",
-    "step_time_s": "train/step_time_s",
-    "mfu": "train/mfu",
-    "skipped_steps": "train/skipped_steps",
-    "loss_scale": "train/loss_scale",
-    "val_loss": "val/loss",
-}
+from layershard.train.loop.sinks import Sink, scalars
 
 
 class MetricsLog:
-    """Append-only JSONL, one record per line, and the same numbers as TensorBoard scalars in
-    ``tensorboard`` (when the tensorboard package is installed). On resume, records after the
-    resumed step are dropped first: they belong to the part of the run that the checkpoint does
-    not contain (TensorBoard purges them the same way)."""
+    """Append-only JSONL, one record per line, and the same numbers to the ``sinks``
+    (TensorBoard, W&B, MLflow: sinks.py). On resume, records after the resumed step are dropped
+    first: they belong to the part of the run that the checkpoint does not contain (TensorBoard
+    purges them the same way)."""
 
     def __init__(
-        self, path: Path, resume_step: int | None = None, tensorboard: Path | None = None
+        self, path: Path, resume_step: int | None = None, sinks: list[Sink] | None = None
     ) -> None:
         self.path = path
         if resume_step is not None and path.is_file():
@@ -45,47 +32,50 @@ class MetricsLog:
         elif resume_step is None and path.exists():
             path.unlink()
         self.fh = path.open("a")
-        self.tb = _summary_writer(tensorboard, resume_step) if tensorboard is not None else None
+        self.sinks = list(sinks or [])
 
     def write(self, record: dict[str, Any]) -> None:
         self.fh.write(json.dumps(record) + "\n")
         self.fh.flush()
-        if self.tb is None or "step" not in record:
-            return
-        step = int(record["step"])
-        for key, tag in TB_TAGS.items():
-            if isinstance(record.get(key), int | float) and not isinstance(record[key], bool):
-                self.tb.add_scalar(tag, record[key], step)
-        mem = record.get("mem_mib")
-        if isinstance(mem, list) and mem:
-            for r, m in enumerate(mem):
-                self.tb.add_scalar(f"memory/rank{r}_mib", m, step)
-            self.tb.add_scalar("memory/max_mib", max(mem), step)
+        values = scalars(record)
+        if "step" in record and values:
+            for sink in self.sinks:
+                sink.log(int(record["step"]), values)
 
-    def close(self) -> None:
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        """Close the file and the sinks; ``summary`` (summary.json's) goes to them first."""
         if not self.fh.closed:
             self.fh.close()
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.finish(summary)
 
 
-def _summary_writer(folder: Path, resume_step: int | None) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        print(
-            "layershard train: note: tensorboard is not installed, so metrics go to "
-            "metrics.jsonl only (pip install 'layershard[tensorboard]')",
-            file=sys.stderr,
-            flush=True,
-        )
+STRAGGLER_RATIO = 1.1  # a node this much slower than the median node is named
+
+
+def straggler(busy_s: list[float], local_world: int) -> tuple[int, float] | None:
+    """(the slowest node, its busy time over the median node's) when the ranks span several
+    nodes (``local_world`` consecutive ranks each) and one is ``STRAGGLER_RATIO`` slower, else
+    None. A node's busy time is its slowest rank's: the one the others wait for."""
+    nodes = [max(busy_s[i : i + local_world]) for i in range(0, len(busy_s), local_world)]
+    if len(nodes) < 2:
         return None
-    if resume_step is None and folder.exists():
-        shutil.rmtree(folder)  # a fresh run: no events of an earlier one
-    # purge_step: events logged after the checkpoint by the interrupted part are dropped
-    purge = resume_step + 1 if resume_step is not None else None
-    return SummaryWriter(log_dir=str(folder), purge_step=purge)
+    median = sorted(nodes)[(len(nodes) - 1) // 2]
+    slowest = max(range(len(nodes)), key=nodes.__getitem__)
+    ratio = nodes[slowest] / median if median > 0 else 1.0
+    return (slowest, ratio) if ratio >= STRAGGLER_RATIO else None
+
+
+def finish_eta(elapsed_s: float, steps_done: int, steps_left: int) -> str:
+    """When the run ends at this launch's pace so far (steps, evaluations and checkpoints
+    alike): ``ends ~14:05 (in 1:02:10)``; '' before the first step."""
+    if steps_done == 0:
+        return ""
+    left = elapsed_s / steps_done * steps_left
+    at = time.strftime("%H:%M", time.localtime(time.time() + left))
+    h, rest = divmod(int(left), 3600)
+    return f"ends ~{at} (in {h}:{rest // 60:02d}:{rest % 60:02d})"
 
 
 def measured(

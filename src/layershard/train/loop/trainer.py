@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 
 import layershard as ls
 from layershard.checkpoint import CheckpointCorruptError, CheckpointError
@@ -40,12 +42,15 @@ from layershard.train.loop.optimizer import lr_at, param_groups
 from layershard.train.loop.qlora import build_qlora, save_adapter
 from layershard.train.loop.report import (
     MetricsLog,
+    finish_eta,
     first_val_loss,
     measured,
     memory_mib,
     plot_losses,
     sample,
+    straggler,
 )
+from layershard.train.loop.sinks import open_sinks
 from layershard.train.modeling import (
     build_model,
     check_seq_len,
@@ -143,6 +148,8 @@ class Trainer:
         self.step = 0
         self.step_times: list[float] = []  # logged steps of this launch, for the summary
         self.peak_mem_mib = 0.0  # the largest per-rank memory logged
+        # ranks per node (torchrun's), for naming the slowest node of a multi-node run
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.bad_steps = 0  # non-finite steps in a row
         self.pending: ls.checkpoint.AsyncCheckpoint | None = None  # async save in flight
         if device.type == "cuda":  # the logged peak is training's, not init's (load_hf, ...)
@@ -185,6 +192,7 @@ class Trainer:
         memory), which is what decides whether the step is applied. A non-finite loss or norm
         skips the optimizer step (the gradients are dropped), as a loss scaler does."""
         cfg = self.cfg
+        t0, waited0 = time.perf_counter(), self.model.comm_wait_s()
         lr = lr_at(self.step, cfg)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -213,10 +221,14 @@ class Trainer:
         # grad_clip 0: an infinite bound clips nothing but still returns the norm (for the log)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = self.model.clip_grad_norm_(max_norm)
-        loss, n, norm, mem = self._read_stats(loss_sum, total, grad_norm, with_memory)
+        # this rank's own work in the step: its time before the step's last collective, less
+        # what it spent waiting for the others in the model's collectives (a straggler's is
+        # the longest: report.straggler)
+        busy = time.perf_counter() - t0 - (self.model.comm_wait_s() - waited0)
+        loss, n, norm, per_rank = self._read_stats(loss_sum, total, grad_norm, with_memory, busy)
         stats: dict[str, Any] = {"loss": loss / max(n, 1), "lr": lr, "grad_norm": norm}
-        if mem is not None:
-            stats["mem_mib"] = mem
+        if per_rank is not None:
+            stats["mem_mib"], stats["busy_s"] = per_rank
         if self.scaler is not None and math.isfinite(stats["loss"]):
             # an overflow (inf/NaN gradients) is the scaler's to skip: it lowers the scale
             scale = self.scaler.get_scale()
@@ -251,22 +263,24 @@ class Trainer:
         total: torch.Tensor,
         grad_norm: torch.Tensor,
         with_memory: bool,
-    ) -> tuple[float, float, float, list[float] | None]:
+        busy_s: float,
+    ) -> tuple[float, float, float, tuple[list[float], list[float]] | None]:
         """The step's one device-to-host read: global loss sum and target count, gradient norm
-        (the same on every rank), and with ``with_memory`` each rank's MiB."""
+        (the same on every rank), and with ``with_memory`` each rank's MiB and busy seconds."""
         distributed = dist.is_initialized() and self.world > 1
         tail = torch.stack([total[0], grad_norm.detach().double().reshape(())])
         if with_memory:
-            mine = torch.stack(
-                [loss_sum, torch.tensor(memory_mib(self.model, self.opt, self.device),
-                                        dtype=torch.float64, device=self.device)]
-            )  # fmt: skip
+            mib = memory_mib(self.model, self.opt, self.device)
+            extra = torch.tensor([mib, busy_s], dtype=torch.float64, device=self.device)
+            mine = torch.cat([loss_sum.reshape(1), extra])
             parts = [torch.empty_like(mine) for _ in range(self.world)] if distributed else [mine]
             if distributed:
                 dist.all_gather(parts, mine)
             values = torch.cat([torch.stack(parts).flatten(), tail]).tolist()
-            per_rank = values[: 2 * self.world]
-            return sum(per_rank[0::2]), values[-2], values[-1], per_rank[1::2]
+            per_rank = values[: 3 * self.world]
+            return (
+                sum(per_rank[0::3]), values[-2], values[-1], (per_rank[1::3], per_rank[2::3])
+            )  # fmt: skip
         if distributed:
             dist.all_reduce(loss_sum)
         loss, n, norm = torch.cat([loss_sum.reshape(1), tail]).tolist()
@@ -409,15 +423,12 @@ class Trainer:
         rank = self.rank
         t_start = time.perf_counter()
         resumed = self.resume() is not None
-        metrics = (
-            MetricsLog(
-                self.run_dir / "metrics.jsonl",
-                self.step if resumed else None,
-                tensorboard=self.run_dir / "tensorboard",
-            )
-            if rank == 0
-            else None
-        )
+        metrics = None
+        if rank == 0:
+            resume_step = self.step if resumed else None
+            recorded = yaml.safe_load((self.run_dir / "config.yaml").read_text())
+            sinks = open_sinks(self.run_dir, self.cfg.report_to, recorded, resume_step)
+            metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step, sinks)
         log = metrics.write if metrics else (lambda record: None)
         try:
             return self._run(log, metrics, resumed, t_start)
@@ -430,7 +441,7 @@ class Trainer:
         cfg, rank = self.cfg, self.rank
         tokens_per_step = cfg.seq_len * cfg.micro_batch * self.ga * self.dp_world
         train_time, cpu_time, steps_run = 0.0, 0.0, 0
-        peak_mem = 0.0
+        peak_mem, t_loop = 0.0, time.perf_counter()
         while self.step < min(cfg.steps, stop_at):
             if self.status is not None:
                 self.status.step(self.step + 1)
@@ -470,17 +481,23 @@ class Trainer:
                     record["mfu"] = (
                         self.flops_per_token * tokens_per_step / dt / (self.peak_flops * self.world)
                     )
+                slow = straggler(stats["busy_s"], self.local_world)
+                if slow is not None:
+                    record["slowest_node"], record["slowest_node_ratio"] = slow
                 self.step_times.append(dt)
                 peak_mem = max(peak_mem, *mem)
                 log(record)
                 self.peak_mem_mib = max(self.peak_mem_mib, peak_mem)
                 if bar is not None:
+                    eta = finish_eta(time.perf_counter() - t_loop, steps_run, cfg.steps - self.step)
                     bar.set_postfix_str(
                         f"loss {stats['loss']:.3f} | {tokens_per_step / dt:,.0f} tok/s | "
                         f"{dt * 1000:.0f} ms/step | mem/rank "
                         + "/".join(f"{m:.0f}" for m in mem)
                         + " MiB"
-                        + (f" | val {val_loss:.3f}" if val_loss is not None else ""),
+                        + (f" | val {val_loss:.3f}" if val_loss is not None else "")
+                        + (f" | node {slow[0]} slowest (+{slow[1] - 1:.0%})" if slow else "")
+                        + (f" | {eta}" if eta else ""),
                         refresh=False,
                     )
             if bar is not None:
@@ -547,7 +564,6 @@ class Trainer:
         self.export(self.run_dir / "final")
         text = sample(self.model, self.tok, cfg, self.max_len, self.device)
         if rank == 0:
-            metrics.close()
             plot_losses(
                 self.run_dir / "metrics.jsonl",
                 self.run_dir / "loss.png",
@@ -573,5 +589,6 @@ class Trainer:
                 **measured(self.step_times, self.peak_mem_mib, self.device.type, self.cfg.plan),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            metrics.close(summary)
             print(f"--- sample (prompt {cfg.sample_prompt!r}) ---\n{text}\n---", flush=True)
         return 0
