@@ -6,9 +6,19 @@ and an expert mesh ``(dp_replicate, efsdp, ep)`` over the same ranks, row-major,
 ``efsdp = dp_shard * tp / ep``. A layer's EP group is thus ``ep`` consecutive ranks, and the
 ranks holding the same experts (efsdp) are every ``ep``-th rank within a replica.
 
+Context parallelism (``ls.parallelize(cp=...)``, tp and ep 1) splits each sequence over ``cp``
+*consecutive* ranks (``context_group``), as torchtitan's ``(dp_replicate, dp_shard, cp, tp)``
+mesh lays them out with tp 1: the group's all-to-alls or ring hops, one per layer and as large
+as the activations, stay within a node where the weights' gathers span the nodes. The weights
+are sharded over every rank of a replica, ``dp_shard x cp`` (torchtitan's ``dp_shard_cp``):
+the dense mesh's ``dp_shard`` dim is that product, so the cp ranks share the weight shards and
+weight memory falls with cp too. Rank ``r`` trains data-parallel micro-batch ``r // cp`` of
+``world // cp``.
+
 ``mesh_sizes`` is the arithmetic (the planner and ``ShardingPlugin`` share it), ``make_meshes``
 builds both meshes, ``data_parallel`` / ``from_mesh`` turn a TP mesh into ``ls.shard``'s
-data-parallel group. Every group and mesh is made through ``layershard.groups``.
+data-parallel group, ``context_group`` makes the CP groups. Every group and mesh is made
+through ``layershard.groups``.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from layershard.distributed import default_device, local_world_size
-from layershard.groups import device_mesh, process_wide
+from layershard.groups import blocks, device_mesh, process_wide
 
 DENSE_DIMS = ("dp_replicate", "dp_shard", "tp")
 EXPERT_DIMS = ("dp_replicate", "efsdp", "ep")
@@ -56,6 +66,21 @@ def make_meshes(
     dense = device_mesh(kind, (n["dp_replicate"], n["dp_shard"], tp), DENSE_DIMS)
     expert = device_mesh(kind, (n["dp_replicate"], n["efsdp"], ep), EXPERT_DIMS)
     return dense, expert
+
+
+def context_group(cp: int, dp_replicate: int = 1) -> dist.ProcessGroup:
+    """This rank's context-parallel group: ``cp`` consecutive ranks (the module doc), every group
+    of the world made once per process and kept (``groups.process_wide``). ``ValueError`` unless
+    ``cp x dp_replicate`` divides the world size. Collective over the world the first time."""
+    world = dist.get_world_size()
+    if cp < 1 or world % (cp * dp_replicate):
+        raise ValueError(
+            f"parallelize(cp={cp}, dp_replicate={dp_replicate}): cp x dp_replicate = "
+            f"{cp * dp_replicate} must divide the world size {world}"
+        )
+    group = process_wide("context_parallel", blocks(list(range(world)), cp))
+    assert group is not None  # every rank is in one block
+    return group
 
 
 def data_parallel(mesh: DeviceMesh) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """``ls.parallelize``: an N-D run in one call. The model's experts split over ``ep`` ranks
-(``parallel/expert.py``) or its blocks over ``tp`` ranks (the model's plan:
-``models/llama_tp.py``, ``models/hf_tp.py``), then layershard's sharding as the data-parallel
-axis (``ls.shard(model, mesh=, expert_mesh=)``) over the meshes of ``meshes.py``.
+(``parallel/expert.py``), its blocks over ``tp`` ranks (the model's plan:
+``models/llama_tp.py``, ``models/hf_tp.py``) or its sequences over ``cp`` ranks (context
+parallelism: ``parallel/context/``), then layershard's sharding as the data-parallel axis
+(``ls.shard(model, mesh=, expert_mesh=)``) over the meshes of ``meshes.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from layershard.engine import options
-from layershard.meshes import hybrid_replicas, make_meshes
+from layershard.meshes import context_group, hybrid_replicas, make_meshes
+from layershard.models.llama import Attention, LlamaForCausalLM
 from layershard.models.moe import Experts
+from layershard.parallel.context import ContextParallel
 from layershard.parallel.expert import ExpertGroup, is_hf_experts, split_hf_experts
 from layershard.sharded import shard
 
@@ -38,7 +41,14 @@ def split_experts(
 
 
 def parallelize(
-    model: nn.Module, *, tp: int = 1, ep: int = 1, dp_replicate: int = 1, **shard_options: Any
+    model: nn.Module,
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    dp_replicate: int = 1,
+    cp: int = 1,
+    cp_mode: str = "ring",
+    **shard_options: Any,
 ):
     """Shard ``model`` over every rank with tensor parallelism ``tp`` (torch's
     ``parallelize_module`` with the built-in Llama's plan or a transformers model's
@@ -49,8 +59,15 @@ def parallelize(
     ``activation_checkpointing=``...). ``strategy="hybrid"`` is ``ls.shard``'s HSDP said the
     other way: ``shard_size`` ranks (default: a node's) hold one replica, so ``dp_replicate =
     world / shard_size`` (``layershard train --strategy hybrid`` and ``ShardingPlugin`` say it so).
+
+    ``cp``: context parallelism, each sequence split over ``cp`` consecutive ranks (the built-in
+    Llama only, tp and ep 1), attention by ``cp_mode`` ``"ring"`` or ``"all_to_all"``; the
+    weights sharded over ``dp_shard x cp`` (``context_parallel``, docs/context-parallel.md).
     """
-    options.check("parallelize()", tp=tp, ep=ep, dp_replicate=dp_replicate, **shard_options)
+    options.check(
+        "parallelize()", tp=tp, ep=ep, dp_replicate=dp_replicate, cp=cp, cp_mode=cp_mode,
+        **shard_options,
+    )  # fmt: skip
     if not dist.is_initialized():
         raise RuntimeError("parallelize(): call ls.init_distributed() first")
     dp_replicate = _replicas(shard_options, dp_replicate)
@@ -59,10 +76,11 @@ def parallelize(
         if shard_options.get(key) is not None:
             raise ValueError(f"parallelize(): {key}= is decided by tp/ep/dp_replicate")
     shard_options = {k: v for k, v in shard_options.items() if k not in decided}
+    if cp > 1:  # the cp ranks lie within dp_shard (meshes.py), which the mesh below shards over
+        context_parallel(model, cp, cp_mode, tp=tp, ep=ep, dp_replicate=dp_replicate)
     dense, expert = make_meshes(tp, ep, dp_replicate)
     if tp > 1:  # torch's parallelize_module with the model's plan, over the TP dim
         from layershard.models.hf_tp import parallelize_hf
-        from layershard.models.llama import LlamaForCausalLM
         from layershard.models.llama_tp import parallelize_llama
 
         if isinstance(model, LlamaForCausalLM):
@@ -79,6 +97,55 @@ def parallelize(
                 "dense model"
             )
     return shard(model, mesh=dense, expert_mesh=expert if ep > 1 else None, **shard_options)
+
+
+def context_parallel(
+    model: nn.Module,
+    cp: int,
+    mode: str = "ring",
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    dp_replicate: int = 1,
+) -> ContextParallel:
+    """Give the built-in Llama ``model`` context parallelism over ``cp`` consecutive ranks
+    (``meshes.context_group``): one ``ContextParallel`` that the model and each attention module
+    hold, through which attention runs in ``mode`` and the loss is normalized
+    (``parallel/context/state.py``). Refuses, in one line, what it does not do (yet): tp or ep
+    above 1, a model other than ``layershard.models.LlamaForCausalLM`` (transformers models are
+    a later step), a mixture of experts (its load-balancing loss is not split with the
+    sequence), heads not divisible by ``cp`` in all-to-all mode, and ``cp x dp_replicate`` not
+    dividing the world. Collective over the world (the groups, the first time)."""
+    where = f"parallelize(cp={cp})"
+    if tp > 1 or ep > 1:
+        raise ValueError(
+            f"{where}: context parallelism with tp > 1 or ep > 1 is not supported yet; use "
+            "cp with data parallelism (dp_replicate, strategy) only"
+        )
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(
+            f"{where}: context parallelism runs layershard.models.LlamaForCausalLM only, not "
+            f"{type(model).__name__} (transformers models are not supported yet)"
+        )
+    heads = model.config.n_heads
+    if model.config.n_experts:
+        raise ValueError(
+            f"{where}: a mixture of experts is not supported with context parallelism yet (its "
+            "load-balancing loss is not split with the sequence)"
+        )
+    if mode == "all_to_all" and heads % cp:
+        raise ValueError(
+            f"parallelize(cp={cp}, cp_mode='all_to_all'): n_heads={heads} must be divisible by "
+            "cp; use cp_mode='ring' or another cp"
+        )
+    group = context_group(cp, dp_replicate)
+    world = dist.get_world_size()
+    context = ContextParallel(group, mode, data_rank=dist.get_rank() // cp, data_size=world // cp)
+    model.context_parallel = context
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.context_parallel = context
+    return context
 
 
 def _replicas(options: dict[str, Any], dp_replicate: int) -> int:

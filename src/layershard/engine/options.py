@@ -36,6 +36,9 @@ class _Options(BaseModel):
     tp: Ranks = 1
     ep: Ranks = 1
     dp_replicate: Ranks = 1
+    cp: Ranks = 1
+    # parallel/context/state.py's MODES (that layer is above this one)
+    cp_mode: Literal["ring", "all_to_all"] = "ring"
     shard_size: Ranks | None = None
     strategy: Literal[tuple(STRATEGIES)] = "full"  # type: ignore[valid-type]
     reshard_after_forward: Annotated[

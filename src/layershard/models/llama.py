@@ -2,7 +2,7 @@
 
 RMSNorm, rotary position embeddings (RoPE), a SwiGLU MLP and grouped-query attention through
 ``F.scaled_dot_product_attention``. Parameter names and the RoPE convention (``rotate_half``)
-match Hugging Face's ``LlamaForCausalLM`` up to a renaming (see ``HF_NAME_MAP``), so HF weights
+match Hugging Face's ``LlamaForCausalLM`` up to a renaming (see ``HF_NAMES``), so HF weights
 load by name.
 
 Init contract: every module that owns parameters initializes them in its own
@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from layershard.loss import ChunkedLossModel, chunked_causal_lm_loss
 from layershard.models.moe import MoE, Routing, balance_loss
+from layershard.parallel.context import ContextParallel, document_attention
 
 if TYPE_CHECKING:  # transformers is optional; imported lazily in hf_llama_config()
     import transformers
@@ -160,14 +161,16 @@ class LMHead(Linear):
             super().reset_parameters()
 
     def forward(
-        self, x: torch.Tensor, labels: torch.Tensor | None = None, loss_chunks: int = 0
-    ) -> torch.Tensor:
-        """The logits, or with ``labels`` and ``loss_chunks`` the chunked loss computed from
-        ``x`` (``layershard.loss``) without the logits. Either way within this one call, so
-        under ``ls.shard`` the head's weight is gathered once for it."""
-        if labels is None or not loss_chunks:
+        self, x: Tensor, labels: Tensor | None = None, chunks: int = 0,
+        num: Tensor | None = None, shifted: bool = False,
+    ) -> Tensor:  # fmt: skip
+        """The logits, or with ``labels`` (``shifted`` or not) and ``chunks`` the chunked loss
+        (``layershard.loss``; sum / ``num`` if given) without them, in this one call: under
+        ``ls.shard`` the weight is gathered once, and labels shifted here, as plan/ counts."""
+        if labels is None or not chunks:
             return super().forward(x)
-        return chunked_causal_lm_loss(x, self.weight, labels, loss_chunks)
+        return chunked_causal_lm_loss(x, self.weight, labels, chunks, num_items_in_batch=num,
+                                      shift_labels=labels if shifted else None)  # fmt: skip
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -241,21 +244,21 @@ class Rotary(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         device = self.cos.device
-        inv_freq = 1.0 / (
-            self.theta
-            ** (
-                torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
-                / self.head_dim
-            )
-        )
+        even = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
+        inv_freq = 1.0 / (self.theta ** (even / self.head_dim))
         t = torch.arange(self.max_seq_len, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # HF's rotate_half layout
         self.cos.copy_(emb.cos())
         self.sin.copy_(emb.sin())
 
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
+    def forward(
+        self, seq_len: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids is None:
+            return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
+        pos = position_ids.unsqueeze(-2)  # each row's own positions: (batch, 1, seq, head_dim)
+        return self.cos[pos].to(dtype), self.sin[pos].to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -272,6 +275,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    context_parallel: ContextParallel | None = None  # the model's (LlamaForCausalLM's doc)
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -281,13 +286,18 @@ class Attention(nn.Module):
         self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim)
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, std=out_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = causal_attention(q, k, v)
+        if self.context_parallel is not None:
+            y = self.context_parallel.attention(q, k, v, doc_ids)
+        elif doc_ids is not None:
+            y = document_attention(q, k, v, doc_ids)
+        else:
+            y = causal_attention(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -387,9 +397,9 @@ class Block(nn.Module):
             self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, Routing]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids)
         out = self.mlp(self.mlp_norm(x))
         if isinstance(out, tuple):
             return x + out[0], out[1]
@@ -407,6 +417,8 @@ class LlamaForCausalLM(nn.Module, ChunkedLossModel):
     """``loss_chunks`` (0: off; set by ``layershard.chunked_loss``): with labels, the LM head
     computes the loss in that many chunks of tokens and the output's ``logits`` are None."""
 
+    context_parallel: ContextParallel | None = None  # ls.parallelize(cp=): parallel/context
+
     def __init__(self, cfg: LlamaConfig, loss_chunks: int = 0) -> None:
         super().__init__()
         self.config = cfg
@@ -420,17 +432,23 @@ class LlamaForCausalLM(nn.Module, ChunkedLossModel):
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
-    ) -> CausalLMOutput:
-        t = input_ids.shape[1]
-        if t > self.config.max_seq_len:
+        self, input_ids: Tensor, labels: Tensor | None = None, *, position_ids: Tensor | None = None,
+        shift_labels: Tensor | None = None, document_ids: Tensor | None = None,
+    ) -> CausalLMOutput:  # fmt: skip
+        """``labels`` unshifted, or ``shift_labels`` shifted over the whole sequence; RoPE's
+        ``position_ids`` (default ``0 .. seq - 1``); ``document_ids``: attend within equal ids
+        (packed documents). Under context parallelism this rank's part (``context_batch``)."""
+        cp, t = self.context_parallel, input_ids.shape[1]
+        if cp is not None:
+            cp.check_inputs(position_ids, labels)
+        if t * (cp.size if cp else 1) > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}")
         x = self.embed(input_ids)
         # Compute follows the weights' dtype: bf16 weights give bf16 activations and RoPE tables.
-        cos, sin = self.rotary(t, x.dtype)
+        cos, sin = self.rotary(t, x.dtype, position_ids)
         routing: Routing | None = None
         for layer in self.layers:
-            out = layer(x, cos, sin)
+            out = layer(x, cos, sin, document_ids)
             if isinstance(out, tuple):
                 x, r = out
                 routing = r if routing is None else routing + r
@@ -439,12 +457,14 @@ class LlamaForCausalLM(nn.Module, ChunkedLossModel):
         x = self.norm(x)
         aux = None if routing is None else balance_loss(routing)
         logits, loss = None, None
-        if labels is not None and self.loss_chunks:
-            loss = self.lm_head(x, labels=labels, loss_chunks=self.loss_chunks)
+        targets, shifted = (labels, False) if shift_labels is None else (shift_labels, True)
+        num = None if cp is None or targets is None else cp.loss_divisor(targets)
+        if targets is not None and self.loss_chunks:
+            loss = self.lm_head(x, targets, self.loss_chunks, num, shifted)
         else:
             logits = self.lm_head(x)
-            if labels is not None:
-                loss = causal_lm_loss(logits, labels)
+            if targets is not None:
+                loss = causal_lm_loss(logits, targets, num, shifted)
         if loss is not None and aux is not None:
             loss = loss + self.config.aux_loss_coef * aux
         return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux)
@@ -484,17 +504,21 @@ class LlamaForCausalLM(nn.Module, ChunkedLossModel):
         return ids
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32: logits at position i predict labels at i + 1;
-    labels equal to -100 are ignored (the HF convention).
+def causal_lm_loss(
+    logits: Tensor, labels: Tensor, num: Tensor | None = None, shifted: bool = False
+) -> Tensor:
+    """Mean next-token cross-entropy in fp32: logits at position i predict labels at i + 1
+    (at i if ``shifted``); labels -100 are ignored (HF's convention); with ``num`` the sum / num.
 
     The labels are shifted, not the logits (each row's last position gets -100, as HF's
     ``ForCausalLMLoss`` does), so cross-entropy reads the logits where they lie: fp32 logits are
     not copied (slicing off the last position and flattening would copy them when the batch has
     more than one row), and bf16 logits are copied once, by the cast to fp32, which is freed as
     soon as log-softmax has run. What stays for backward is the fp32 log-softmax."""
-    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100)
+    targets = (labels if shifted else F.pad(labels[:, 1:], (0, 1), value=-100)).flatten()
+    flat, how = logits.flatten(0, 1).float(), "mean" if num is None else "sum"
+    loss = F.cross_entropy(flat, targets, ignore_index=-100, reduction=how)
+    return loss if num is None else loss / num
 
 
 # --- Hugging Face interop --------------------------------------------------------------------
