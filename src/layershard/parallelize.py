@@ -14,9 +14,10 @@ from torch import nn
 
 from layershard.engine import options
 from layershard.meshes import context_group, hybrid_replicas, make_meshes
+from layershard.models import hf_context
 from layershard.models.llama import Attention, LlamaForCausalLM
 from layershard.models.moe import Experts
-from layershard.parallel.context import ContextParallel
+from layershard.parallel.context import ContextParallel, is_transformers_model
 from layershard.parallel.expert import ExpertGroup, is_hf_experts, split_hf_experts
 from layershard.sharded import shard
 
@@ -61,8 +62,9 @@ def parallelize(
     world / shard_size`` (``layershard train --strategy hybrid`` and ``ShardingPlugin`` say it so).
 
     ``cp``: context parallelism, each sequence split over ``cp`` consecutive ranks (the built-in
-    Llama only, tp and ep 1), attention by ``cp_mode`` ``"ring"`` or ``"all_to_all"``; the
-    weights sharded over ``dp_shard x cp`` (``context_parallel``, docs/context-parallel.md).
+    Llama or a transformers model, tp and ep 1), attention by ``cp_mode`` ``"ring"`` or
+    ``"all_to_all"``; the weights sharded over ``dp_shard x cp`` (``context_parallel``,
+    docs/context-parallel.md).
     """
     options.check(
         "parallelize()", tp=tp, ep=ep, dp_replicate=dp_replicate, cp=cp, cp_mode=cp_mode,
@@ -108,30 +110,36 @@ def context_parallel(
     ep: int = 1,
     dp_replicate: int = 1,
 ) -> ContextParallel:
-    """Give the built-in Llama ``model`` context parallelism over ``cp`` consecutive ranks
-    (``meshes.context_group``): one ``ContextParallel`` that the model and each attention module
-    hold, through which attention runs in ``mode`` and the loss is normalized
-    (``parallel/context/state.py``). Refuses, in one line, what it does not do (yet): tp or ep
-    above 1, a model other than ``layershard.models.LlamaForCausalLM`` (transformers models are
-    a later step), a mixture of experts (its load-balancing loss is not split with the
-    sequence), heads not divisible by ``cp`` in all-to-all mode, and ``cp x dp_replicate`` not
-    dividing the world. Collective over the world (the groups, the first time)."""
+    """Give ``model``, the built-in Llama or a transformers model, context parallelism over
+    ``cp`` consecutive ranks (``meshes.context_group``): one ``ContextParallel`` that the model
+    and each attention module hold, through which attention runs in ``mode`` and the loss is
+    normalized (``parallel/context/state.py``; transformers models: ``models/hf_context.py``,
+    their attention through transformers' ``AttentionInterface``). Refuses, in one line, what it
+    does not do (yet): tp or ep above 1, another kind of model, a mixture of experts (its
+    load-balancing loss is not split with the sequence), heads not divisible by ``cp`` in
+    all-to-all mode, ``cp x dp_replicate`` not dividing the world, and what
+    ``hf_context.check`` refuses of a transformers model. Collective over the world (the
+    groups, the first time)."""
     where = f"parallelize(cp={cp})"
     if tp > 1 or ep > 1:
         raise ValueError(
             f"{where}: context parallelism with tp > 1 or ep > 1 is not supported yet; use "
             "cp with data parallelism (dp_replicate, strategy) only"
         )
-    if not isinstance(model, LlamaForCausalLM):
+    hf = is_transformers_model(model)
+    if hf:
+        heads = hf_context.check(model, where)
+    elif isinstance(model, LlamaForCausalLM):
+        heads = model.config.n_heads
+        if model.config.n_experts:
+            raise ValueError(
+                f"{where}: a mixture of experts is not supported with context parallelism yet "
+                "(its load-balancing loss is not split with the sequence)"
+            )
+    else:
         raise TypeError(
-            f"{where}: context parallelism runs layershard.models.LlamaForCausalLM only, not "
-            f"{type(model).__name__} (transformers models are not supported yet)"
-        )
-    heads = model.config.n_heads
-    if model.config.n_experts:
-        raise ValueError(
-            f"{where}: a mixture of experts is not supported with context parallelism yet (its "
-            "load-balancing loss is not split with the sequence)"
+            f"{where}: context parallelism runs transformers models and layershard.models."
+            f"LlamaForCausalLM only, not {type(model).__name__}"
         )
     if mode == "all_to_all" and heads % cp:
         raise ValueError(
@@ -140,11 +148,16 @@ def context_parallel(
         )
     group = context_group(cp, dp_replicate)
     world = dist.get_world_size()
-    context = ContextParallel(group, mode, data_rank=dist.get_rank() // cp, data_size=world // cp)
-    model.context_parallel = context
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.context_parallel = context
+    context = ContextParallel(
+        group, mode, data_rank=dist.get_rank() // cp, data_size=world // cp, transformers=hf
+    )
+    if isinstance(model, LlamaForCausalLM):
+        model.context_parallel = context
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.context_parallel = context
+    else:
+        hf_context.attach(model, context)
     return context
 
 

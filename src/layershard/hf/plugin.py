@@ -33,7 +33,8 @@ class ShardingPlugin:
     over EP; with ``strategy="hybrid"`` each ``shard_size`` ranks (default: a node's) hold one
     replica (HSDP x TP / EP). A tensor-parallel model's ``save_model`` writes whole tensors; its
     ``save_state`` (Trainer's checkpoints) is ``ls.save_checkpoint``'s, which resumes at any
-    layout.
+    layout. ``cp`` and ``cp_mode`` (context parallelism) are checked, and ``cp`` above 1 is
+    refused: the data path of Trainer, TRL and accelerate does not split the batches yet.
 
     ``mixed_precision=None`` follows accelerate / ``TrainingArguments``: ``bf16=True`` computes in
     bf16 (``ls.MixedPrecision(torch.bfloat16)``, fp32 reduction), ``fp16=True`` in fp16 with an
@@ -61,13 +62,26 @@ class ShardingPlugin:
     # tensor parallelism: the model's base_model_tp_plan over tp ranks that share a batch
     # (ls.parallelize); the data is split over the world / tp data-parallel ranks
     tp: int = 1
+    # context parallelism (ls.parallelize(cp=, cp_mode=)): checked, refused above 1 (below)
+    cp: int = 1
+    cp_mode: str = "ring"
 
     def __post_init__(self) -> None:
         options.check("ShardingPlugin()", **{f.name: getattr(self, f.name) for f in fields(self)})
+        if self.cp > 1:
+            # ls.parallelize runs it (docs/context-parallel.md); what Trainer / TRL / accelerate
+            # lack: a data loader giving each CP group's ranks the same batches, context_batch
+            # applied to each batch, and num_items_in_batch counted per CP group
+            raise ValueError(
+                f"layershard: ShardingPlugin(cp={self.cp}) is not supported yet: Trainer, TRL "
+                "and accelerate do not split each batch over a CP group (context_batch); use "
+                f"ls.parallelize(model, cp={self.cp}) in your own loop"
+            )
 
     def shard_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ls.shard(model, **kwargs)``."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ep", "tp")}
+        own = ("ep", "tp", "cp", "cp_mode")  # ls.parallelize's
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in own}
 
     def shard(self, model: nn.Module):
         """``ls.shard(model, ...)`` with these options, or ``ls.parallelize(model, tp=...,

@@ -8,7 +8,8 @@ context-parallel (CP) group, each rank holding ``T / cp`` of its tokens.
 - ``all_to_all``: Ulysses-style attention, heads exchanged for the sequence by two all-to-alls;
 - ``state``: ``ContextParallel``, what a model parallelized with ``cp`` computes with (the group,
   the mode, the loss's divisor), and the attention of packed documents on one process;
-- ``batch``: ``context_batch``, a rank's part of a whole-sequence batch for the model's forward.
+- ``batch``: ``context_batch``, a rank's part of a whole-sequence batch for the model's forward
+  (the built-in Llama's keywords, or a transformers model's).
 
 Both attentions take q, k, v in the layout and return this rank's rows of causal attention over
 the whole sequence, exact against one process up to fp32 rounding.
@@ -28,7 +29,12 @@ from layershard.parallel.context.layout import (
     target_count,
 )
 from layershard.parallel.context.ring import ring_attention
-from layershard.parallel.context.state import MODES, ContextParallel, document_attention
+from layershard.parallel.context.state import (
+    MODES,
+    ContextParallel,
+    document_attention,
+    is_transformers_model,
+)
 
 __all__ = [
     "MODES",
@@ -40,6 +46,7 @@ __all__ = [
     "document_attention",
     "document_ids",
     "gather",
+    "is_transformers_model",
     "layout_order",
     "loss_sum_and_count",
     "positions",

@@ -9,7 +9,20 @@ micro-batch); each keeps its two chunks of every per-token tensor (``layout.spli
 - ``shift_labels``: the labels shifted over the whole sequence *before* the split, so that a
   chunk's last token predicts the first token of the next chunk, wherever that lives;
 - ``document_ids``: only for packed sequences (position ids other than ``0 .. seq - 1``), the
-  documents the attention keeps apart (``layout.document_ids``).
+  documents the attention keeps apart (``layout.document_ids``);
+- for a transformers model, with labels, also ``labels`` (the shifted labels again: its forward
+  computes a loss only when ``labels`` is given, and ``ForCausalLMLoss`` reads ``shift_labels``
+  first) and ``num_items_in_batch``, the loss's divisor (below); and ``use_cache=False``: with a
+  cache (``use_cache`` defaults to the config's, true) transformers does not mask packed
+  documents apart from their position ids, and under CP a cache of a rank's own keys means
+  nothing.
+
+Note: a transformers model's loss is ``sum of this rank's token losses / num_items_in_batch``
+(``ForCausalLMLoss``). ``num_items_in_batch`` is the whole micro-batch's target count over
+``cp``, the divisor of ``ContextParallel.loss_divisor`` (its Note says why ``/ cp``): every rank
+of the group holds the whole sequences here, so it counts them without a collective, and the
+rank's loss is the built-in model's. On one process (``cp == 1``) it is the count itself: the
+mean over the batch's targets, as ``labels=`` alone gives.
 
 Without context parallelism (a model not parallelized with ``cp``, or ``cp == 1``) the same
 call returns the whole batch with the same keywords: the single-process run of a CP run's
@@ -31,23 +44,28 @@ from layershard.parallel.context.layout import (
     shift_labels,
     split,
 )
-from layershard.parallel.context.state import ContextParallel
+from layershard.parallel.context.state import ContextParallel, is_transformers_model
 
 
 @dataclass(frozen=True)
 class ContextBatch:
     """This rank's part of a batch, as the model's forward takes it: a mapping of the keywords
-    that are set (``model(**batch)``), also readable as attributes. Each is (batch, seq / cp)."""
+    that are set (``model(**batch)``), also readable as attributes. Each is (batch, seq / cp),
+    but ``num_items_in_batch``, a scalar, and ``use_cache`` (transformers models only, as
+    ``labels``)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     shift_labels: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    num_items_in_batch: torch.Tensor | None = None
+    use_cache: bool | None = None
 
     def keys(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
 
-    def __getitem__(self, key: str) -> torch.Tensor:
+    def __getitem__(self, key: str) -> Any:
         if key not in self.keys():
             raise KeyError(key)
         return getattr(self, key)
@@ -68,7 +86,8 @@ def context_batch(
     packed sequences, ``document_ids``, out of the whole sequences of its CP group's
     micro-batch (the module doc). ``model``: a model parallelized by ``ls.parallelize(cp=...)``
     (or the model it wraps), its ``ContextParallel``, or any other model (no split: the whole
-    batch). ``input_ids``, ``labels``: (batch, seq), labels unshifted as for
+    batch); a transformers model also gets ``labels``, ``num_items_in_batch`` and
+    ``use_cache=False``. ``input_ids``, ``labels``: (batch, seq), labels unshifted as for
     ``model(input_ids, labels=labels)``; ``position_ids``: (batch, seq) or (seq,), default
     ``0 .. seq - 1``. ``seq`` must be divisible by ``2 x cp`` (``ValueError`` otherwise).
 
@@ -77,6 +96,7 @@ def context_batch(
     does."""
     ctx = model if isinstance(model, ContextParallel) else getattr(model, "context_parallel", None)
     cp, rank = (1, 0) if ctx is None else (ctx.size, ctx.rank)
+    hf = ctx.transformers if ctx is not None else is_transformers_model(model)
     if input_ids.dim() != 2:
         raise ValueError(
             f"context_batch: input_ids must be (batch, seq), got {tuple(input_ids.shape)}"
@@ -107,6 +127,10 @@ def context_batch(
     def local(x: torch.Tensor | None) -> torch.Tensor | None:
         return x if x is None or cp == 1 else split(x, cp, rank)
 
-    ids, pos = local(input_ids), local(position_ids)
+    ids, pos, targets = local(input_ids), local(position_ids), local(shifted)
     assert ids is not None and pos is not None
-    return ContextBatch(ids, pos.contiguous(), local(shifted), local(docs))
+    if not hf:
+        return ContextBatch(ids, pos.contiguous(), targets, local(docs))
+    # the whole micro-batch's target count (module Note)
+    num = None if shifted is None else (shifted != ignore_index).sum().float() / cp
+    return ContextBatch(ids, pos.contiguous(), targets, local(docs), targets, num, use_cache=False)

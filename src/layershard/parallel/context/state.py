@@ -1,6 +1,7 @@
 """What a model computes with under context parallelism: ``ContextParallel``, the one piece of
-state ``ls.parallelize(cp=...)`` gives the built-in Llama (the model and each of its attention
-modules hold the same object), and the attention of packed documents on one process.
+state ``ls.parallelize(cp=...)`` gives the built-in Llama or a transformers model (the model and
+each of its attention modules hold the same object), and the attention of packed documents on
+one process.
 
 The object is static for the run: the CP group, the mode, and where the group's micro-batch
 sits in the data-parallel split. What changes per batch (positions, document ids, shifted
@@ -11,6 +12,7 @@ its own batch's document ids, whatever ran in between.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +32,15 @@ class ContextParallel:
     load-balanced layout (``layout.py``), attention by ``mode`` (``"ring"``: ``ring.py``;
     ``"all_to_all"``: ``all_to_all.py``). ``data_rank`` / ``data_size``: which of the
     data-parallel micro-batches the group trains on, and how many there are (``ls.parallelize``
-    makes the CP groups of consecutive ranks: ``rank // cp`` of ``world // cp``)."""
+    makes the CP groups of consecutive ranks: ``rank // cp`` of ``world // cp``).
+    ``transformers``: the model is a transformers model, whose forward takes transformers'
+    keywords (``batch.context_batch`` adds ``labels`` and ``num_items_in_batch``)."""
 
     group: dist.ProcessGroup
     mode: str = "ring"
     data_rank: int = 0
     data_size: int = 1
+    transformers: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,12 +73,14 @@ class ContextParallel:
         k: torch.Tensor,
         v: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """This rank's rows of causal attention over the whole sequence (within documents when
         ``doc_ids`` is given): q (batch, heads, local_seq, head_dim), k and v with their kv
-        heads, RoPE applied with the global positions. Every rank of the group calls it."""
+        heads, RoPE applied with the global positions; ``scale`` default ``1 / sqrt(head_dim)``.
+        Every rank of the group calls it."""
         attend = ring_attention if self.mode == "ring" else all_to_all_attention
-        return attend(q, k, v, self.group, doc_ids=doc_ids)
+        return attend(q, k, v, self.group, doc_ids=doc_ids, scale=scale)
 
     def loss_divisor(
         self, local_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
@@ -92,6 +99,15 @@ class ContextParallel:
         mean of the ranks' returned losses over the whole world is the batch's loss, as
         under plain data parallelism; over one CP group, the group's micro-batch's."""
         return target_count(local_labels, self.group, ignore_index) / self.size
+
+
+def is_transformers_model(model: object) -> bool:
+    """Whether ``model`` (or the model a ``ShardedModule`` wraps) is a transformers
+    ``PreTrainedModel``. Without transformers imported no model can be one, so this layer
+    neither needs nor imports it."""
+    tf = sys.modules.get("transformers")
+    inner = getattr(model, "module", model)
+    return tf is not None and isinstance(inner, tf.PreTrainedModel)
 
 
 def document_attention(
