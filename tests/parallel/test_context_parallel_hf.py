@@ -386,15 +386,14 @@ def test_models_refused_before_any_group() -> None:
              "no ContextParallel", hf_context.context_attention, attn, q, q, q, None)  # fmt: skip
 
 
-def test_sharding_plugin_checks_cp_and_refuses_it() -> None:
+def test_sharding_plugin_checks_cp() -> None:
     """``ls.hf.ShardingPlugin(cp=, cp_mode=)``: the types and ranges checked as ls.parallelize
-    checks them; cp above 1 refused in one line (Trainer, TRL and accelerate do not split the
-    batches over a CP group yet); cp 1 in either mode is plain sharding, nothing passed to
-    ls.shard."""
+    checks them, cp with tp refused at once (tests/hf/test_hf_context_parallel.py trains with
+    cp=2); cp 1 in either mode is plain sharding, nothing passed to ls.shard."""
     plugin_cls = pytest.importorskip("layershard.hf").ShardingPlugin
-    _refuses(ValueError, r"^layershard: ShardingPlugin\(cp=2\) is not supported yet: Trainer, "
-             r"TRL and accelerate do not split each batch over a CP group \(context_batch\); use "
-             r"ls.parallelize\(model, cp=2\) in your own loop$", plugin_cls, cp=2)  # fmt: skip
+    assert plugin_cls(cp=2, cp_mode="all_to_all").cp == 2
+    _refuses(ValueError, r"^layershard: ShardingPlugin\(cp=2\) with tp or ep above 1 is not "
+             r"supported yet", plugin_cls, cp=2, tp=2)  # fmt: skip
     _refuses(ValueError, r"^ShardingPlugin\(\): cp must be at least 1, got 0$", plugin_cls, cp=0)
     _refuses(TypeError, r"^ShardingPlugin\(\): cp must be an integer, got '2'$", plugin_cls,
              cp="2")  # fmt: skip

@@ -115,7 +115,8 @@ class Accelerator(accelerate.Accelerator):
                 "each as a single process; on CPU pass TrainingArguments(use_cpu=True) or "
                 "Accelerator(cpu=True)"
             )
-        # under tp: the data loaders give a TP group's ranks the same batches (plugin.data_mesh)
+        # under tp or cp: the data loaders give a TP / CP group's ranks the same batches
+        # (plugin.data_mesh)
         self._ls_data_mesh = self.layershard.data_mesh()
         if self.mixed_precision == "fp16":  # every rank must skip the same steps
             self.scaler = ls.GradScaler(process_group=self.layershard.process_group)
@@ -129,7 +130,8 @@ class Accelerator(accelerate.Accelerator):
 
     def _prepare_device_mesh(self):
         """accelerate's data loaders split batches by this mesh: with ``ShardingPlugin(tp=N)``
-        over the ``world / tp`` data-parallel ranks (a TP group computes one batch together)."""
+        or ``(cp=N)`` over the ``world / N`` data-parallel ranks (a TP or CP group computes one
+        batch together)."""
         if self._ls_data_mesh is not None:
             return self._ls_data_mesh
         return super()._prepare_device_mesh()

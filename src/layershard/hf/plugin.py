@@ -33,8 +33,11 @@ class ShardingPlugin:
     over EP; with ``strategy="hybrid"`` each ``shard_size`` ranks (default: a node's) hold one
     replica (HSDP x TP / EP). A tensor-parallel model's ``save_model`` writes whole tensors; its
     ``save_state`` (Trainer's checkpoints) is ``ls.save_checkpoint``'s, which resumes at any
-    layout. ``cp`` and ``cp_mode`` (context parallelism) are checked, and ``cp`` above 1 is
-    refused: the data path of Trainer, TRL and accelerate does not split the batches yet.
+    layout. ``cp=N`` (context parallelism, ``cp_mode`` "ring" or "all_to_all": a transformers
+    model's sequences split over N consecutive ranks that read the same batches, the data
+    loaders split over ``world / N``) is ``ls.hf.Trainer``'s: it passes each batch through
+    ``context_batch`` (docs/context-parallel.md); ``ls.hf.Accelerator`` alone shards the model
+    and splits the data loaders, the loop's batches are yours to split.
 
     ``mixed_precision=None`` follows accelerate / ``TrainingArguments``: ``bf16=True`` computes in
     bf16 (``ls.MixedPrecision(torch.bfloat16)``, fp32 reduction), ``fp16=True`` in fp16 with an
@@ -62,20 +65,18 @@ class ShardingPlugin:
     # tensor parallelism: the model's base_model_tp_plan over tp ranks that share a batch
     # (ls.parallelize); the data is split over the world / tp data-parallel ranks
     tp: int = 1
-    # context parallelism (ls.parallelize(cp=, cp_mode=)): checked, refused above 1 (below)
+    # context parallelism (ls.parallelize(cp=, cp_mode=)): each sequence over cp ranks that
+    # share a batch; ls.hf.Trainer splits each batch (context_batch in compute_loss)
     cp: int = 1
     cp_mode: str = "ring"
 
     def __post_init__(self) -> None:
         options.check("ShardingPlugin()", **{f.name: getattr(self, f.name) for f in fields(self)})
-        if self.cp > 1:
-            # ls.parallelize runs it (docs/context-parallel.md); what Trainer / TRL / accelerate
-            # lack: a data loader giving each CP group's ranks the same batches, context_batch
-            # applied to each batch, and num_items_in_batch counted per CP group
+        if self.cp > 1 and (self.tp > 1 or self.ep > 1):
+            # ls.parallelize refuses it too, but only once the model is sharded: say it here
             raise ValueError(
-                f"layershard: ShardingPlugin(cp={self.cp}) is not supported yet: Trainer, TRL "
-                "and accelerate do not split each batch over a CP group (context_batch); use "
-                f"ls.parallelize(model, cp={self.cp}) in your own loop"
+                f"layershard: ShardingPlugin(cp={self.cp}) with tp or ep above 1 is not "
+                "supported yet; use cp with data parallelism (strategy, shard_size) only"
             )
 
     def shard_kwargs(self) -> dict[str, Any]:
@@ -89,22 +90,37 @@ class ShardingPlugin:
         from layershard.parallelize import parallelize
         from layershard.sharded import shard
 
-        if self.ep > 1 or self.tp > 1:
-            return parallelize(model, tp=self.tp, ep=self.ep, **self.shard_kwargs())
+        if self.ep > 1 or self.tp > 1 or self.cp > 1:
+            return parallelize(
+                model, tp=self.tp, ep=self.ep, cp=self.cp, cp_mode=self.cp_mode,
+                **self.shard_kwargs(),
+            )  # fmt: skip
         return shard(model, **self.shard_kwargs())
 
     def data_mesh(self) -> Any:
         """With ``tp`` > 1, a ``(dp_replicate, dp_shard, tp)`` mesh for accelerate's data loaders
         (``prepare_data_loader(torch_device_mesh=)``: the ranks of a TP group get the same
-        batches, split over ``dp_replicate x dp_shard``); None otherwise. Collective."""
-        if self.tp == 1:
+        batches, split over ``dp_replicate x dp_shard``); with ``cp`` > 1 a ``(dp_shard, cp)``
+        one (a CP group's ``cp`` consecutive ranks get the same batches, split over ``world /
+        cp``, rank ``r`` taking ``r // cp``: ``ContextParallel.data_rank``); None otherwise.
+        Collective."""
+        if self.tp == 1 and self.cp == 1:
             return None
         from layershard.distributed import default_device
         from layershard.groups import device_mesh
         from layershard.meshes import DENSE_DIMS
 
+        world = dist.get_world_size()
         kind = default_device(dist.group.WORLD).type
-        return device_mesh(kind, self.mesh_shape(dist.get_world_size()), DENSE_DIMS)
+        if self.cp > 1:
+            if world % self.cp:
+                raise ValueError(
+                    f"layershard: ShardingPlugin(cp={self.cp}) must divide the world size {world} "
+                    "(each CP group's ranks share a batch); change cp or the number of processes"
+                )
+            # accelerate reads only the sizes: process_index // cp of dp_shard data ranks
+            return device_mesh(kind, (world // self.cp, self.cp), ("dp_shard", "cp"))
+        return device_mesh(kind, self.mesh_shape(world), DENSE_DIMS)
 
     def mesh_shape(self, world: int) -> tuple[int, int, int]:
         """``(dp_replicate, dp_shard, tp)`` at ``world`` ranks: with ``strategy="hybrid"`` a

@@ -14,6 +14,14 @@ model's state goes:
   optimizer state in layershard's sharded format (each rank writes its own), loadable at any world
   size; ``resume_from_checkpoint`` reads the model and optimizer from it after ``prepare()``.
 - ``load_best_model_at_end`` reads the best checkpoint's ``layershard/`` into the sharded model.
+
+With ``ShardingPlugin(cp=N)`` (context parallelism) the ``N`` ranks of a CP group read the same
+batches (``ls.hf.Accelerator``'s data loaders split over ``world / N``), and ``compute_loss``
+hands the model this rank's part of each (``context_batch``). The loss stays Trainer's: its
+``num_items_in_batch``, counted on every rank of a group and summed over the world, is divided
+by ``get_cp_size()`` (``N``), and each rank's loss is multiplied by the world size as under DDP,
+so the gradient the engine averages over the world is the single process's mean over the
+global batch's targets (docs/context-parallel.md, "Trainer").
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ from layershard.hf.accelerator import (
     sharded_of,
 )
 from layershard.hf.plugin import ShardingPlugin
+from layershard.parallel.context import ContextParallel, context_batch
+from layershard.parallel.context.layout import IGNORE_INDEX
 from layershard.sharded import ShardedModule
 
 # Inside checkpoint-N/: a layershard checkpoints folder (``step_<N>/`` and ``latest``, as
@@ -153,15 +163,93 @@ class ShardedTrainerMixin(_TrainerBase):
                 "ls.hf.Trainer: auto_find_batch_size is not supported; set "
                 "per_device_train_batch_size (a sharded model is not re-wrapped per attempt)"
             )
+        if plugin is not None and plugin.cp > 1:
+            self._ls_check_context_args()
         if a.fp16_full_eval or a.bf16_full_eval:
             raise ValueError(
                 "ls.hf.Trainer: fp16_full_eval/bf16_full_eval cast the model, which a sharded model "
                 "cannot do; evaluation computes in the training dtype (bf16=True / fp16=True)"
             )
 
+    def _ls_check_context_args(self) -> None:
+        """What ShardingPlugin(cp=N) does not run, refused before any model is touched."""
+        a, cp = self.args, self._ls_cp()
+        if getattr(a.eval_strategy, "value", a.eval_strategy) != "no":
+            raise ValueError(
+                f"ls.hf.Trainer: ShardingPlugin(cp={cp}) does not evaluate yet (the logits and "
+                "losses of a CP group are split over its ranks); set eval_strategy='no'"
+            )
+        if a.label_smoothing_factor:
+            raise ValueError(
+                f"ls.hf.Trainer: label_smoothing_factor with ShardingPlugin(cp={cp}) is not "
+                "supported: it shifts whole-sequence labels, which each rank no longer holds"
+            )
+        # whose compute_loss runs: the first class in the MRO, the mixin aside, that defines one
+        owner = next(
+            k
+            for k in type(self).__mro__
+            if k is not ShardedTrainerMixin and "compute_loss" in vars(k)
+        )
+        if owner is not transformers.Trainer:
+            raise ValueError(
+                f"ls.hf.Trainer: ShardingPlugin(cp={cp}) runs transformers.Trainer's compute_loss "
+                f"on each rank's part of the sequences; {type(self).__name__} overrides it "
+                "(TRL's trainers do), which is not supported yet"
+            )
+        if a.n_gpu > 1:  # Trainer's DataParallel, which layershard never runs (one device a rank)
+            raise ValueError(f"ls.hf.Trainer: ShardingPlugin(cp={cp}) needs one device per rank")
+
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         # ls.shard places the slices (ShardingPlugin(device=...)): the whole model never moves.
         return None
+
+    # -- context parallelism ---------------------------------------------------------------------
+
+    def _ls_cp(self) -> int:
+        return self._ls_plugin.cp if self._ls_plugin is not None else 1
+
+    def get_cp_size(self) -> int:
+        """``ShardingPlugin(cp=N)``'s N: Trainer divides ``num_items_in_batch`` by it (every rank
+        of a CP group counts the group's whole batch) and the world by it for the total batch."""
+        return self._ls_cp() if self._ls_cp() > 1 else super().get_cp_size()
+
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """Trainer's; under ``ShardingPlugin(cp=N)`` on this rank's part of the batch
+        (``context_batch``: its tokens, global positions, labels shifted over the whole
+        sequence, ``use_cache=False``)."""
+        if self._ls_cp() > 1:
+            if self.compute_loss_func is not None:
+                raise ValueError(
+                    f"ls.hf.Trainer: compute_loss_func with ShardingPlugin(cp={self._ls_cp()}) is "
+                    "not supported: it reads whole-sequence labels, which each rank no longer holds"
+                )
+            inputs = _context_inputs(_context_of(model), inputs)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        self._ls_refuse_evaluation()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        self._ls_refuse_evaluation()
+        return super().predict(*args, **kwargs)
+
+    def _ls_refuse_evaluation(self) -> None:
+        if self._ls_cp() > 1:
+            # a CP group's losses are shares of its batch and its logits are split by chunk:
+            # Trainer's gather (one entry a rank, truncated by world-sized batches) would be wrong
+            raise ValueError(
+                f"ls.hf.Trainer: evaluate() and predict() under ShardingPlugin(cp={self._ls_cp()}) "
+                "are not supported yet; evaluate the saved model (save_model) without cp"
+            )
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -239,6 +327,84 @@ class ShardedTrainerMixin(_TrainerBase):
         if sharded is None or best is None or not (Path(best) / CHECKPOINT_DIR).is_dir():
             return super()._load_best_model()
         ls.load_checkpoint(Path(best) / CHECKPOINT_DIR, sharded, restore_rng=False)
+
+
+def _context_of(model: Any) -> ContextParallel:
+    """The ``ContextParallel`` that ``ls.parallelize(cp=...)`` gave the (prepared) model."""
+    sharded = sharded_of(model)
+    inner = sharded.module if sharded is not None else model
+    ctx = getattr(inner, "context_parallel", None)
+    if ctx is None:  # a PEFT model, e.g.: the attribute is on the model it wraps
+        base = getattr(inner, "get_base_model", None)
+        ctx = getattr(base(), "context_parallel", None) if callable(base) else None
+    if not isinstance(ctx, ContextParallel) or not ctx.transformers:
+        raise ValueError(
+            "ls.hf.Trainer: ShardingPlugin(cp>1) trains a transformers causal LM parallelized "
+            f"with cp; {type(inner).__name__} has no transformers context parallelism"
+        )
+    return ctx
+
+
+# Per-token inputs compute_loss knows how to split; any other (b, t) tensor (flash-attention
+# sequence lengths, seq_idx, token types) would reach the model whole, so it is refused.
+_CONTEXT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+
+
+def _context_inputs(ctx: ContextParallel, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs`` (a collated batch of whole sequences, the same on every rank of the CP
+    group) as this rank's ``context_batch``; other, non-tensor keywords pass through."""
+    rest = {k: v for k, v in inputs.items() if k not in _CONTEXT_KEYS}
+    extra = sorted(k for k, v in rest.items() if torch.is_tensor(v))
+    if extra or "input_ids" not in inputs:
+        raise ValueError(
+            f"ls.hf.Trainer: under ShardingPlugin(cp={ctx.size}) a batch holds input_ids, labels "
+            f"and optionally position_ids and a right-padding attention_mask; got {sorted(inputs)}"
+        )
+    ids, labels, pos = inputs["input_ids"], inputs.get("labels"), inputs.get("position_ids")
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        _check_right_padding(mask, labels, ctx.size)
+    ids, labels, pos = _pad_to(2 * ctx.size, ids, labels, pos)
+    part = context_batch(ctx, ids, labels, pos)
+    # Trainer's own num_items_in_batch (when it counts one) replaces the micro-batch's count
+    # that context_batch sets (super().compute_loss adds it after these keywords)
+    return {**rest, **{k: part[k] for k in part}}
+
+
+def _check_right_padding(mask: torch.Tensor, labels: torch.Tensor | None, cp: int) -> None:
+    """The attention under CP takes no mask. Right padding needs none: causal attention never
+    lets a real token see the padding after it, so only padded labels must be ignored. Other
+    masks (left padding, holes) would change what real tokens attend to: refused."""
+    m = mask.bool()
+    right = bool((m[:, 1:] <= m[:, :-1]).all())
+    if not right or (labels is not None and bool((labels[~m] != IGNORE_INDEX).any())):
+        raise ValueError(
+            f"ls.hf.Trainer: under ShardingPlugin(cp={cp}) only right padding with labels -100 "
+            "is supported (the attention takes no mask); pack (DataCollatorWithFlattening) or "
+            "right-pad with labels -100"
+        )
+
+
+def _pad_to(
+    multiple: int, ids: torch.Tensor, labels: torch.Tensor | None, pos: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Right-pad the sequences to a multiple of ``2 cp`` (the layout's chunks): padding after
+    every real token is never attended to (causal), its labels are ignored and its positions
+    continue the last ones, so the loss and gradients are the unpadded batch's. Packed rows of
+    ``DataCollatorWithFlattening`` have any length; the padded tokens join the last document."""
+    t = ids.shape[-1]
+    n = -t % multiple
+    if n == 0:
+        return ids, labels, pos
+    b = ids.shape[0]
+    ids = torch.cat([ids, ids.new_zeros(b, n)], dim=1)
+    if labels is not None:
+        labels = torch.cat([labels, labels.new_full((b, n), IGNORE_INDEX)], dim=1)
+    if pos is not None:
+        pos = pos.expand(b, t)
+        after = pos[:, -1:] + 1 + torch.arange(n, device=pos.device, dtype=pos.dtype)
+        pos = torch.cat([pos, after], dim=1)
+    return ids, labels, pos
 
 
 def _fp32_adapters(model: Any) -> None:

@@ -1,0 +1,136 @@
+"""``ls.hf.Trainer`` with ``ShardingPlugin(cp=2)`` (context parallelism) against the same Trainer
+without it, at 2 gloo ranks, on the same global batches: a tiny transformers Llama (hidden 64, 4
+heads, 2 kv heads, 2 layers), gradient accumulation 2, clipping, AdamW.
+
+The reference is ``ShardingPlugin()`` (plain data-parallel sharding over the 2 ranks, each
+reading half of each global batch: the DDP-equivalent run that tests/hf/test_hf_trainer.py holds
+to DDP). The CP runs read each whole global batch on both ranks (the data loaders split over
+world / cp = 1 data rank) and split every sequence over the two. Each sequence's first
+``prompt`` labels are -100, a different number per sequence, so that the global mean over
+targets differs from a mean of per-micro-batch or per-rank means: a wrong ``num_items_in_batch``
+(the CP ranks' double count, or none) shows in the losses at once. Packed rows
+(``DataCollatorWithFlattening``: each micro-batch's documents in one row, its length not a
+multiple of 2 x cp, so that ``compute_loss`` pads it) are held to the reference that packs the
+same way.
+
+Tolerances, those of the CP tests (tests/parallel/test_context_parallel_hf.py) and of
+test_hf_trainer.py, for the same reason: CP computes the same math in another order of its fp32
+sums (softmaxes merged by log-sum-exp, the weights' gradients summed over the CP ranks). Measured
+2026-11-29 (torch 2.13 CPU, transformers 5.24), every run here: logged losses within 1.04e-7
+(relative), gradient norms within 1.15e-7, final weights within 1.19e-7 (absolute, AdamW eps
+below): held to
+_parity.LOSS_RTOL (1e-5), GRAD_NORM_RTOL and PARAM_TOL (test_hf_trainer.py's 1e-5 and 1e-4).
+A normalization error is a factor (the world, cp, or the micro-batches' targets), 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _dist import run_ranks
+from _parity import LOSS_RTOL
+
+pytest.importorskip("transformers")
+
+GRAD_NORM_RTOL = 1e-5
+PARAM_TOL = 1e-4
+V, SEQ, N_SEQ, STEPS = 96, 32, 32, 4
+# AdamW's eps: Adam divides each gradient entry by its own magnitude, so an entry near zero whose
+# last bits differ (CP sums in another order) moves by up to the learning rate either way; with
+# the default 1e-8 three of layer 0's MLP entries ended 1.0e-4 apart (ring) while every loss
+# and norm agreed to 1e-7. 1e-3 bounds that amplification to lr / eps per unit of gradient
+# error and still normalizes the gradients here (their entries are 1e-3 to 1e-1).
+ADAM_EPS = 1e-3
+
+
+def _dataset(packed: bool) -> list[dict]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(N_SEQ):
+        n = SEQ - 2 * (i % 5) if packed else SEQ  # packed rows of any length, not a multiple of 4
+        ids = torch.randint(1, V, (n,), generator=g)
+        labels = ids.clone()
+        labels[: int(torch.randint(1, n // 2, (1,), generator=g))] = -100  # a prompt
+        out.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return out
+
+
+def _train(world: int, out: Path, cp: int, mode: str, packed: bool) -> dict:
+    import torch
+    import transformers as T
+
+    import layershard as ls
+
+    torch.manual_seed(0)  # every rank builds the same model
+    cfg = T.LlamaConfig(
+        vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, intermediate_size=128, max_position_embeddings=2 * SEQ,
+    )  # fmt: skip
+    model = T.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    data = _dataset(packed)
+    collator = T.DataCollatorWithFlattening() if packed else T.default_data_collator
+    per_rank = 8 // (2 * (world // cp))  # 8 sequences per optimizer step: accumulation 2
+    args = T.TrainingArguments(
+        output_dir=str(out / f"cp{cp}-{mode}-{packed}"), use_cpu=True, ddp_backend="gloo",
+        report_to=[], per_device_train_batch_size=per_rank, gradient_accumulation_steps=2,
+        max_steps=STEPS, learning_rate=1e-2, adam_epsilon=ADAM_EPS, lr_scheduler_type="constant", max_grad_norm=0.5,
+        logging_steps=1, save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
+        log_level="error", dataloader_num_workers=0, remove_unused_columns=False,
+    )  # fmt: skip
+    trainer = ls.hf.Trainer(
+        model=model, args=args, train_dataset=data, data_collator=collator,
+        layershard=ls.hf.ShardingPlugin(cp=cp, cp_mode=mode),
+    )  # fmt: skip
+    trainer.train()
+    sharded = ls.hf.sharded_of(trainer.model_wrapped) or ls.hf.sharded_of(trainer.model)
+    assert sharded is not None
+    if cp > 1:
+        assert model.config._attn_implementation == "layershard_cp"
+        assert trainer.get_cp_size() == cp
+    logged = [
+        [h["step"], h["loss"], h["grad_norm"]] for h in trainer.state.log_history if "loss" in h
+    ]
+    return {"logged": logged, "state": sharded.full_state_dict(rank0_only=False)}
+
+
+def _rank(rank: int, world: int, out: str) -> None:
+    res: dict = {}
+    for packed in (False, True):
+        ref = _train(world, Path(out), 1, "ring", packed)
+        for mode in ("ring", "all_to_all") if not packed else ("ring",):
+            run = _train(world, Path(out), 2, mode, packed)
+            diff = max((run["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+            res[f"{mode}-{packed}"] = {
+                "ref": ref["logged"],
+                "cp": run["logged"],
+                "param_diff": diff,
+            }
+    if rank == 0:
+        Path(out, "res.json").write_text(json.dumps(res))
+
+
+@pytest.mark.slow
+def test_trainer_with_context_parallelism_matches_plain_sharding(tmp_path: Path) -> None:
+    """ShardingPlugin(cp=2), ring and all-to-all, plain rows and packed (ring), against
+    ShardingPlugin() on the same global batches: each step's logged loss and gradient norm,
+    and the final weights."""
+    run_ranks(_rank, 2, str(tmp_path))
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert sorted(res) == ["all_to_all-False", "ring-False", "ring-True"]
+    for name, r in res.items():
+        ref, cp = r["ref"], r["cp"]
+        assert [x[0] for x in cp] == [x[0] for x in ref] == list(range(1, STEPS + 1)), name
+        loss = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(cp, ref))
+        norm = max(abs(a[2] - b[2]) / abs(b[2]) for a, b in zip(cp, ref))
+        print(f"{name}: loss {loss:.2e}, grad norm {norm:.2e}, weights {r['param_diff']:.2e}")
+        assert loss < LOSS_RTOL, (name, cp, ref)
+        assert norm < GRAD_NORM_RTOL, name
+        assert r["param_diff"] < PARAM_TOL, name
+        # the run exercises what it claims: the clip (max_grad_norm 0.5) is active; the data are
+        # random tokens, whose loss does not fall in 4 steps, but each step's differs
+        assert max(x[2] for x in ref) > 0.5, name
+        assert len({round(x[1], 4) for x in ref}) == STEPS, name
