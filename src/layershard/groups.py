@@ -175,7 +175,10 @@ class Groups:
         for ranks in partition:  # this rank's group only
             if me in ranks:
                 return dist.new_group(
-                    ranks, backend=backend, timeout=default_timeout(), use_local_synchronization=True
+                    ranks,
+                    backend=backend,
+                    timeout=default_timeout(),
+                    use_local_synchronization=True,
                 )
         return None
 
