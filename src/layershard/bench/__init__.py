@@ -26,6 +26,8 @@ IMPLS = (
     "layershard-muon-allgather",
     "layershard-ep",
     "layershard-tp",
+    "layershard-cp-ring",
+    "layershard-cp-all_to_all",
     "fsdp2",
     "fsdp2-ep",
     "transformers-ep",
@@ -44,6 +46,10 @@ EP_IMPLS = ("layershard-ep", "fsdp2-ep", "transformers-ep")
 # Tensor parallelism (``--tp N``): layershard through ``ls.parallelize(model, tp=N)``, the model's
 # TP plan over N ranks that share each batch, sharded over the world / N others.
 TP_IMPL = "layershard-tp"
+# Context parallelism (``--cp N --cp-mode ...``): layershard through ``ls.parallelize(model,
+# cp=N, cp_mode=...)``, each sequence split over N ranks that share each batch (bench/context.py);
+# the implementation's name says the mode.
+CP_IMPLS = {"layershard-cp-ring": "ring", "layershard-cp-all_to_all": "all_to_all"}
 STRATEGY_IMPL = {
     "full": "layershard",
     "grad_op": "layershard-grad_op",

@@ -29,6 +29,7 @@ from layershard.bench import (
     UNTIMED_STEPS,
     wire_impl,
 )
+from layershard.bench import context as cp_rows
 from layershard.models import hf as models_hf
 
 TORCH_IMPLS = ("fsdp2", "fsdp1", "ddp", "plain", "fsdp2-ep", "transformers-ep")
@@ -201,6 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "base_model_tp_plan): also runs layershard-tp (ls.parallelize(model, tp=N); a TP group's "
         "ranks share each batch, the global batch kept)",
     )  # fmt: skip
+    cp_rows.add_arguments(r)
     r.add_argument("--steps", type=int, default=5, help="timed steps per run")
     r.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     r.add_argument("--repeats", type=int, default=3, help="runs per implementation and world size")
@@ -291,7 +293,7 @@ def _slug(link) -> str:
 
 def _run_shapes(args: argparse.Namespace) -> int:
     if args.model is None and args.hf_config is None:
-        shapes = args.shape or DEFAULT_SHAPES
+        shapes = args.shape or cp_rows.default_shapes(args, SHAPES, DEFAULT_SHAPES)
     elif args.shape:
         print("layershard bench: --shape or --model/--hf-config, not both", file=sys.stderr)
         return 2
@@ -333,6 +335,10 @@ def run_shape(args: argparse.Namespace) -> int:
     if (TP_IMPL in chosen and not args.tp) or (args.tp and args.ep):
         print("layershard bench: layershard-tp needs --tp N (and no --ep)", file=sys.stderr)
         return 2
+    why = cp_rows.refuses(args, chosen)
+    if why:
+        print(f"layershard bench: {why}", file=sys.stderr)
+        return 2
     if muon and set(chosen) & set(TORCH_IMPLS):
         print(
             "layershard bench: --optimizer muon runs layershard only (torch's implementations "
@@ -350,6 +356,7 @@ def run_shape(args: argparse.Namespace) -> int:
         print("layershard bench: --gather-dtype/--reduce-dtype run with adamw", file=sys.stderr)
         return 2
     parallel = (["layershard-ep"] if args.ep else []) + ([TP_IMPL] if args.tp else [])
+    parallel += cp_rows.impls(args)
     ours = ["layershard", *parallel, *strategies, *wires]
     impls = ours + [i for i in chosen if i not in ours]
     out = Path(args.out or f"benchmarks/speed/{args.tag}-{device}")
@@ -471,6 +478,7 @@ def _settings(args, device: str) -> dict:
         "load_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "nodes": args.nodes,
         "link": getattr(args, "link_info", None),
+        **({"cp": args.cp, "cp_mode": args.cp_mode} if args.cp else {}),
     }
 
 
@@ -489,6 +497,8 @@ def _launch(args, impl: str, n: int, device: str, path: Path) -> tuple[int, str]
         worker += ["--ep", str(args.ep)]
     if args.tp:
         worker += ["--tp", str(args.tp)]
+    if args.cp:
+        worker += ["--cp", str(args.cp)]
     if args.hf_config:
         worker += ["--hf-config", args.hf_config]
     else:

@@ -92,7 +92,13 @@ class CountCollectives(TorchDispatchMode):
         "alltoall_base_": "all_to_all",
         "scatter_": "scatter",
         "barrier": "barrier",
+        "send": "send",  # a point-to-point hop (ring attention): counted once, at its sender
     }
+    # not transfers of their own: a hop's receive (its send is counted), and the functional
+    # collectives' plumbing (all_to_all_single's wait and autograd wrapper)
+    SKIP = frozenset(
+        {"barrier", "recv_", "recv_any_source_", "wait_tensor", "_wrap_tensor_autograd"}
+    )
 
     def __init__(self):
         super().__init__()
@@ -109,7 +115,7 @@ class CountCollectives(TorchDispatchMode):
             if name == "scatter":  # its output: a rank's chunk (the root also passes them all)
                 self.count[name] += 1
                 self.bytes[name] += _nbytes(args[0])
-            elif name != "barrier":
+            elif name not in self.SKIP:
                 self.count[name] += 1
                 self.bytes[name] += max((_nbytes(a) for a in args), default=0)
         return func(*args, **kwargs)
@@ -118,11 +124,13 @@ class CountCollectives(TorchDispatchMode):
 def ring_bytes_sent(op: str, nbytes: int, world: int) -> float:
     """Bytes one rank sends for a collective on a ``nbytes`` buffer with a ring algorithm. The
     engine's gloo collectives (a broadcast or a scatter from each rank, ``nbytes`` summing to the
-    buffer over the group) send the same on average."""
+    buffer over the group) send the same on average; a point-to-point ``send`` sends all of it.
+    An all-to-all over a subgroup (a CP group's) is counted as over the world."""
     if world <= 1:
         return 0.0
     f = (world - 1) / world
-    return {"all_reduce": 2 * f * nbytes, "broadcast": f * nbytes}.get(op, f * nbytes)
+    by_op = {"all_reduce": 2 * f * nbytes, "broadcast": f * nbytes, "send": float(nbytes)}
+    return by_op.get(op, f * nbytes)
 
 
 def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer, layershard: bool) -> dict:

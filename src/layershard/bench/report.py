@@ -247,6 +247,10 @@ def format_table(results: dict) -> str:
                 f"{s['collectives_per_step']:>7}{s['bytes_sent_per_step'] / MiB:>9.1f}"
                 f"{_f(s['loss_max_abs_diff_vs_layershard'], '.2e'):>11}"
             )
+            cp = s["notes"].get("cp")
+            if cp:  # a CP row (bench/context.py): its size and mode
+                lines.append(f"{'':<{w}}cp {cp}, {s['notes']['cp_mode']}: each sequence over "
+                             f"{cp} consecutive ranks, which share their batch")  # fmt: skip
             if s.get("failed"):
                 lines.append(f"{'':<{w}}({s['failed']} of {s['runs']} runs failed)")
             if s.get("memtracker_peak_na"):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, TP_IMPL, WIRE_IMPL
+from layershard.bench import context as cp_rows
 from layershard.bench.measure import (
     CountCollectives,
     live_tensors,
@@ -43,7 +44,7 @@ MUON_LR = 0.02  # Muon's lr in --optimizer muon runs (AdamW keeps --lr for the o
 
 def is_layershard(impl: str) -> bool:
     ours = ("layershard", MUON_ALTERNATIVE, "layershard-ep", TP_IMPL)
-    return impl in ours or impl in STRATEGY_IMPLS or impl in WIRE_IMPL
+    return impl in ours or impl in STRATEGY_IMPLS or impl in WIRE_IMPL or impl in cp_rows.CP_IMPLS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loss", choices=["inside", "outside"], default="inside")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (the *-ep impls)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (layershard-tp)")
+    p.add_argument("--cp", type=int, default=1, help="context parallel size (layershard-cp-*)")
     p.add_argument("--no-mem", action="store_true", help="skip the MemTracker step")
     p.add_argument("--out", required=True, help="JSON file (written by rank 0)")
     return p.parse_args(argv)
@@ -112,6 +114,8 @@ def compute_loss(model: nn.Module, x: torch.Tensor, where: str) -> torch.Tensor:
     """The causal LM loss of ``x``: computed by the model (``labels=``), or from the logits it
     returns, by the caller (``outside``: what a user's own training loop does)."""
     if where == "inside":
+        if getattr(model, "context_parallel", None) is not None:  # a CP row: this rank's part
+            return cp_rows.loss(model, x)
         return model(x, labels=x).loss
     logits = model(x).logits
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
@@ -152,9 +156,13 @@ def final_norm_and_head(model: nn.Module) -> list[nn.Module]:
 
 
 def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: int, ep: int = 1):
-    """(wrapped model, autocast context factory, notes); ``ep``: the EP or (layershard-tp) TP size"""
+    """(wrapped model, autocast context factory, notes); ``ep``: the EP, TP (layershard-tp) or
+    CP (layershard-cp-*) size"""
     notes = {}
     no_autocast = contextlib.nullcontext
+    if impl in cp_rows.CP_IMPLS:
+        notes = {"cp": ep, "cp_mode": cp_rows.CP_IMPLS[impl]}
+        return cp_rows.wrap(impl, model, device, bf16, ep), no_autocast, notes
     if impl in EP_IMPLS or impl == TP_IMPL:
         key = "tp" if impl == TP_IMPL else "ep"
         return _wrap_ep(impl, model, device, bf16, world, ep), no_autocast, {key: ep}
@@ -376,7 +384,8 @@ def main(argv=None) -> int:
     )
     precision = args.precision or ("bf16" if cuda else "fp32")
     bf16 = precision == "bf16"
-    tp = args.tp if args.impl == TP_IMPL else 1  # a TP group's ranks share their batch
+    # a TP or CP group's ranks share their batch
+    tp = args.tp if args.impl == TP_IMPL else args.cp if args.impl in cp_rows.CP_IMPLS else 1
     if args.global_batch % (world // tp):
         raise SystemExit(f"--global-batch {args.global_batch} not divisible by {world // tp} ranks")
     local_b, dp_rank = args.global_batch // (world // tp), rank // tp

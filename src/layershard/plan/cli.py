@@ -16,6 +16,8 @@ from pydantic.dataclasses import dataclass
 from layershard.plan.calibrate import CalibrationError, read_runs
 from layershard.plan.calibrate import fit as fit_runs
 from layershard.plan.calibrate import render as render_fit
+from layershard.plan.context import add_arguments as add_cp_arguments
+from layershard.plan.context import cp_settings, train_fields
 from layershard.plan.explain import explain
 from layershard.plan.hardware import GPU, GPUS, Cluster, get_gpu
 from layershard.plan.memory import OPTIMIZER_BYTES, STRATEGIES
@@ -46,6 +48,7 @@ class PlanInput:
     shard_size: PositiveInt | None = None
     tp: PositiveInt | None = None
     ep: PositiveInt | None = None
+    cp: PositiveInt | None = None
     loss_chunks: NonNegativeInt = 0
     lora_rank: PositiveInt = 16
     reshard_after_forward: Annotated[
@@ -165,6 +168,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "1, 2, 4, 8 within a node); --micro-batch is then per TP group")  # fmt: skip
     r.add_argument("--ep", type=int, help="expert-parallel size (default: the suggestion tries "
                    "the divisors of the experts up to the GPUs)")  # fmt: skip
+    add_cp_arguments(r)
     r.add_argument(
         "--no-sync",
         action="store_true",
@@ -416,6 +420,7 @@ def _settings(args: argparse.Namespace, shape: ModelShape) -> Settings:
         gather_dtype=args.gather_dtype,
         tp=args.tp or 1,
         ep=args.ep or 1,
+        **cp_settings(args),
     )
 
 
@@ -481,7 +486,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_suggest:
         sug = suggest(
             shape, gpu, cluster, settings, args.headroom, keep_strategy=args.keep_strategy,
-            meshes=mesh_candidates(shape, cluster, args.tp, args.ep), eff=eff, **kw,
+            meshes=None if settings.cp > 1 else mesh_candidates(shape, cluster, args.tp, args.ep),
+            eff=eff, **kw,
         )  # fmt: skip
         print()
         print(render_suggestion(sug, settings))
@@ -563,6 +569,8 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
         cfg["tp"] = s.tp
     if s.ep > 1:  # expert parallelism (ls.parallelize)
         cfg["ep"] = s.ep
+    if s.cp > 1:  # context parallelism (ls.parallelize); micro_batch is per CP group
+        cfg.update(train_fields(s, args.hf_config))
     if s.reduce_dtype != "fp32":
         cfg["reduce_dtype"] = s.reduce_dtype
     if s.gather_dtype is not None:

@@ -30,7 +30,8 @@ LINK_LABELS = {
     "latency": "latency (NCCL ring/tree steps)",
 }
 NOT_MODELLED = (
-    "pipeline and context parallelism; TP's sequence parallelism (TP rows: plan/parallel.py)",
+    "pipeline parallelism; context parallelism but for --cp's rows (plan/context.py); TP's "
+    "sequence parallelism (TP rows: plan/parallel.py)",
     "an unbalanced router (EP rows route every expert the same share of the tokens)",
     "fp8 matmuls, and the quantize/dequantize work of 8-bit gathers (their bytes are "
     "modelled); fp32 compute (planned at the bf16 kernel rates)",

@@ -492,6 +492,8 @@ def peak_bytes(
       all of them, a recomputing block's too) + that unit's unsharded gradients
       (``unit_grad_bytes``); the gradient shards are allocated unit by unit as activations are
       freed, so either the activations (its first units) or the shards (its last) are counted;
+      under context parallelism also the attention's in-flight buffers (``act["cp_inflight"]``,
+      plan/context.py), held while the first unit's attention runs its backward;
     - the optimizer step: model states without the backward's buffers + the optimizer's
       temporaries (``step_temps``: ``optimizer_step_temporaries``).
 
@@ -544,6 +546,7 @@ def peak_parts(
         "gradient shards (allocated unit by unit in backward)": -grads,
         "large unit: weights or gradients, one at a time": large,
         "activations": act["activations"],
+        "attention's in-flight buffers (context parallelism)": act.get("cp_inflight", 0),
         "one unit's unsharded gradients": unit_grads,
     }
     backward_end = {

@@ -85,7 +85,8 @@ def collective_latency_s(
     if ranks <= 1:
         return 0.0
     link = "network" if nodes > 1 else "nvlink"
-    steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
+    # a point-to-point hop (ring attention's send/recv) is one step whatever the group
+    steps = 2 * (ranks - 1) if op == "all_reduce" else 1 if op == "send_recv" else ranks - 1
     ring = base_us + steps * NCCL_RING_HOP_US[link] * hop_scale
     if op != "all_reduce" or nodes <= 1:
         return ring * 1e-6

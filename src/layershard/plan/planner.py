@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from layershard.plan.context import check_cp, cp_options, predict_cp_activations
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.memory import (
     STATE_KEYS,
@@ -69,6 +70,8 @@ class Settings:
     gather_dtype: str | None = None  # weights over the all-gather: fp8, int8 (None: param_dtype)
     tp: int = 1  # tensor-parallel size (plan/parallel.py); micro_batch is then per TP group
     ep: int = 1  # expert-parallel size
+    cp: int = 1  # context-parallel size (plan/context.py); micro_batch is then per CP group
+    cp_mode: str = "ring"  # ring | all_to_all
 
     def step_kwargs(self) -> dict[str, Any]:
         """The options of one training step, as ``predict_time`` takes them (keywords)."""
@@ -78,7 +81,7 @@ class Settings:
             "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
             "gather_dtype": self.gather_dtype, "no_sync": self.no_sync,
             "optimizer": self.optimizer, "loss_chunks": self.loss_chunks, "loss": self.loss,
-            **self.strategy_kwargs(),
+            "cp": self.cp, "cp_mode": self.cp_mode, **self.strategy_kwargs(),
         }  # fmt: skip
 
     def strategy_kwargs(self) -> dict[str, Any]:
@@ -117,7 +120,7 @@ class Plan:
         states = {k: (0 if self.settings.offload and k in HOST_KEYS else mem[k])
                   for k in STATE_KEYS}  # fmt: skip
         states["total"] = mem["device_states"]
-        keys = ("activations", "logits", "loss_head_grad", "recompute")
+        keys = ("activations", "logits", "loss_head_grad", "recompute", "cp_inflight")
         act: dict[str, int] = {k: mem[k] for k in keys if k in mem}
         extra = (mem["unit_grads"], mem["released_at_loss"], mem["optimizer_temporaries"])
         return (states, act, *extra)
@@ -146,7 +149,8 @@ class Plan:
     @property
     def strategy_label(self) -> str:
         label = self.time.layout.describe() if self.time.layout else self.settings.strategy
-        mesh = self.mesh
+        mesh, s = self.mesh, self.settings
+        label += f", cp {s.cp} {s.cp_mode}" if s.cp > 1 else ""
         return label if mesh is None else f"{label}, {mesh.describe(self.shape.moe)}"
 
     @property
@@ -164,7 +168,11 @@ class Plan:
             "model": asdict(self.shape) | {"params": self.shape.total_params},
             "gpu": asdict(self.gpu),
             "cluster": {**asdict(self.cluster), "nodes": self.cluster.nodes},
-            "settings": asdict(self.settings),
+            "settings": {
+                k: v
+                for k, v in asdict(self.settings).items()  # cp: CP rows only
+                if self.settings.cp > 1 or k not in ("cp", "cp_mode")
+            },  # fmt: skip
             "strategy": self.strategy_label,
             "mesh": None
             if self.mesh is None
@@ -202,7 +210,7 @@ class Plan:
                 "exposed_by_link": t.exposed_by_link,
                 "assumptions": t.assumptions,
             },
-        }
+        } | ({"context": t.context} if t.context else {})
 
 
 def make_plan(
@@ -220,6 +228,7 @@ def make_plan(
 ) -> Plan:
     s = settings
     mesh = None
+    check_cp(shape, cluster, s)
     if s.tp != 1 or s.ep != 1:  # a TP/EP row (plan/parallel.py)
         from layershard.plan.parallel import Mesh, mesh_parts
 
@@ -235,7 +244,7 @@ def make_plan(
             s.no_sync, shard_size=layout.shard if layout.strategy == "hybrid" else None,
             reshard_after_forward=layout.hpz if layout.hpz > 1 else True, offload=s.offload,
         )  # fmt: skip
-        act = predict_activations(
+        act = predict_cp_activations(shape, s) if s.cp > 1 else predict_activations(
             shape, s.micro_batch, s.seq_len, s.checkpoint_layers, s.param_dtype,
             loss_chunks=s.loss_chunks, loss=s.loss,
         )  # fmt: skip
@@ -444,6 +453,9 @@ def suggest(
             if _modelled(shape, cluster, replace(settings, **row)):
                 options.append(row)
     ranking: list[Ranked] = []
+    if settings.cp > 1:  # CP rows, and the others at the same global batch (plan/context.py)
+        options, apart = cp_options(cluster, settings, options, keep_strategy, shape)
+        ranking += [Ranked(label, None, reason) for label, reason in apart]
     for opt in options:
         s = replace(settings, **opt)
         p = _best_for(shape, gpu, cluster, s, headroom, **kw)
@@ -535,11 +547,12 @@ def _gpus_needed(
     n = max(cluster.gpus * 2, g)
     while n <= max_gpus:
         c = Cluster(n, g) if n >= g else Cluster(n, n)
-        if make_plan(shape, gpu, c, tight, headroom, **kw).fits:
+        if n % tight.cp == 0 and make_plan(shape, gpu, c, tight, headroom, **kw).fits:
             # refine downwards to a multiple of the node size
             lo = -(-max(cluster.gpus + 1, g) // g) * g
             for m in range(lo, n + 1, g):
-                if make_plan(shape, gpu, Cluster(m, g), tight, headroom, **kw).fits:
+                c = Cluster(m, g)
+                if m % tight.cp == 0 and make_plan(shape, gpu, c, tight, headroom, **kw).fits:
                     return m
             return n
         n *= 2
@@ -558,7 +571,7 @@ def _why(best: Plan, ranking: list[Ranked]) -> str:
     }
     bound = max(shares, key=lambda k: shares[k])
     others = [r for r in ranking if r.plan is not None and r.plan is not best]
-    misfits = [r.label for r in ranking if r.plan is None]
+    misfits = [r.label for r in ranking if r.plan is None and r.reason.startswith("does not")]
     if others:
         head = f"fastest of the {len(others) + 1} strategies that fit"
     else:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from layershard.plan.context import render_lines as context_lines
 from layershard.plan.parallel import train_flags, train_refuses
 from layershard.plan.planner import Plan, Settings, Suggestion
 
@@ -68,6 +69,8 @@ def render(plan: Plan) -> str:
         f"  {'activations (saved for backward)':38s}{_gib(mem['activations'])}",
         f"  {_logits_label(s.loss_chunks):38s}{_gib(mem['logits'])}",
     ]
+    if "cp_inflight" in mem:
+        lines.append(f"  {'in-flight attention buffers (cp)':38s}{_gib(mem['cp_inflight'])}")
     if "loss_head_grad" in mem:
         lines.append(
             f"  {'head weight grad (in the chunked loss)':38s}{_gib(mem['loss_head_grad'])}"
@@ -115,6 +118,7 @@ def render(plan: Plan) -> str:
         f"  {'exposed communication':38s}{t.exposed_comm_s:10.3f}",
         f"  {'MFU':38s}{t.mfu * 100:9.1f}%",
         f"  {'tokens/s per GPU':38s}{t.tokens_per_s_per_gpu:10.0f}",
+        *(["", *context_lines(plan)] if t.context else []),
         "",
         f"Efficiencies ({g.name}): compute {a['compute_model']}{_at(a['compute_eff'])}, "
         f"NVLink {a['nvlink_eff']:.3g}, network {a['network_eff']:.3g}, PCIe {a['pcie_eff']:.3g}, "
@@ -150,6 +154,8 @@ def render_suggestion(sug: Suggestion, requested: Settings) -> str:
         sp = sug.plan
         s = sp.settings
         flags = [f"--tp {s.tp} --ep {s.ep}"] if sp.mesh is not None else []
+        if s.cp > 1 or requested.cp > 1:  # a CP row, or the row without it that won
+            flags.append(f"--cp {s.cp}" + (f" --cp-mode {s.cp_mode}" if s.cp > 1 else ""))
         flags.append(f"--strategy {s.strategy}")
         if s.shard_size:
             flags.append(f"--shard-size {s.shard_size}")

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from layershard.plan.context import ContextTime
 from layershard.plan.hardware import GPU, Cluster
 from layershard.plan.kernels import StageCompute, block_compute, head_compute
 from layershard.plan.model import ModelShape, units
@@ -73,6 +74,7 @@ class TimePlan:
     compute_by_kind: dict[str, float] = field(default_factory=dict)  # sums to compute_s
     exposed_by_link: dict[str, float] = field(default_factory=dict)  # sums to exposed_comm_s
     contention_s: float = 0.0  # compute slowed by concurrent collectives
+    context: dict[str, Any] | None = None  # a CP row's (plan/context.py ContextTime.report)
 
 
 def group_label(t: Transfer, cluster: Cluster) -> str:
@@ -98,11 +100,13 @@ class _Window:
         self.total = self.slowed = 0.0
         self.exposed = dict.fromkeys(LINKS, 0.0)
 
-    def add(self, compute: float, transfers: list[Xfer]) -> None:
+    def add(self, compute: float, transfers: list[Xfer], counted: bool = False) -> None:
+        """``counted``: the compute is already in another window (a CP hop hides under part of
+        a block's compute, plan/context.py): only its slowdown and what it exposes count."""
         a = sum(t for t, _ in transfers)
         slow = self.contention * min(a, compute)
         t = max(compute + slow, a)
-        self.total += t
+        self.total += t - compute if counted else t
         self.slowed += slow
         extra = t - compute - slow
         if extra > 0 and a > 0:
@@ -182,6 +186,8 @@ def predict_time(
     gather_dtype: str | None = None,
     mesh: Any = None,
     latency_fn: Callable[[str, int, int], float] | None = None,
+    cp: int = 1,
+    cp_mode: str = "ring",
 ) -> TimePlan:
     """Step time of one optimizer step (module docstring). Efficiencies: ``eff`` (default: the
     GPU's), ``compute_eff`` (a fraction of peak for every FLOP, instead of the kernel model)
@@ -191,7 +197,8 @@ def predict_time(
     ``latency_fn(op, ranks, nodes)``: one's own (the testbed's, ``plan/testbed.py``).
     ``gather_dtype``: fp8/int8 weights over the all-gathers (their bytes; the quantize and
     dequantize kernels are not modelled). ``mesh``: a ``parallel.Mesh`` (TP and EP sizes;
-    ``plan/parallel.py``)."""
+    ``plan/parallel.py``). ``cp``, ``cp_mode``: context parallelism, ``micro_batch`` sequences
+    per CP group of ``cp`` ranks (``plan/context.py``)."""
     shape = ModelShape.from_config(config)
     full, mt = shape, None
     if mesh is not None and not mesh.trivial:
@@ -222,8 +229,9 @@ def predict_time(
     wire = Wire.of(param_dtype, reduce_dtype, gather_dtype)
     c = wire.c
     stages, root = build_stages(
-        shape, layout, micro_batch, seq_len, checkpoint_layers, wire, loss_chunks
+        shape, layout, micro_batch, seq_len, checkpoint_layers, wire, loss_chunks, cp
     )
+    ct = ContextTime(shape, cp, cp_mode) if cp > 1 else None
     if mt:
         mt.extend(stages, root, micro_batch, seq_len, checkpoint_layers, wire)
     intra = intra_gbs * 1e9 * e.nvlink
@@ -252,24 +260,34 @@ def predict_time(
     def many(ts: list[Transfer]) -> list[Xfer]:
         return [one(t) for t in ts]
 
+    def tally(t: Transfer, times: int) -> None:
+        row = comm_bytes.setdefault(t.kind, {"nvlink": 0.0, "network": 0.0, "pcie": 0.0})
+        for link, b in _links(t, cluster).items():
+            row[link] += b * times
+        label = group_label(t, cluster)
+        if label not in groups.setdefault(t.kind, []):
+            groups[t.kind].append(label)
+
     n_reduce = 1 if no_sync else grad_accum
     for s in ([root] if root else []) + stages:
         for ts, times in ((s.gather_fwd, grad_accum), (s.gather_bwd, grad_accum),
                           (s.reduce, n_reduce), (s.blocking_fwd, grad_accum),
                           (s.blocking_bwd, grad_accum)):  # fmt: skip
             for t in ts:
-                row = comm_bytes.setdefault(t.kind, {"nvlink": 0.0, "network": 0.0, "pcie": 0.0})
-                for link, b in _links(t, cluster).items():
-                    row[link] += b * times
-                label = group_label(t, cluster)
-                if label not in groups.setdefault(t.kind, []):
-                    groups[t.kind].append(label)
+                tally(t, times)
 
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len  # a CP group's: each rank computes 1 / cp of them
     k = max(0, min(checkpoint_layers, shape.n_layers))
-    sc = _compute(shape, stages, gpu, e, tokens, seq_len, k, c, loss, loss_chunks)
+    sc = _compute(shape, stages, gpu, e, tokens // cp, seq_len, k, c, loss, loss_chunks)
     if mt:
         mt.add_compute(sc, stages, gpu, e, tokens, k, c)
+    cp_f: list[tuple[float, list[Xfer]]] = []
+    cp_b: list[tuple[float, list[Xfer]]] = []
+    if ct:
+        for t in ct.step_transfers(micro_batch, seq_len, c, k):
+            tally(t, grad_accum)
+        ct.add_compute(sc, stages, gpu, tokens // cp, seq_len, k)
+        cp_f, cp_b = ct.windows(one, sc, stages, micro_batch, seq_len, c, k)
     # collectives the compute waits for (TP, EP): windows with nothing to hide them behind
     block_f = [x for s in stages for x in many(s.blocking_fwd)]
     block_b = [x for s in stages for x in many(s.blocking_bwd)]
@@ -297,6 +315,8 @@ def predict_time(
             w.add(compute, transfers)
         if block_f:
             w.add(0.0, block_f)
+        for compute, xs in cp_f:  # CP's hops and exchanges, within the blocks' compute
+            w.add(compute, xs, counted=True)
         fwd += w.total - before
         before = w.total
         for i in reversed(range(m)):
@@ -304,8 +324,11 @@ def predict_time(
         w.add(root_copy_bwd, (red[0] if m else []) + (root_rs if reduce_now else []))
         if block_b:
             w.add(0.0, block_b)
+        for compute, xs in cp_b:
+            w.add(compute, xs, counted=True)
         bwd += w.total - before
         comm += sum(t for q in [root_ag, *ag, *agb, *red, block_f, block_b] for t, _ in q)
+        comm += sum(t for _, xs in cp_f + cp_b for t, _ in xs)
         comm += sum(t for t, _ in root_rs) if reduce_now else 0.0
 
     opt_elems = sum(u.shard_numel(layout.shard) for u in units(shape))
@@ -323,7 +346,7 @@ def predict_time(
                 by_kind[kk] = by_kind.get(kk, 0.0) + v * grad_accum
     compute = sum(by_kind.values())
     copy_s = grad_accum * (sum(copies) + sum(copies_bwd) + root_copy + root_copy_bwd)
-    share = 1 / mesh.tp if mt else 1.0  # a TP group's tokens and model FLOPs, shared
+    share = 1 / mesh.tp if mt else 1 / cp  # a TP or CP group's tokens and model FLOPs, shared
     mflops = model_flops(full, tokens * grad_accum, seq_len) * share
     hflops = grad_accum * sum(s.fwd_flops + s.bwd_flops for s in stages)
     exposed = max(0.0, step - compute - copy_s - opt - w.slowed)
@@ -347,4 +370,6 @@ def predict_time(
             "cluster": links.name if links is not None else None,
         },
         compute_by_kind=by_kind, exposed_by_link=dict(w.exposed), contention_s=w.slowed,
+        context=ct.report(one, lambda t: _links(t, cluster), sc, stages, micro_batch, seq_len, c,
+                          k, grad_accum, e.contention) if ct else None,
     )  # fmt: skip

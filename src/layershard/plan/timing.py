@@ -185,9 +185,9 @@ class Transfer:
     """One collective or host copy. ``nbytes`` is the full buffer for collectives (as
     ``comm_stats()`` counts them) and the bytes copied for ``h2d`` / ``d2h``."""
 
-    op: str  # all_gather | reduce_scatter | all_reduce | all_to_all | h2d | d2h
+    op: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv | h2d | d2h
     phase: str  # forward | backward
-    group: str  # shard | hpz | replicate | pcie; tp | ep | efsdp (plan/parallel.py)
+    group: str  # shard | hpz | replicate | pcie; tp | ep | efsdp (plan/parallel.py); cp
     size: int  # ranks in the group (1 for a copy)
     stride: int
     nbytes: int
@@ -198,6 +198,8 @@ class Transfer:
         all-reduces and the experts' collectives apart: plan/parallel.py)."""
         if self.group == "tp":
             return "tp_" + self.op
+        if self.group == "cp":  # context parallelism's (plan/context.py)
+            return "cp_ring" if self.op == "send_recv" else "cp_" + self.op
         kind = self.op
         if self.op == "all_gather":
             kind = "all_gather_fwd" if self.phase == "forward" else "all_gather_bwd"
@@ -310,11 +312,13 @@ def build_stages(
     checkpoint_layers: int,
     wire: Wire,
     loss_chunks: int = 0,
+    cp: int = 1,
 ) -> tuple[list[Stage], Stage | None]:
     """Stages in forward order, and the root unit's (gathered at the start of the forward,
     kept all step, reduced at the end of the backward; no compute of its own). The chunked
-    loss (``loss_chunks``) computes the logits again in the head's backward."""
-    tokens = micro_batch * seq_len
+    loss (``loss_chunks``) computes the logits again in the head's backward. ``cp``: each rank
+    computes ``seq_len / cp`` tokens of each sequence, over the whole sequence's keys."""
+    tokens = micro_batch * seq_len // cp
     k = max(0, min(checkpoint_layers, shape.n_layers))
     bf = block_fwd_flops(shape, tokens, seq_len)
     head = 2 * shape.head_params * tokens
@@ -486,7 +490,27 @@ def transfers_by_link(
 def _links(t: Transfer, cluster: Cluster) -> dict[str, float]:
     if t.group == "pcie":
         return {"pcie": float(t.nbytes)}
+    if t.group == "cp" and _straddles(t.size, cluster):
+        return _cp_links(t)
+    if t.op == "send_recv":  # a ring's hop to the next rank: all of it leaves the rank
+        if cluster.nodes > 1 and t.size > cluster.local:  # a group of whole nodes: its slowest
+            return {"nvlink": 0.0, "network": float(t.nbytes)}  # hop crosses the network
+        return {"nvlink": float(t.nbytes), "network": 0.0}
     if t.op == "all_to_all":
         return a2a_bytes(t.nbytes, t.size, cluster, t.stride)
     factor = 2.0 if t.op == "all_reduce" else 1.0
     return ring_bytes(t.nbytes, t.size, cluster, t.stride, factor)
+
+
+def _straddles(size: int, cluster: Cluster) -> bool:
+    """Whether some CP groups of ``size`` consecutive ranks span two nodes without being whole
+    nodes (``local % size`` or ``size % local`` not 0): the plan times every group as its
+    slowest, whose hops and exchanges then cross the network."""
+    g = cluster.local
+    return cluster.nodes > 1 and (g % size != 0 if size <= g else size % g != 0)
+
+
+def _cp_links(t: Transfer) -> dict[str, float]:
+    """A straddling CP group's transfer, all over the network (its slowest rank's)."""
+    sent = t.nbytes * ((t.size - 1) / t.size if t.op == "all_to_all" else 1.0)
+    return {"nvlink": 0.0, "network": float(sent)}

@@ -76,6 +76,10 @@ _HELP = {
     "tp": "tensor parallelism (the built-in Llama, or an --hf-config model with a "
     "base_model_tp_plan): each block's weights split over tp ranks that share a batch, sharded "
     "over the world / tp others (ls.parallelize)",
+    "cp": "context parallelism (the built-in presets, for long --seq-len): each sequence split "
+    "over cp ranks that share a batch, the weights sharded over every rank (ls.parallelize)",
+    "cp_mode": "with --cp: ring (keys and values passed around the cp ranks; any head count) or "
+    "all_to_all (Ulysses: heads exchanged for the sequence; n_heads divisible by cp)",
     "reshard_after_forward": "full: true, false (= grad_op) or K: keep each unit sharded over K "
     "ranks between forward and backward (hpZ)",
     "offload": "ls.CPUOffload(): shards, gradients and optimizer state in CPU memory",

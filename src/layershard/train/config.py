@@ -19,8 +19,10 @@ from pydantic import model_validator as _model_validator
 from pydantic.dataclasses import dataclass
 
 from layershard.engine.strategy import check_options as check_strategy_options
+from layershard.train.config_checks import check_compile, check_plan
 from layershard.train.loop.sinks import Reporters
-from layershard.train.parallel import check_parallel, check_replica
+from layershard.train.parallel import check_parallel, check_replica, group_size
+from layershard.train.parallel import check_world as check_parallel_world
 from layershard.validation import (
     Int,
     NonNegativeInt,
@@ -96,6 +98,9 @@ class TrainConfig:
     ep: PositiveInt = 1
     # tensor parallelism: each block's weights split over tp ranks (ls.parallelize)
     tp: PositiveInt = 1
+    # context parallelism: each sequence split over cp ranks (ls.parallelize; built-in presets)
+    cp: PositiveInt = 1
+    cp_mode: Literal["ring", "all_to_all"] = "ring"  # the attention over the cp ranks
     reshard_after_forward: Annotated[
         StrictBool | PositiveInt,
         Field(description="true, false or a number of ranks K >= 1 (hpZ)"),
@@ -154,7 +159,7 @@ class TrainConfig:
             check_strategy_options(self.strategy, None, self.shard_size, self.reshard_after_forward)
         except ValueError as e:
             raise ValueError(f"strategy options: {_flags(str(e))}{_fix(str(e))}") from None
-        check_parallel(self)  # --tp / --ep (train/parallel.py)
+        check_parallel(self)  # --tp / --ep / --cp (train/parallel.py)
         if self.precision != "fp16" and self.loss_scale != _DEFAULT_LOSS_SCALE:
             raise ValueError(
                 f"loss_scale {self.loss_scale:g} is fp16's initial loss scale, but this run "
@@ -162,9 +167,9 @@ class TrainConfig:
                 "pass --precision fp16"
             )
         if isinstance(self.compile, dict):
-            _check_compile(self.compile)
+            check_compile(self.compile)
         if self.plan is not None:
-            _check_plan(self.plan)
+            check_plan(self.plan)
         if self.precision == "fp16" and self.optimizer == "muon":
             raise ValueError("precision fp16 (loss scaling) is not supported with optimizer muon")
         if self.loss_chunks and self.task == "sft":
@@ -212,61 +217,6 @@ def _non_finite(value: Any, path: str = "") -> tuple[str, float] | None:
 
 
 _DEFAULT_LOSS_SCALE = 65536.0
-_COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
-
-
-def _check_compile(options: dict[str, Any]) -> None:
-    """``compile: {...}``: torch.compile's own keywords (``_COMPILE_KEYS``, its signature less
-    the model), and a backend torch knows, checked here rather than in every rank."""
-    for key in options:
-        if key not in _COMPILE_KEYS:
-            raise ValueError(unknown_key(str(key), _COMPILE_KEYS, "compile").replace(
-                "config key", "torch.compile option"))  # fmt: skip
-    backend = options.get("backend")
-    if backend is None or callable(backend):
-        return
-    if not isinstance(backend, str):
-        raise ValueError(f"compile: backend must be the name of a backend, got {backend!r}")
-    from torch._dynamo.backends.registry import list_backends, lookup_backend
-
-    try:
-        lookup_backend(backend)
-    except Exception:  # InvalidBackend, or a registered entry point that fails to import
-        names = ", ".join(sorted({*list_backends(), "eager", "aot_eager"}))  # + the debug ones
-        raise ValueError(
-            f"compile: backend {backend!r} is not a torch.compile backend; use one of {names}"
-        ) from None
-
-
-# What `layershard plan --write-config` records under `plan:`, and the rule each number follows.
-_PLAN_NUMBERS = {
-    "step_s": (0.0, False),  # (lower bound, bound allowed)
-    "peak_bytes": (0.0, False),
-    "model_states_bytes": (0.0, False),
-    "tokens_per_s_per_gpu": (0.0, False),
-    "mfu": (0.0, True),
-    "gpus": (1.0, True),
-    "gpus_per_node": (1.0, True),
-}
-
-
-def _check_plan(plan: dict[str, Any]) -> None:
-    """The ``plan:`` record (what ``layershard plan --write-config`` predicted), read back: the
-    run compares its measured step time and memory with it at the end."""
-    for key, (low, inclusive) in _PLAN_NUMBERS.items():
-        v = plan.get(key)
-        if v is None:  # not predicted
-            continue
-        ok = isinstance(v, int | float) and not isinstance(v, bool)
-        ok = ok and (v >= low if inclusive else v > low)
-        if not ok:
-            rule = f"{'at least' if inclusive else 'greater than'} {low:g}"
-            raise ValueError(
-                f"plan: {key} must be a number {rule}, got {v!r} (the plan: block is what "
-                "`layershard plan --write-config` predicted; write it again, or remove the block)"
-            )
-    if "gpu" in plan and not isinstance(plan["gpu"], str):
-        raise ValueError(f"plan: gpu must be a GPU's name, got {plan['gpu']!r}")
 
 
 def _fix(engine_message: str) -> str:
@@ -485,18 +435,9 @@ def check_world(cfg: TrainConfig, world: int | None, local_world: int | None) ->
             f"strategy options: {_flags(str(e))}; change --nproc-per-node / --nnodes or the "
             "strategy options"
         ) from None
-    if world is not None and world % cfg.tp:
-        raise ConfigError(
-            f"tp {cfg.tp} must divide the world size {world} (each block's weights split over "
-            "tp ranks, the data over world / tp); change --tp or --nproc-per-node / --nnodes"
-        )
-    if world is not None and world % cfg.ep:
-        raise ConfigError(
-            f"ep {cfg.ep} must divide the world size {world} (each layer's experts split over "
-            "ep ranks); change --ep or --nproc-per-node / --nnodes"
-        )
     if world is not None:
         try:
+            check_parallel_world(cfg, world)  # tp, ep and cp divide it
             check_replica(cfg, world, local_world)
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -504,9 +445,9 @@ def check_world(cfg: TrainConfig, world: int | None, local_world: int | None) ->
 
 def grad_accum_for(cfg: TrainConfig, world_size: int) -> int:
     """Micro-batches per optimizer step on each rank, checking that the global batch divides.
-    Under ``tp`` the ranks of a TP group share their batch: the data is split ``world / tp``
-    ways."""
-    world_size = max(1, world_size // cfg.tp)
+    Under ``tp`` (``cp``) the ranks of a TP (CP) group share their batch: the data is split
+    ``world / tp`` (``world / cp``) ways."""
+    world_size = max(1, world_size // group_size(cfg))
     per_micro = cfg.seq_len * cfg.micro_batch * world_size
     if cfg.batch_tokens is None:
         return cfg.grad_accum or 1
@@ -557,9 +498,10 @@ def read_recorded(path: str | Path) -> dict[str, Any]:
 def resume_layers(recorded: dict[str, Any], *layers: dict[str, Any]) -> list[str]:
     """A resumed run keeps its recorded options unless a flag changes them. A flag that changes
     ``strategy`` also drops what the recorded one had and the new one does not take (hybrid's
-    ``shard_size``, full's ``reshard_after_forward``), and one that changes ``precision`` from
-    fp16 drops its ``loss_scale``, unless the same flags give it again (then the schema says
-    what is wrong). Changes ``recorded``; returns a note per key dropped."""
+    ``shard_size``, full's ``reshard_after_forward``), one that changes ``precision`` from
+    fp16 drops its ``loss_scale``, and ``--cp 1`` drops the ``cp_mode``, unless the same flags
+    give it again (then the schema says what is wrong). Changes ``recorded``; returns a note per
+    key dropped."""
     given: dict[str, Any] = {}
     for layer in layers:
         given.update(layer)
@@ -571,6 +513,10 @@ def resume_layers(recorded: dict[str, Any], *layers: dict[str, Any]) -> list[str
             recorded.pop("loss_scale")
             notes.append(f"--precision {precision}: the run's loss_scale {scale:g} (of fp16) "
                          "does not apply and is dropped")  # fmt: skip
+    mode = recorded.get("cp_mode", "ring")
+    if given.get("cp") == 1 and mode != "ring" and "cp_mode" not in given:  # (only with cp > 1)
+        recorded.pop("cp_mode")
+        notes.append(f"--cp 1: the run's cp_mode {mode} (of context parallelism) is dropped")
     new = given.get("strategy")
     if new is None or new == recorded.get("strategy", "full"):
         return notes

@@ -13,6 +13,15 @@ and Muon work as without TP (checkpoint/boxes.py, optim/muon.py). A preset of 1B
 starts on the meta device under ``--tp`` too (``modeling.starts_on_meta``): ``ls.parallelize``
 applies the TP plan to the meta model and ``shard()`` materializes it one unit at a time, each
 rank keeping its TP part's slice.
+
+``--cp N`` (context parallelism, the built-in presets): each sequence split over ``cp``
+consecutive ranks (``ls.parallelize(cp=...)``, docs/context-parallel.md), which read the same
+batch (the data split over ``world / cp`` ranks, as under TP) and feed the model their part of it
+(``loop/context.py``). Refused in one line before launch: cp with ``--tp`` / ``--ep``, a mixture
+of experts, a transformers model (``--hf-config`` / ``--init-from``, and so ``--qlora``), a
+``seq_len`` not divisible by ``2 x cp``, ``cp`` not dividing the world (or hybrid's replica),
+``all_to_all`` with ``n_heads`` not divisible by ``cp``, and ``--cp-mode all_to_all`` without
+``--cp`` (a mode that would not be used).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ def check_parallel(cfg: Any) -> None:
             f"ep {cfg.ep} is not supported with --optimizer muon yet (the experts are sharded "
             "over another group than the other weights); use --optimizer adamw, or drop --ep"
         )
+    check_cp(cfg)
     if cfg.tp == 1:
         return
     refused = (  # what --tp does not run with yet: (flag, given, why)
@@ -48,6 +58,61 @@ def check_parallel(cfg: Any) -> None:
             raise ValueError(
                 f"tp {cfg.tp} is not supported with {flag} yet ({why}); drop {flag} or --tp"
             )
+
+
+# transformers models under CP are being built in the library (ls.parallelize); train refuses
+# them until that lands and is wired here
+_HF_CP = "train runs context parallelism on the built-in presets only for now"
+
+
+def check_cp(cfg: Any) -> None:
+    """The config rules of ``cp`` and ``cp_mode`` (a ``ValueError`` becomes the one-line error)."""
+    cp = cfg.cp
+    if cp == 1:
+        if cfg.cp_mode != "ring":  # the default: a mode given without --cp would do nothing
+            raise ValueError(
+                f"cp_mode {cfg.cp_mode} applies to context parallelism; pass --cp N (N > 1), "
+                "or leave out --cp-mode"
+            )
+        return
+    refused = (  # what --cp does not run with yet: (flag, given, why)
+        ("--tp", cfg.tp > 1, "context parallelism does not combine with tensor parallelism"),
+        ("--ep", cfg.ep > 1, "context parallelism does not combine with expert parallelism"),
+        ("--qlora", cfg.qlora, _HF_CP),
+        ("--hf-config", bool(cfg.hf_config), _HF_CP),
+        ("--init-from", bool(cfg.init_from), _HF_CP),
+    )  # fmt: skip
+    for flag, given, why in refused:
+        if given:
+            raise ValueError(
+                f"cp {cp} is not supported with {flag} yet ({why}); drop {flag} or --cp"
+            )
+
+
+def check_cp_model(cfg: Any, spec: Any) -> None:
+    """Can a preset's model (``spec``, a ``LlamaConfig``) run with ``cfg.cp`` on ``cfg.seq_len``?
+    Sequences that split into ``2 x cp`` chunks; not a mixture of experts (its load-balancing
+    loss is not split with the sequence); in ``all_to_all`` mode heads divisible by ``cp`` (each
+    rank attends with ``n_heads / cp`` of them). Raises ``ValueError`` (one line). (Checked with
+    the model, not by the config's schema, which takes any ``cp`` with the default seq_len.)"""
+    if cfg.cp == 1:
+        return
+    if cfg.seq_len % (2 * cfg.cp):
+        raise ValueError(
+            f"seq_len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp} (each sequence is "
+            "cut into 2 x cp chunks, two per rank); change --seq-len or --cp"
+        )
+    if spec.n_experts:
+        raise ValueError(
+            f"cp {cfg.cp} is not supported with a mixture of experts yet (its load-balancing "
+            "loss is not split with the sequence); use a dense preset, or drop --cp"
+        )
+    if cfg.cp_mode == "all_to_all" and spec.n_heads % cfg.cp:
+        raise ValueError(
+            f"--cp-mode all_to_all: --cp {cfg.cp} must divide the model's n_heads="
+            f"{spec.n_heads} (each rank attends with n_heads / cp heads); use --cp-mode ring "
+            "or another --cp"
+        )
 
 
 def check_tp_model(cfg: Any, kind: str, spec: Any) -> None:
@@ -108,15 +173,15 @@ def check_split_shapes(cfg: Any, kind: str, model: nn.Module) -> None:
 
 
 def check_replica(cfg: Any, world: int, local_world: int | None) -> None:
-    """``--strategy hybrid`` with ``--tp`` / ``--ep``: ``shard_size`` ranks (default a node's)
-    hold one replica, split ``tp`` ways and their experts ``ep`` ways (``ls.parallelize``), so
-    both must divide it. Raises ``ValueError`` (one line)."""
-    if cfg.strategy != "hybrid" or (cfg.tp == 1 and cfg.ep == 1):
+    """``--strategy hybrid`` with ``--tp`` / ``--ep`` / ``--cp``: ``shard_size`` ranks (default a
+    node's) hold one replica, split ``tp`` ways, their experts ``ep`` ways, their sequences ``cp``
+    ways (``ls.parallelize``), so each must divide it. Raises ``ValueError`` (one line)."""
+    if cfg.strategy != "hybrid" or cfg.tp == cfg.ep == cfg.cp == 1:
         return
     from layershard.distributed import local_world_size
 
     replica = cfg.shard_size or local_world or local_world_size(world)
-    for name, n in (("tp", cfg.tp), ("ep", cfg.ep)):
+    for name, n in (("tp", cfg.tp), ("ep", cfg.ep), ("cp", cfg.cp)):
         if replica % n:
             raise ValueError(
                 f"{name} {n} must divide the ranks of a replica ({replica}: hybrid's shard_size, "
@@ -124,17 +189,46 @@ def check_replica(cfg: Any, world: int, local_world: int | None) -> None:
             )
 
 
+def check_world(cfg: Any, world: int) -> None:
+    """``tp``, ``ep`` and ``cp`` must each divide the world size. Raises ``ValueError`` (one
+    line)."""
+    for name, n, why in (
+        ("tp", cfg.tp, "each block's weights split over tp ranks, the data over world / tp"),
+        ("ep", cfg.ep, "each layer's experts split over ep ranks"),
+        ("cp", cfg.cp, "each sequence split over cp ranks, the data over world / cp"),
+    ):
+        if world % n:
+            raise ValueError(
+                f"{name} {n} must divide the world size {world} ({why}); change --{name} or "
+                "--nproc-per-node / --nnodes"
+            )
+
+
+def group_size(cfg: Any) -> int:
+    """The consecutive ranks that read one batch together: a TP group's or a CP group's
+    (``--tp`` and ``--cp`` do not combine)."""
+    return cfg.tp * cfg.cp
+
+
+def data_world(cfg: Any, world: int) -> int:
+    """The number of data-parallel ranks of ``world``: each TP or CP group reads one batch."""
+    return world // group_size(cfg)
+
+
 def data_rank(cfg: Any, rank: int, world: int) -> tuple[int, int]:
-    """(this rank's data-parallel index, the number of data-parallel ranks): the ``tp``
-    consecutive ranks of a TP group read the same batch."""
-    return rank // cfg.tp, world // cfg.tp
+    """(this rank's data-parallel index, the number of data-parallel ranks): the ``tp`` (or
+    ``cp``) consecutive ranks of a TP (CP) group read the same batch, as ``ls.parallelize``
+    lays the groups out (``ContextParallel.data_rank`` / ``data_size`` under CP)."""
+    return rank // group_size(cfg), data_world(cfg, world)
 
 
 def shard_model(model: nn.Module, cfg: Any, options: dict[str, Any]):
-    """``ls.shard(model, **options)``, or with ``tp`` / ``ep`` ``ls.parallelize``: the TP plan
-    applied or the experts split first, then sharded over the data-parallel ranks."""
+    """``ls.shard(model, **options)``, or with ``tp`` / ``ep`` / ``cp`` ``ls.parallelize``: the TP
+    plan applied, the experts split or the model given its CP group first, then sharded over the
+    data-parallel ranks (under CP, over every rank: ``dp x cp``)."""
     import layershard as ls
 
-    if cfg.tp > 1 or cfg.ep > 1:
-        return ls.parallelize(model, tp=cfg.tp, ep=cfg.ep, **options)
+    if cfg.tp > 1 or cfg.ep > 1 or cfg.cp > 1:
+        cp = {"cp": cfg.cp, "cp_mode": cfg.cp_mode} if cfg.cp > 1 else {}
+        return ls.parallelize(model, tp=cfg.tp, ep=cfg.ep, **cp, **options)
     return ls.shard(model, **options)

@@ -49,6 +49,7 @@ from layershard.train.launch.nodes import (
 )
 from layershard.train.loop.sinks import missing as missing_reporters
 from layershard.train.modeling import check_model, check_seq_len, model_spec
+from layershard.train.parallel import data_world
 
 
 class AlreadyFinished(Exception):
@@ -347,8 +348,8 @@ def _prepare_data(
             "--val-fraction"
         )
     world = world_size(opts)
-    if world:
-        need = cfg.seq_len * cfg.micro_batch * grad_accum_for(cfg, world) * world
+    if world:  # the data is split over the data-parallel ranks (a TP or CP group reads one batch)
+        need = cfg.seq_len * cfg.micro_batch * grad_accum_for(cfg, world) * data_world(cfg, world)
         if n_train < need:
             raise ConfigError(
                 f"the training split has {n_train} tokens but one step needs {need}; add data "
@@ -384,7 +385,9 @@ def _write_run_folder(
         "world_size": world,
         "grad_accum": ga,
         **resolved_strategy(cfg, world, nproc(opts)),
-        "tokens_per_step": cfg.seq_len * cfg.micro_batch * ga * world if world and ga else None,
+        "tokens_per_step": (
+            cfg.seq_len * cfg.micro_batch * ga * data_world(cfg, world) if world and ga else None
+        ),
         "vocab_size": tok.vocab_size,
         "corpus_files": len(files),
         "corpus_hash": chash[:16],

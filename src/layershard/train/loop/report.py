@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from layershard.engine.waits import waiting
+from layershard.train.loop.context import next_token_logits
 from layershard.train.loop.sinks import Sink, scalars
 
 
@@ -140,15 +141,16 @@ def memory_mib(model, optimizer, device: torch.device) -> float:
 
 @waiting("sampling")
 def sample(model: Any, tok: Any, cfg: Any, max_len: int, device: torch.device) -> str:
-    """Generate from ``cfg.sample_prompt`` on every rank (forward passes are collective); rank
-    0's choice of each token is broadcast so that all ranks continue identically."""
+    """Generate from ``cfg.sample_prompt`` on every rank (forward passes are collective; under
+    ``--cp`` the model's CP forward: ``next_token_logits``); rank 0's choice of each token is
+    broadcast so that all ranks continue identically."""
     gen = torch.Generator().manual_seed(cfg.seed)
     ids = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id or 0]])
     model.eval()
     with torch.no_grad():
         for _ in range(cfg.sample_tokens):
             context = ids[:, -min(max_len, cfg.seq_len) :].to(device)
-            logits = model(context).logits[0, -1].float().cpu() / 0.8
+            logits = next_token_logits(model, context).float().cpu() / 0.8
             kth = torch.topk(logits, min(40, logits.numel())).values[-1]
             probs = torch.softmax(logits.masked_fill(logits < kth, -math.inf), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen).to(device)

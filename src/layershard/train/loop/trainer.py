@@ -37,6 +37,7 @@ from layershard.train.data.batches import (
     read_windows,
 )
 from layershard.train.data.tokenizer import TextTokenizer, load_tokenizer
+from layershard.train.loop.context import model_inputs
 from layershard.train.loop.faults import StopRequest, attempt
 from layershard.train.loop.optimizer import lr_at, param_groups
 from layershard.train.loop.qlora import build_qlora, save_adapter
@@ -127,7 +128,7 @@ class Trainer:
                 eps=1e-8,
             )
         data = self.launch["data"]
-        # the ranks of a TP group read the same batches (data_rank: world / tp ways)
+        # the ranks of a TP or CP group read the same batches (data_rank: world / tp or cp ways)
         self.dp_rank, self.dp_world = data_rank(cfg, rank, world)
         self.loader = BatchLoader(
             TokenSplit.from_dict(data["train"]),
@@ -175,8 +176,8 @@ class Trainer:
         with torch.no_grad():
             for windows in mine:
                 x, y = read_windows(self.val_tokens, self.val_mask, windows, self.cfg.seq_len)
-                n = count_targets(y)
-                out = self.model(self._to_device(x), labels=self._to_device(y))
+                n = count_targets(y)  # (under --cp the whole sequences': loop/context.py)
+                out = self.model(**model_inputs(self.model, x, y, self._to_device))
                 if n:
                     sums[0] += out.loss.detach().double() * n
                     sums[1] += n
@@ -206,10 +207,11 @@ class Trainer:
         for i, (x, y) in enumerate(micro):
             # Gradients are summed over micro-batches and averaged over ranks by the engine, so
             # weighting each micro-batch mean by its share of the step's target tokens gives
-            # the exact mean over the global batch even when masks make the counts differ.
+            # the exact mean over the global batch even when masks make the counts differ
+            # (and under --cp, whose losses are normalized by the whole sequences: context.py).
             sync = i == len(micro) - 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
-                out = self.model(self._to_device(x), labels=self._to_device(y))
+                out = self.model(**model_inputs(self.model, x, y, self._to_device))
                 if counts[i]:
                     weight = (counts[i] * self.world / total[0]).to(out.loss.dtype)
                     self._backward(out.loss * weight)
@@ -528,7 +530,8 @@ class Trainer:
                 + (f", gathers in {cfg.gather_dtype}" if cfg.gather_dtype != "exact" else "")
                 + (f", reduces in {cfg.reduce_dtype}" if cfg.reduce_dtype != "fp32" else "")
                 + f", {self.ga} micro-batch(es) of {cfg.micro_batch}x{cfg.seq_len}"
-                f" per rank per step, {cfg.steps} steps"
+                + (f" (each sequence over {cfg.cp} ranks, {cfg.cp_mode})" if cfg.cp > 1 else "")
+                + f" per rank per step, {cfg.steps} steps"
                 + (f", resumed at step {self.step}" if resumed else ""),
                 flush=True,
             )
