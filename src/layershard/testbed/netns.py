@@ -40,6 +40,7 @@ from layershard.testbed.links import Link
 PREFIX = "lstb"
 NET = "10.99"  # node k: 10.99.k.2, its router end 10.99.k.1 (private to the testbed's namespaces)
 RELAY_PORT = 9  # the relay's port in the router namespace (discard's: nothing else uses it)
+RELAY_START_S = 60.0  # how long the relay may take to start listening (a loaded machine)
 
 
 class Unavailable(RuntimeError):
@@ -304,14 +305,19 @@ class Testbed:
              "--jitter", str(link.jitter_s)],
             stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
-        for _ in range(100):  # listening?
+        # The relay imports layershard (and so torch): seconds on an idle machine, more than
+        # ten on a loaded one, where a count of tries ran out before it listened.
+        deadline = time.monotonic() + RELAY_START_S
+        while time.monotonic() < deadline:  # listening?
             ss = _run(["ip", "netns", "exec", r, "ss", "-ltn"], check=False).stdout
             if f":{RELAY_PORT} " in ss:
                 return
             if self._relay.poll() is not None:
                 raise RuntimeError(f"the testbed's relay exited: {log.read_text()[-2000:]}")
             time.sleep(0.05)
-        raise RuntimeError("the testbed's relay did not start listening")
+        raise RuntimeError(
+            f"the testbed's relay did not start listening in {RELAY_START_S:.0f} s ({log})"
+        )
 
     def stop(self) -> None:
         """Kill what runs in the namespaces, delete them; end the relay and the guard."""
