@@ -178,6 +178,20 @@ def _ring(rank: int, world: int) -> None:
     _check_ring(dist.group.WORLD)
 
 
+def _per_chunk_causal(q, k, v, group, doc_ids=None) -> torch.Tensor:
+    """The bug a CP attention must not have: the causal mask applied to this rank's tokens
+    alone (each chunk attends only within the rank's own part, positions local)."""
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+
+
+def _per_chunk_mask_is_caught(rank: int, world: int) -> None:
+    """Negative control: the comparison fails, far outside RTOL, for a causal mask per chunk."""
+    with pytest.raises(AssertionError, match=r"out heads=.* > "):
+        _compare(_per_chunk_causal, dist.group.WORLD, label="per-chunk mask")
+
+
 def _ring_documents(rank: int, world: int) -> None:
     """Ring attention within documents (block masks, skipped blocks)."""
     _check_ring(dist.group.WORLD, _doc_ids())
@@ -225,7 +239,7 @@ def _subgroups(rank: int, world: int) -> None:
 
 checks = RankChecks(world_size=2, suffix="_cp2")
 for _fn in (_layout, _labels_and_loss, _ring, _ring_documents, _all_to_all,
-            _all_to_all_documents, _refusals):  # fmt: skip
+            _all_to_all_documents, _refusals, _per_chunk_mask_is_caught):  # fmt: skip
     checks.check(_fn)
 checks.collect(globals())
 
