@@ -368,3 +368,54 @@ def shard_grad_error(model, reference: dict[str, torch.Tensor]) -> float:
 def grad_bound(reference: dict[str, torch.Tensor], runs: list[dict[str, torch.Tensor]]) -> float:
     """SPREAD_FACTOR x the farthest plan's grad_error, plus one ulp (relative)."""
     return SPREAD_FACTOR * max(grad_error(r, reference) for r in runs) + EPS
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient: each flat's gradient slices all-gathered over the
+    ranks it is sharded over (the model's group; a replica's under hybrid). Collective."""
+    out = {}
+    for f in model.flat_params:
+        assert f.grad is not None
+        whole = f.grad
+        if f.world_size > 1:
+            parts = [torch.empty_like(f.grad) for _ in range(f.world_size)]
+            dist.all_gather(parts, f.grad, group=model.sharding.shard_group)
+            whole = torch.cat(parts)
+        for slot, g in zip(f.slots, f.views(whole)):
+            out[slot.name] = g
+    return out
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def train_beside(
+    model, reference, global_batches, loss, data_rank: int, data_size: int, grad_rtol: float
+) -> tuple[float, float]:
+    """Train a sharded ``model`` (this rank on its data rank's share of each global batch) and
+    its one-process ``reference`` (the whole batch) side by side with AdamW at LR: every step's
+    loss within LOSS_RTOL, the first step's whole gradients within ``grad_rtol``. Returns (the
+    worst loss error, the first gradient's error)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    worst_loss, err = 0.0, 0.0
+    for step, batch in enumerate(global_batches):
+        mine = loss(model, local(batch, data_rank, data_size))
+        mine.backward()
+        ref_loss = loss(reference, batch)
+        ref_loss.backward()
+        rel = relative(global_mean(mine), ref_loss.item())
+        worst_loss = max(worst_loss, rel)
+        assert rel <= LOSS_RTOL, (step, rel)
+        if step == 0:
+            ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+            grads = full_grads(model)
+            assert set(grads) == set(ref_grads)
+            err = grad_error(grads, ref_grads)
+            assert err <= grad_rtol, f"first gradient {err:.2e} from the reference's (relative)"
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return worst_loss, err

@@ -24,14 +24,14 @@ import torch.distributed as dist
 from _dist import RankChecks
 from _parity import (
     LOSS_RTOL,
-    LR,
     TP_ORDERS,
     clone,
-    global_mean,
+    full_grads,
     grad_error,
-    local,
+    relative,
     relative_bound,
     relative_distance,
+    train_beside,
     train_in_orders,
 )
 from torch import nn
@@ -130,25 +130,6 @@ def _orders(kind: str, packed: bool, parts: int):
     ]
 
 
-def full_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's whole gradient, each flat's slices all-gathered over its ranks."""
-    out = {}
-    for f in model.flat_params:
-        assert f.grad is not None
-        whole = f.grad
-        if f.world_size > 1:
-            parts = [torch.empty_like(f.grad) for _ in range(f.world_size)]
-            dist.all_gather(parts, f.grad, group=model.sharding.shard_group)
-            whole = torch.cat(parts)
-        for slot, g in zip(f.slots, f.views(whole)):
-            out[slot.name] = g
-    return out
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
 def _parity(
     rank: int, world: int, kind: str, mode: str, *, packed: bool = False, chunks: int = 0,
     **options,
@@ -164,27 +145,9 @@ def _parity(
     attns = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     assert len(attns) == 2 and all(m.context_parallel is ctx for m in attns)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    worst_loss = 0.0
-    for step, batch in enumerate(_batches(packed)):
-        loss = hf_loss(model, local(batch, ctx.data_rank, ctx.data_size))
-        loss.backward()
-        ref_loss = hf_loss(reference, batch)
-        ref_loss.backward()
-        rel = _rel(global_mean(loss), ref_loss.item())
-        worst_loss = max(worst_loss, rel)
-        assert rel <= LOSS_RTOL, (step, rel)
-        if step == 0:
-            ref_grads = {k: p.grad for k, p in reference.named_parameters()}
-            grads = full_grads(model)
-            assert set(grads) == set(ref_grads)
-            err = grad_error(grads, ref_grads)
-            assert err <= GRAD_RTOL, f"first gradient {err:.2e} from the reference's (relative)"
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    worst_loss, err = train_beside(
+        model, reference, _batches(packed), hf_loss, ctx.data_rank, ctx.data_size, GRAD_RTOL
+    )
 
     full = model.full_state_dict()
     if rank == 0:
@@ -244,7 +207,7 @@ def _loss_normalization(rank: int, world: int) -> None:
     torch.testing.assert_close(loss, total / count * world, rtol=1e-6, atol=0)
     share = (total / count).clone()
     dist.all_reduce(share)
-    assert _rel(share.item(), ref_loss.item()) <= LOSS_RTOL
+    assert relative(share.item(), ref_loss.item()) <= LOSS_RTOL
     part_count = {**{k: part[k] for k in part}, "num_items_in_batch": count.float()}
     model(**part_count).loss.backward()  # the share alone
     err = grad_error(full_grads(model), ref_grads)

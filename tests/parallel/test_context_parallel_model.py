@@ -25,15 +25,16 @@ from _dist import RankChecks
 from _parity import (
     EPS,
     LOSS_RTOL,
-    LR,
     TP_ORDERS,
     clone,
+    full_grads,
     global_mean,
     grad_error,
-    local,
+    relative,
     relative_bound,
     relative_distance,
     tiny_llama,
+    train_beside,
     train_in_orders,
 )
 from torch import nn
@@ -103,26 +104,6 @@ def _orders(packed: bool, parts: int):
     return train_in_orders(tiny_llama(max_seq_len=SEQ), _batches(packed), parts, loss=cp_loss)
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
-def full_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's whole gradient: each flat's gradient slices all-gathered over the
-    ranks it is sharded over (the model's group; a replica's under hybrid)."""
-    out = {}
-    for f in model.flat_params:
-        assert f.grad is not None
-        whole = f.grad
-        if f.world_size > 1:
-            parts = [torch.empty_like(f.grad) for _ in range(f.world_size)]
-            dist.all_gather(parts, f.grad, group=model.sharding.shard_group)
-            whole = torch.cat(parts)
-        for slot, g in zip(f.slots, f.views(whole)):
-            out[slot.name] = g
-    return out
-
-
 def _parity(
     rank: int,
     world: int,
@@ -155,27 +136,9 @@ def _parity(
         held = sum(p.numel() for p in f.shard_params)
         assert f.world_size == split and held * split == f.padded_numel, (held, split)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    worst_loss = 0.0
-    for step, batch in enumerate(_batches(packed)):
-        loss = cp_loss(model, local(batch, ctx.data_rank, ctx.data_size))
-        loss.backward()
-        ref_loss = cp_loss(reference, batch)
-        ref_loss.backward()
-        rel = _rel(global_mean(loss), ref_loss.item())
-        worst_loss = max(worst_loss, rel)
-        assert rel <= LOSS_RTOL, (step, rel)
-        if step == 0:
-            ref_grads = {k: p.grad for k, p in reference.named_parameters()}
-            grads = full_grads(model)
-            assert set(grads) == set(ref_grads)
-            err = grad_error(grads, ref_grads)
-            assert err <= GRAD_RTOL, f"first gradient {err:.2e} from the reference's (relative)"
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    worst_loss, err = train_beside(
+        model, reference, _batches(packed), cp_loss, ctx.data_rank, ctx.data_size, GRAD_RTOL
+    )
 
     full = model.full_state_dict()
     if rank == 0:
@@ -261,7 +224,7 @@ def _loss_normalization(rank: int, world: int) -> None:
     loss = model(**part).loss
     torch.testing.assert_close(loss, share * ctx.size, rtol=1e-6, atol=0)
     dist.all_reduce(share, group=ctx.group)
-    assert _rel(share.item(), ref_loss.item()) <= LOSS_RTOL
+    assert relative(share.item(), ref_loss.item()) <= LOSS_RTOL
     (loss / ctx.size).backward()  # the share alone
     err = grad_error(full_grads(model), ref_grads)
     assert abs(err - (1 - 1 / world)) < 1e-3, err
@@ -290,7 +253,7 @@ def _layout_controls(rank: int, world: int) -> None:
         for pos, labels in ((part.position_ids, part.shift_labels),
                             (local_pos, part.shift_labels), (part.position_ids, local_shift)):  # fmt: skip
             out = model(part.input_ids, position_ids=pos, shift_labels=labels)
-            losses.append(_rel(global_mean(out.loss), ref))
+            losses.append(relative(global_mean(out.loss), ref))
     assert losses[0] <= LOSS_RTOL and min(losses[1:]) > 100 * LOSS_RTOL, losses
 
 
