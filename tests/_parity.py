@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from layershard.engine import dtensor
 from layershard.models import LlamaConfig, LlamaForCausalLM
 
 TINY = dict(vocab_size=96, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
@@ -372,7 +373,8 @@ def grad_bound(reference: dict[str, torch.Tensor], runs: list[dict[str, torch.Te
 
 def full_grads(model) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient: each flat's gradient slices all-gathered over the
-    ranks it is sharded over (the model's group; a replica's under hybrid). Collective."""
+    ranks it is sharded over (the model's group; a replica's under hybrid), and a tensor-parallel
+    parameter's local shards assembled over its TP mesh. Collective."""
     out = {}
     for f in model.flat_params:
         assert f.grad is not None
@@ -382,7 +384,8 @@ def full_grads(model) -> dict[str, torch.Tensor]:
             dist.all_gather(parts, f.grad, group=model.sharding.shard_group)
             whole = torch.cat(parts)
         for slot, g in zip(f.slots, f.views(whole)):
-            out[slot.name] = g
+            tp = dtensor.tp_of(slot)
+            out[slot.name] = g if tp is None else dtensor.full_tensor(tp, g)
     return out
 
 

@@ -6,14 +6,15 @@ and an expert mesh ``(dp_replicate, efsdp, ep)`` over the same ranks, row-major,
 ``efsdp = dp_shard * tp / ep``. A layer's EP group is thus ``ep`` consecutive ranks, and the
 ranks holding the same experts (efsdp) are every ``ep``-th rank within a replica.
 
-Context parallelism (``ls.parallelize(cp=...)``, tp and ep 1) splits each sequence over ``cp``
-*consecutive* ranks (``context_group``), as torchtitan's ``(dp_replicate, dp_shard, cp, tp)``
-mesh lays them out with tp 1: the group's all-to-alls or ring hops, one per layer and as large
-as the activations, stay within a node where the weights' gathers span the nodes. The weights
-are sharded over every rank of a replica, ``dp_shard x cp`` (torchtitan's ``dp_shard_cp``):
-the dense mesh's ``dp_shard`` dim is that product, so the cp ranks share the weight shards and
-weight memory falls with cp too. Rank ``r`` trains data-parallel micro-batch ``r // cp`` of
-``world // cp``.
+Context parallelism (``ls.parallelize(cp=...)``, ep 1) splits each sequence over ``cp`` ranks
+laid out as torchtitan's ``(dp_replicate, dp_shard, cp, tp)`` mesh lays them out
+(``context_group``): with tp 1 ``cp`` *consecutive* ranks, with TP the ranks ``tp`` apart in a
+block of ``cp x tp`` (TP innermost): the group's all-to-alls or ring hops, one per layer and as
+large as the activations, stay within a node where the weights' gathers span the nodes. The
+weights are sharded over every rank of a replica with this rank's TP coordinate, ``dp_shard x
+cp`` (torchtitan's ``dp_shard_cp``): the dense mesh's ``dp_shard`` dim is that product, so the
+cp ranks share the weight shards and weight memory falls with cp too. Rank ``r`` trains
+data-parallel micro-batch ``r // (cp x tp)`` of ``world // (cp x tp)``.
 
 ``mesh_sizes`` is the arithmetic (the planner and ``ShardingPlugin`` share it), ``make_meshes``
 builds both meshes, ``data_parallel`` / ``from_mesh`` turn a TP mesh into ``ls.shard``'s
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from layershard.distributed import default_device, local_world_size
-from layershard.groups import blocks, device_mesh, process_wide
+from layershard.groups import device_mesh, process_wide
 
 DENSE_DIMS = ("dp_replicate", "dp_shard", "tp")
 EXPERT_DIMS = ("dp_replicate", "efsdp", "ep")
@@ -68,18 +69,26 @@ def make_meshes(
     return dense, expert
 
 
-def context_group(cp: int, dp_replicate: int = 1) -> dist.ProcessGroup:
-    """This rank's context-parallel group: ``cp`` consecutive ranks (the module doc), every group
-    of the world made once per process and kept (``groups.process_wide``). ``ValueError`` unless
-    ``cp x dp_replicate`` divides the world size. Collective over the world the first time."""
+def context_group(cp: int, dp_replicate: int = 1, tp: int = 1) -> dist.ProcessGroup:
+    """This rank's context-parallel group (the module doc): with ``tp`` 1, ``cp`` consecutive
+    ranks; with TP, the ``cp`` ranks of a block of ``cp x tp`` consecutive ones that share this
+    rank's TP coordinate (every ``tp``-th), as torchtitan's ``(..., cp, tp)`` mesh has them.
+    Every group of the world is made once per process and kept (``groups.process_wide``).
+    ``ValueError`` unless ``cp x tp x dp_replicate`` divides the world size. Collective over
+    the world the first time."""
     world = dist.get_world_size()
-    if cp < 1 or world % (cp * dp_replicate):
+    if cp < 1 or world % (cp * tp * dp_replicate):
         raise ValueError(
-            f"parallelize(cp={cp}, dp_replicate={dp_replicate}): cp x dp_replicate = "
-            f"{cp * dp_replicate} must divide the world size {world}"
+            f"parallelize(cp={cp}, tp={tp}, dp_replicate={dp_replicate}): cp x tp x "
+            f"dp_replicate = {cp * tp * dp_replicate} must divide the world size {world}"
         )
-    group = process_wide("context_parallel", blocks(list(range(world)), cp))
-    assert group is not None  # every rank is in one block
+    partition = [
+        [base + c * tp + t for c in range(cp)]
+        for base in range(0, world, cp * tp)
+        for t in range(tp)
+    ]
+    group = process_wide("context_parallel", partition)
+    assert group is not None  # every rank is in one group
     return group
 
 

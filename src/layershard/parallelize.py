@@ -62,7 +62,8 @@ def parallelize(
     world / shard_size`` (``layershard train --strategy hybrid`` and ``ShardingPlugin`` say it so).
 
     ``cp``: context parallelism, each sequence split over ``cp`` consecutive ranks (the built-in
-    Llama or a transformers model, tp and ep 1), attention by ``cp_mode`` ``"ring"`` or
+    Llama or a transformers model; ep 1; with ``tp`` the CP groups of the ranks sharing a TP
+    coordinate), attention by ``cp_mode`` ``"ring"`` or
     ``"all_to_all"``; the weights sharded over ``dp_shard x cp`` (``context_parallel``,
     docs/context-parallel.md).
     """
@@ -115,41 +116,32 @@ def context_parallel(
     and each attention module hold, through which attention runs in ``mode`` and the loss is
     normalized (``parallel/context/state.py``; transformers models: ``models/hf_context.py``,
     their attention through transformers' ``AttentionInterface``). Refuses, in one line, what it
-    does not do (yet): tp or ep above 1, another kind of model, a mixture of experts (its
-    load-balancing loss is not split with the sequence), heads not divisible by ``cp`` in
-    all-to-all mode, ``cp x dp_replicate`` not dividing the world, and what
+    does not do (yet): ep above 1, another kind of model, a mixture of experts (its
+    load-balancing loss is not split with the sequence), heads (per TP rank) not divisible by ``cp``
+    in all-to-all mode, ``cp x tp x dp_replicate`` not dividing the world, and what
     ``hf_context.check`` refuses of a transformers model. Collective over the world (the
     groups, the first time)."""
     where = f"parallelize(cp={cp})"
-    if tp > 1 or ep > 1:
-        raise ValueError(
-            f"{where}: context parallelism with tp > 1 or ep > 1 is not supported yet; use "
-            "cp with data parallelism (dp_replicate, strategy) only"
-        )
     hf = is_transformers_model(model)
     if hf:
         heads = hf_context.check(model, where)
-    elif isinstance(model, LlamaForCausalLM):
+    elif isinstance(model, LlamaForCausalLM):  # (its MoE's balance loss pools the CP group's)
         heads = model.config.n_heads
-        if model.config.n_experts:
-            raise ValueError(
-                f"{where}: a mixture of experts is not supported with context parallelism yet "
-                "(its load-balancing loss is not split with the sequence)"
-            )
     else:
         raise TypeError(
             f"{where}: context parallelism runs transformers models and layershard.models."
             f"LlamaForCausalLM only, not {type(model).__name__}"
         )
-    if mode == "all_to_all" and heads % cp:
+    if mode == "all_to_all" and heads % (cp * tp):
+        per = f"n_heads / tp = {heads // tp}" if tp > 1 and heads % tp == 0 else f"n_heads={heads}"
         raise ValueError(
-            f"parallelize(cp={cp}, cp_mode='all_to_all'): n_heads={heads} must be divisible by "
-            "cp; use cp_mode='ring' or another cp"
+            f"parallelize(cp={cp}, cp_mode='all_to_all'): {per} must be divisible by cp; use "
+            "cp_mode='ring' or another cp"
         )
-    group = context_group(cp, dp_replicate)
-    world = dist.get_world_size()
+    group = context_group(cp, dp_replicate, tp)
+    world, span = dist.get_world_size(), cp * tp  # the ranks of one micro-batch
     context = ContextParallel(
-        group, mode, data_rank=dist.get_rank() // cp, data_size=world // cp, transformers=hf
+        group, mode, data_rank=dist.get_rank() // span, data_size=world // span, transformers=hf
     )
     if isinstance(model, LlamaForCausalLM):
         model.context_parallel = context

@@ -132,15 +132,16 @@ def _orders(kind: str, packed: bool, parts: int):
 
 def _parity(
     rank: int, world: int, kind: str, mode: str, *, packed: bool = False, chunks: int = 0,
-    **options,
+    cp: int = 0, **options,
 ) -> None:  # fmt: skip
     base = hf_model(kind)
     reference = clone(base)
-    model = ls.parallelize(clone(base), cp=world, cp_mode=mode, **options)
+    cp = cp or world
+    model = ls.parallelize(clone(base), cp=cp, cp_mode=mode, **options)
     if chunks:  # its loss reads shift_labels and num_items_in_batch as transformers' does
         ls.chunked_loss(model, chunks)
     ctx = model.context_parallel
-    assert ctx.size == world and ctx.mode == mode and ctx.transformers
+    assert ctx.size == cp and ctx.mode == mode and ctx.transformers
     assert model.config._attn_implementation == "layershard_cp"
     attns = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     assert len(attns) == 2 and all(m.context_parallel is ctx for m in attns)
@@ -154,7 +155,7 @@ def _parity(
         d = relative_distance(full, reference, base)
         bound = relative_bound(reference, base, *_orders(kind, packed, ctx.data_size))
         print(
-            f"{kind} cp={world} {mode} packed={packed} chunks={chunks} {options}: loss "
+            f"{kind} cp={cp} {mode} packed={packed} chunks={chunks} {options}: loss "
             f"{worst_loss:.2e}, first grad {err:.2e}, weights {d:.2e}, in-run spread bound {bound:.2e}"
         )
         assert d <= max(2 * GRAD_RTOL, TP_ORDERS * bound), (
@@ -234,7 +235,10 @@ def _refusals(rank: int, world: int) -> None:
     ))  # fmt: skip
     _refuses(ValueError, r"cp=2\): a mixture of experts is not supported", ls.parallelize, moe,
              cp=2)  # fmt: skip
-    _refuses(ValueError, r"tp > 1 or ep > 1", ls.parallelize, hf_model("llama"), cp=2, tp=2)
+    _refuses(ValueError, r"context parallelism with ep > 1 is not supported", ls.parallelize,
+             hf_model("llama"), cp=2, ep=2)  # fmt: skip
+    _refuses(ValueError, r"cp x tp x dp_replicate = 4 must divide the world size 2",
+             ls.parallelize, hf_model("llama"), cp=2, tp=2)  # fmt: skip
 
     x = torch.randint(0, VOCAB, (2, SEQ))
     window = ls.parallelize(hf_model("mistral", sliding_window=SEQ // 2), cp=2)
@@ -275,6 +279,21 @@ for _name, (_kind, _mode, _opts) in _CASES.items():
 for _fn in (_loss_normalization, _refusals):
     checks.check(_fn)
 checks.collect(globals())
+
+# 4 ranks: cp 4 (chunks of 4 tokens, documents crossing several ranks), and TP 2 x CP 2 (the
+# model's own base_model_tp_plan over the TP ranks, each attending with its 2 heads and 1 kv
+# head over the CP group of its TP coordinate)
+_CASES4 = {
+    "qwen3_ring_packed_cp4": ("qwen3", "ring", {"packed": True}),
+    "llama_all_to_all_cp4_grad_op": ("llama", "all_to_all", {"strategy": "grad_op"}),
+    "llama_ring_packed_tp2_cp2": ("llama", "ring", {"packed": True, "tp": 2, "cp": 2}),
+    "qwen3_all_to_all_tp2_cp2": ("qwen3", "all_to_all", {"tp": 2, "cp": 2}),
+}  # fmt: skip
+checks4 = RankChecks(world_size=4, slow=True)
+for _name, (_kind, _mode, _opts) in _CASES4.items():
+    _doc = f"{_kind}, 4 ranks, {_mode} {_opts}: one process's losses and gradients"
+    checks4.check(functools.partial(_parity, kind=_kind, mode=_mode, **_opts), _name, _doc)
+checks4.collect(globals())
 
 
 # ---- one process ---------------------------------------------------------------------------

@@ -68,16 +68,21 @@ def test_activations_per_gpu_are_one_over_cp_plus_the_attention_output():
     assert ck.memory["recompute"] == (168072 + C * 32 * 128) * t_local
 
 
-def test_all_to_all_activations_keep_repeated_kv_heads_and_the_indices():
-    """All-to-all: k and v saved repeated to the query heads (SDPA's inputs, 2 c (h - kv) hd
-    more a token), the output twice, and two int64 indices over the whole sequence per block;
-    in flight, q, k, v and the output of h / cp heads over the whole sequence (4 h hd c a local
-    token)."""
+def test_all_to_all_activations_keep_the_kv_heads_sdpa_sees_and_the_indices():
+    """All-to-all: k and v saved as SDPA sees them (bf16 on H100: flash attention takes the 8
+    grouped kv heads; widened to lcm(kv, cp) when cp does not divide them), the output twice,
+    and two int64 indices over the whole sequence per block; in flight, q, k, v and the output
+    of h / cp heads over the whole sequence (2 (h + kv') hd c a local token)."""
     one, a2a = plan(), plan(cp=8, cp_mode="all_to_all")
     t_local, L, h, kv, hd = SEQ // 8, 32, 32, 8, 128
-    extra = L * (t_local * C * (h * hd + 2 * (h - kv) * hd) + 2 * 8 * SEQ)
+    extra = L * (t_local * C * h * hd + 2 * 8 * SEQ)
     assert a2a.memory["activations"] == one.memory["activations"] // 8 + extra
-    assert a2a.memory["cp_inflight"] == 4 * h * hd * C * t_local
+    assert a2a.memory["cp_inflight"] == 2 * (h + kv) * hd * C * t_local
+    # cp 16 over 8 kv heads: each widened to 2 (lcm 16), 2 c (16 - 8) hd more a local token
+    a16 = plan(cluster=Cluster(16, 8), cp=16, cp_mode="all_to_all")
+    t16 = SEQ // 16
+    extra16 = L * (t16 * C * (h * hd + 2 * (16 - kv) * hd) + 2 * 8 * SEQ)
+    assert a16.memory["activations"] == one.memory["activations"] // 16 + extra16
 
 
 def test_cp_fits_where_one_gpu_per_sequence_does_not():
@@ -345,7 +350,7 @@ def _saved_bytes(rank: int, world: int) -> None:
     weights and the RoPE tables), ring and all-to-all, fp32 and bf16, 1, 2 and 4 KV heads of 4
     (1 and 2: all_to_all.py widens them to lcm(kv, 2) heads): ``layer_bytes``, byte for byte."""
     from layershard.models import build_config
-    from layershard.models.llama import Block, Rotary
+    from layershard.models.llama import Block, Rotary, _native_gqa
     from layershard.parallel.context import ContextParallel, split
 
     seq, batch = 64, 2
@@ -373,8 +378,16 @@ def _saved_bytes(rank: int, world: int) -> None:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     y = block(x, cos, sin)
                 y.sum().backward()  # every rank of the group runs the attention's backward
+                q_, kv_ = torch.zeros(1, 4, 1, 8, dtype=dtype), torch.zeros(1, 2, 1, 8, dtype=dtype)
+                repeat = not _native_gqa(q_, kv_, kv_)  # as SDPA runs grouped heads here
                 want = layer_bytes(
-                    ModelShape.from_config(cfg), mode, dtype, batch * seq // world, seq
+                    ModelShape.from_config(cfg),
+                    mode,
+                    dtype,
+                    batch * seq // world,
+                    seq,
+                    world,
+                    repeat_kv=repeat,
                 )
                 assert sum(saved.values()) == want, (mode, dtype, kv, sum(saved.values()), want)
                 assert math.isfinite(float(x.grad.float().sum()))

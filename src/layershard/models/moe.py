@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -49,12 +50,23 @@ class Routing:
         )
 
 
-def balance_loss(routing: Routing) -> torch.Tensor:
-    """``E * sum_e f_e * P_e`` over the pooled routing of all layers (see the module docstring)."""
-    n_experts = routing.choices.numel()
-    return n_experts * torch.sum(
-        (routing.choices / routing.tokens) * (routing.probs / routing.tokens)
-    )
+def balance_loss(routing: Routing, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` over the pooled routing of all layers (see the module docstring).
+
+    ``group``: context parallelism's group, whose ranks hold parts of the same sequences. The
+    choices and the token count are then the group's (an all-reduce; no gradient flows
+    through them), and ``P_e`` this rank's share of the group's, times the group's size: the
+    convention of the LM loss under CP (``ContextParallel.loss_divisor``), whose mean over the
+    ranks is the whole sequences' loss and whose gradients, averaged by the engine over every
+    rank, are the whole sequences' too."""
+    n_experts, choices = routing.choices.numel(), routing.choices
+    tokens: int | torch.Tensor = routing.tokens
+    scale = 1
+    if group is not None:
+        stats = torch.cat([choices, choices.new_tensor([tokens])])
+        dist.all_reduce(stats, group=group)
+        choices, tokens, scale = stats[:-1], stats[-1], dist.get_world_size(group)
+    return scale * n_experts * torch.sum((choices / tokens) * (routing.probs / tokens))
 
 
 class Router(nn.Module):

@@ -14,10 +14,11 @@ the chunked loss's buffers). Parts that do not scale by ``1 / cp``:
 - each block saves its attention's output twice: the attention returns it as (batch, heads,
   seq, hd), which it saves for its backward, and the transpose to ``wo``'s input copies it
   (without CP flash attention's output is laid out so that this is a view): ``+ c h hd`` per
-  token and block; in ``all_to_all`` mode the keys and values are saved repeated to the query
-  heads, as SDPA sees them (``h`` for ``kv`` heads), and two int64 indices over the whole
-  sequence per block (``16 seq`` bytes, whatever the tokens); tested against the tensors
-  autograd saves for the built-in Block on 2 ranks (tests/plan/test_plan_cp.py);
+  token and block; in ``all_to_all`` mode the keys and values as SDPA sees them: widened to
+  ``lcm(kv, cp)`` heads when ``cp`` does not divide them, and repeated to the query heads
+  where the kernel has no grouped heads (as the 1-D plan assumes: fp32), and two int64 indices
+  over the whole sequence per block (``16 seq`` bytes, whatever the tokens); tested against
+  the tensors autograd saves for the built-in Block on 2 ranks (tests/plan/test_plan_cp.py);
 - RoPE's tables are gathered at the rank's global positions, ``2 T_l hd c`` (without CP a cast
   of the first ``seq`` rows, ``2 seq hd c``, none in fp32);
 - the chunked loss's head-weight gradient (``c V d``) and the model states do not shrink;
@@ -25,8 +26,8 @@ the chunked loss's buffers). Parts that do not scale by ``1 / cp``:
   the backward's peak): ring: the K/V block in hand and the arriving one (``2 x 2 kv hd c`` per
   local token), the block repeated to the query heads (``2 h hd c``, when ``kv < h``), dK/dV in
   fp32, the block's and the arriving one (``2 x 2 kv hd 4``), and dq in fp32 (``h hd 4``);
-  all-to-all: q, k, v and the output of ``h / cp`` heads over the whole sequence, ``4 h hd c``
-  per local token.
+  all-to-all: q, k, v and the output of ``h / cp`` heads over the whole sequence (k and v
+  with the heads SDPA sees, above), ``2 (h + kv') hd c`` per local token.
 
 **Compute** per rank: every linear layer, element-wise kernel and the loss on ``T_l`` tokens;
 attention's quadratic part on ``(seq / cp) x seq`` (causal: half; the load-balanced layout
@@ -202,30 +203,58 @@ def train_fields(s: Any, hf_config: Any) -> dict[str, Any]:
 # --- memory ------------------------------------------------------------------------------------
 
 
-def layer_bytes_per_token(shape: ModelShape, mode: str, compute_dtype: Any = "bf16") -> int:
+def _a2a_kv_heads(shape: ModelShape, cp: int, compute_dtype: Any, repeat_kv: bool | None) -> int:
+    """The kv heads per local token that all-to-all attention hands SDPA (all_to_all.py): the
+    query heads where the kernel has no grouped heads (``repeat_kv``; default as the 1-D plan's
+    ``predict_activations``: in fp32), else the kv heads widened to ``lcm(kv, cp)``."""
+    if repeat_kv is None:
+        repeat_kv = dtype_bytes(compute_dtype) == 4
+    return shape.n_heads if repeat_kv else math.lcm(shape.n_kv_heads, cp)
+
+
+def layer_bytes_per_token(
+    shape: ModelShape,
+    mode: str,
+    compute_dtype: Any = "bf16",
+    cp: int = 1,
+    repeat_kv: bool | None = None,
+) -> int:
     """Bytes one block saves for backward per local token under CP (module docstring): the 1-D
-    block's (k and v with their own heads in ring mode, repeated to the query heads in
-    all-to-all mode) and the attention's output again."""
+    block's with k and v as the attention keeps them (ring: their own heads; all-to-all: as
+    SDPA sees them, ``_a2a_kv_heads``), and the attention's output again."""
     c = dtype_bytes(compute_dtype)
-    own = layer_activation_bytes_per_token(shape, compute_dtype, repeat_kv=mode == "all_to_all")
+    own = layer_activation_bytes_per_token(shape, compute_dtype)  # k, v with their own heads
+    if mode == "all_to_all":
+        kv = _a2a_kv_heads(shape, cp, compute_dtype, repeat_kv)
+        own += 2 * c * (kv - shape.n_kv_heads) * shape.hd
     return own + c * shape.n_heads * shape.hd
 
 
-def layer_bytes(shape: ModelShape, mode: str, compute_dtype: Any, tokens: int, seq_len: int) -> int:
+def layer_bytes(
+    shape: ModelShape,
+    mode: str,
+    compute_dtype: Any,
+    tokens: int,
+    seq_len: int,
+    cp: int = 1,
+    repeat_kv: bool | None = None,
+) -> int:
     """Bytes one block saves on a rank of ``tokens`` local tokens: ``layer_bytes_per_token``
     of each, and in all-to-all mode the two int64 indices over the whole sequence that its
     ``index_select`` calls save (the layout to the natural order and back)."""
-    per_token = layer_bytes_per_token(shape, mode, compute_dtype) * tokens
+    per_token = layer_bytes_per_token(shape, mode, compute_dtype, cp, repeat_kv) * tokens
     return per_token + (2 * 8 * seq_len if mode == "all_to_all" else 0)
 
 
-def inflight_bytes_per_token(shape: ModelShape, mode: str, compute_dtype: Any = "bf16") -> int:
+def inflight_bytes_per_token(
+    shape: ModelShape, mode: str, compute_dtype: Any = "bf16", cp: int = 1
+) -> int:
     """Bytes per local token the attention holds while one block's attention runs, beyond what
     is saved (module docstring)."""
     c = dtype_bytes(compute_dtype)
     h, kv, hd = shape.n_heads, shape.n_kv_heads, shape.hd
     if mode == "all_to_all":
-        return 4 * h * hd * c
+        return 2 * (h + _a2a_kv_heads(shape, cp, compute_dtype, None)) * hd * c
     repeated = 2 * h * hd * c if h > kv else 0
     return 2 * 2 * kv * hd * c + repeated + 2 * 2 * kv * hd * 4 + h * hd * 4
 
@@ -236,7 +265,7 @@ def predict_cp_activations(shape: ModelShape, s: Any) -> dict[str, int]:
     c, d = dtype_bytes(s.param_dtype), shape.dim
     local = s.seq_len // s.cp
     t = s.micro_batch * local
-    per_layer = layer_bytes(shape, s.cp_mode, s.param_dtype, t, s.seq_len)
+    per_layer = layer_bytes(shape, s.cp_mode, s.param_dtype, t, s.seq_len, s.cp)
     blocks = (L - k) * per_layer + k * c * d * t + (per_layer if k else 0)
     rope = 2 * t * shape.hd * c  # cos and sin at this rank's positions, whatever the dtype
     tail = (2 * c * d + 4) * t + rope  # the final norm's input and rsqrt, the head's input
@@ -245,7 +274,7 @@ def predict_cp_activations(shape: ModelShape, s: Any) -> dict[str, int]:
                               loss_chunks=s.loss_chunks, loss=s.loss)  # fmt: skip
     out["activations"] = blocks + tail
     out["recompute"] = per_layer if k else 0
-    out["cp_inflight"] = inflight_bytes_per_token(shape, s.cp_mode, s.param_dtype) * t
+    out["cp_inflight"] = inflight_bytes_per_token(shape, s.cp_mode, s.param_dtype, s.cp) * t
     return out
 
 

@@ -18,7 +18,12 @@ from layershard.loss import chunked_loss
 from layershard.models import PRESETS, LlamaConfig, LlamaForCausalLM, build_config
 from layershard.models.hf import load_hf_config
 from layershard.train.config import ConfigError, TrainConfig
-from layershard.train.parallel import check_cp_model, check_split_shapes, check_tp_model
+from layershard.train.parallel import (
+    check_cp_model,
+    check_cp_routing,
+    check_split_shapes,
+    check_tp_model,
+)
 
 
 def round_up(n: int, multiple: int = 64) -> int:
@@ -118,10 +123,12 @@ def check_model(cfg: TrainConfig, kind: str, spec: Any) -> None:
     causal language model (HF), weights present for --init-from."""
     try:
         check_tp_model(cfg, kind, spec)
-        if kind == "preset":  # (--cp with a transformers model is refused by the config)
-            check_cp_model(cfg, spec)
-        if cfg.tp > 1 or cfg.ep > 1:
-            check_split_shapes(cfg, kind, build_model(kind, spec, cfg, meta=True))
+        check_cp_model(cfg, kind, spec)
+        if cfg.tp > 1 or cfg.ep > 1 or (cfg.cp > 1 and kind == "hf"):
+            meta = build_model(kind, spec, cfg, meta=True)
+            check_split_shapes(cfg, kind, meta)
+            if kind == "hf":
+                check_cp_routing(cfg, meta)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     layers = n_layers(kind, spec)

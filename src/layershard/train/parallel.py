@@ -14,14 +14,16 @@ starts on the meta device under ``--tp`` too (``modeling.starts_on_meta``): ``ls
 applies the TP plan to the meta model and ``shard()`` materializes it one unit at a time, each
 rank keeping its TP part's slice.
 
-``--cp N`` (context parallelism, the built-in presets): each sequence split over ``cp``
-consecutive ranks (``ls.parallelize(cp=...)``, docs/context-parallel.md), which read the same
-batch (the data split over ``world / cp`` ranks, as under TP) and feed the model their part of it
-(``loop/context.py``). Refused in one line before launch: cp with ``--tp`` / ``--ep``, a mixture
-of experts, a transformers model (``--hf-config`` / ``--init-from``, and so ``--qlora``), a
-``seq_len`` not divisible by ``2 x cp``, ``cp`` not dividing the world (or hybrid's replica),
-``all_to_all`` with ``n_heads`` not divisible by ``cp``, and ``--cp-mode all_to_all`` without
-``--cp`` (a mode that would not be used).
+``--cp N`` (context parallelism, the built-in presets and transformers models): each sequence
+split over ``cp`` ranks (``ls.parallelize(cp=...)``, docs/context-parallel.md; with ``--tp``
+the ``cp`` ranks of each TP coordinate in a block of ``cp x tp``), which read the same batch
+(the data split over ``world / (cp x tp)`` ranks, as under TP) and feed the model their part of
+it (``loop/context.py``); with ``--ep`` (the built-in MoE) each rank's tokens reach the experts
+by EP's all-to-all. Refused in one line before launch: cp with ``--qlora``, a transformers
+mixture of experts, a transformers model whose attention cannot be routed or whose sliding
+window is shorter than the sequence, a ``seq_len`` not divisible by ``2 x cp``, ``cp x tp`` not
+dividing the world (or hybrid's replica), ``all_to_all`` with ``n_heads`` not divisible by ``cp
+x tp``, and ``--cp-mode all_to_all`` without ``--cp`` (a mode that would not be used).
 """
 
 from __future__ import annotations
@@ -60,11 +62,6 @@ def check_parallel(cfg: Any) -> None:
             )
 
 
-# transformers models under CP are being built in the library (ls.parallelize); train refuses
-# them until that lands and is wired here
-_HF_CP = "train runs context parallelism on the built-in presets only for now"
-
-
 def check_cp(cfg: Any) -> None:
     """The config rules of ``cp`` and ``cp_mode`` (a ``ValueError`` becomes the one-line error)."""
     cp = cfg.cp
@@ -76,11 +73,7 @@ def check_cp(cfg: Any) -> None:
             )
         return
     refused = (  # what --cp does not run with yet: (flag, given, why)
-        ("--tp", cfg.tp > 1, "context parallelism does not combine with tensor parallelism"),
-        ("--ep", cfg.ep > 1, "context parallelism does not combine with expert parallelism"),
-        ("--qlora", cfg.qlora, _HF_CP),
-        ("--hf-config", bool(cfg.hf_config), _HF_CP),
-        ("--init-from", bool(cfg.init_from), _HF_CP),
+        ("--qlora", cfg.qlora, "4-bit bases are not tested under context parallelism"),
     )  # fmt: skip
     for flag, given, why in refused:
         if given:
@@ -89,30 +82,58 @@ def check_cp(cfg: Any) -> None:
             )
 
 
-def check_cp_model(cfg: Any, spec: Any) -> None:
-    """Can a preset's model (``spec``, a ``LlamaConfig``) run with ``cfg.cp`` on ``cfg.seq_len``?
-    Sequences that split into ``2 x cp`` chunks; not a mixture of experts (its load-balancing
-    loss is not split with the sequence); in ``all_to_all`` mode heads divisible by ``cp`` (each
-    rank attends with ``n_heads / cp`` of them). Raises ``ValueError`` (one line). (Checked with
-    the model, not by the config's schema, which takes any ``cp`` with the default seq_len.)"""
-    if cfg.cp == 1:
+def check_cp_model(cfg: Any, kind: str, spec: Any) -> None:
+    """Can the model (``spec``: a preset's ``LlamaConfig`` or a transformers config) run with
+    ``cfg.cp`` on ``cfg.seq_len``? Sequences that split into ``2 x cp`` chunks; not a transformers
+    mixture of experts (its load-balancing loss is not split with the sequence); in ``all_to_all`` mode
+    heads divisible by ``cp x tp`` (each rank attends with ``n_heads / (tp x cp)`` of them); a
+    transformers model whose attention ``ls.parallelize`` can route (``hf_context.check``, on
+    a meta-device copy) and whose sliding window, if any, is no shorter than the sequence.
+    Raises ``ValueError`` (one line). (Checked with the model, not by the config's schema,
+    which takes any ``cp`` with the default seq_len.)"""
+    cp = cfg.cp
+    if cp == 1:
         return
-    if cfg.seq_len % (2 * cfg.cp):
+    if cfg.seq_len % (2 * cp):
         raise ValueError(
-            f"seq_len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp} (each sequence is "
+            f"seq_len {cfg.seq_len} must be divisible by 2 x cp = {2 * cp} (each sequence is "
             "cut into 2 x cp chunks, two per rank); change --seq-len or --cp"
         )
-    if spec.n_experts:
+    if kind == "preset":  # (the built-in MoE's balance loss pools the CP group's routing)
+        heads = spec.n_heads
+    else:
+        heads = spec.num_attention_heads
+        if getattr(spec, "num_local_experts", 0) or getattr(spec, "num_experts", 0):
+            raise ValueError(
+                f"cp {cp} is not supported with a transformers mixture of experts yet (its "
+                "load-balancing loss is not split with the sequence); use a dense model, a "
+                "built-in preset, or drop --cp"
+            )
+    if cfg.cp_mode == "all_to_all" and heads % (cp * cfg.tp):
+        per = " x --tp" if cfg.tp > 1 else ""
         raise ValueError(
-            f"cp {cfg.cp} is not supported with a mixture of experts yet (its load-balancing "
-            "loss is not split with the sequence); use a dense preset, or drop --cp"
+            f"--cp-mode all_to_all: --cp {cp}{per} must divide the model's n_heads={heads} "
+            f"(each rank attends with n_heads / {'(tp x cp)' if per else 'cp'} heads); use "
+            "--cp-mode ring or another --cp"
         )
-    if cfg.cp_mode == "all_to_all" and spec.n_heads % cfg.cp:
-        raise ValueError(
-            f"--cp-mode all_to_all: --cp {cfg.cp} must divide the model's n_heads="
-            f"{spec.n_heads} (each rank attends with n_heads / cp heads); use --cp-mode ring "
-            "or another --cp"
-        )
+    if kind == "hf":
+        window = getattr(spec, "sliding_window", None)
+        if window and getattr(spec, "use_sliding_window", True) and window < cfg.seq_len:
+            raise ValueError(
+                f"cp {cp}: the model's sliding window ({window}) is shorter than seq_len "
+                f"{cfg.seq_len}, which context parallelism does not run; use --seq-len {window} "
+                "or less, or a model without one"
+            )
+
+
+def check_cp_routing(cfg: Any, model: nn.Module) -> None:
+    """Can ``ls.parallelize(cp=...)`` route a transformers ``model``'s attention (built on the
+    meta device)? ``hf_context.check``'s refusals, as ``ValueError`` naming ``--cp``."""
+    if cfg.cp == 1:
+        return
+    from layershard.models import hf_context
+
+    hf_context.check(model, f"--cp {cfg.cp}")
 
 
 def check_tp_model(cfg: Any, kind: str, spec: Any) -> None:
@@ -181,11 +202,12 @@ def check_replica(cfg: Any, world: int, local_world: int | None) -> None:
     from layershard.distributed import local_world_size
 
     replica = cfg.shard_size or local_world or local_world_size(world)
-    for name, n in (("tp", cfg.tp), ("ep", cfg.ep), ("cp", cfg.cp)):
+    for name, n in (("tp", cfg.tp), ("ep", cfg.ep), ("cp", cfg.cp), ("cp x tp", cfg.cp * cfg.tp)):
         if replica % n:
             raise ValueError(
                 f"{name} {n} must divide the ranks of a replica ({replica}: hybrid's shard_size, "
-                f"by default a node's ranks); change --{name} or --shard-size"
+                f"by default a node's ranks); change --{name.replace(' x ', ' or --')} or "
+                "--shard-size"
             )
 
 
@@ -196,17 +218,19 @@ def check_world(cfg: Any, world: int) -> None:
         ("tp", cfg.tp, "each block's weights split over tp ranks, the data over world / tp"),
         ("ep", cfg.ep, "each layer's experts split over ep ranks"),
         ("cp", cfg.cp, "each sequence split over cp ranks, the data over world / cp"),
+        ("cp x tp", cfg.cp * cfg.tp, "each sequence over cp ranks of every TP coordinate"),
     ):
         if world % n:
+            flag = "--cp or --tp" if name == "cp x tp" else f"--{name}"
             raise ValueError(
-                f"{name} {n} must divide the world size {world} ({why}); change --{name} or "
+                f"{name} {n} must divide the world size {world} ({why}); change {flag} or "
                 "--nproc-per-node / --nnodes"
             )
 
 
 def group_size(cfg: Any) -> int:
-    """The consecutive ranks that read one batch together: a TP group's or a CP group's
-    (``--tp`` and ``--cp`` do not combine)."""
+    """The consecutive ranks that read one batch together: a TP group's, a CP group's, or with
+    both the ``cp x tp`` ranks of a block (``meshes.context_group``)."""
     return cfg.tp * cfg.cp
 
 
@@ -216,9 +240,9 @@ def data_world(cfg: Any, world: int) -> int:
 
 
 def data_rank(cfg: Any, rank: int, world: int) -> tuple[int, int]:
-    """(this rank's data-parallel index, the number of data-parallel ranks): the ``tp`` (or
-    ``cp``) consecutive ranks of a TP (CP) group read the same batch, as ``ls.parallelize``
-    lays the groups out (``ContextParallel.data_rank`` / ``data_size`` under CP)."""
+    """(this rank's data-parallel index, the number of data-parallel ranks): the ``tp x cp``
+    consecutive ranks of a TP and CP block read the same batch, as ``ls.parallelize`` lays the
+    groups out (``ContextParallel.data_rank`` / ``data_size`` under CP)."""
     return rank // group_size(cfg), data_world(cfg, world)
 
 

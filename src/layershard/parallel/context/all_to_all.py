@@ -18,9 +18,10 @@ Grouped-query attention: the kv heads go through the all-to-all as they are when
 them. When it does not, each kv head is first repeated (``repeat_interleave``) to
 ``lcm(kv_heads, cp)`` heads, which ``heads`` (a multiple of both) divides; rank ``j``'s q heads
 then use exactly its kv heads. Repeated heads cost their share of the exchange, and their
-gradients are summed back by ``repeat_interleave``'s backward. On the rank, kv heads are repeated
-up to its q heads before SDPA, as ``models.llama.causal_attention`` does where CPU flash
-attention's grouped heads are less exact.
+gradients are summed back by ``repeat_interleave``'s backward. On the rank, the kernel gets its
+q heads and kv heads as the one-process model gives them (``parallel.attention.causal_attention``:
+grouped where the kernel takes them exactly, else repeated), so that it saves the same bytes per
+head for backward; with documents' dense mask (math or flash with a mask) they are repeated.
 
 Documents (``doc_ids``): the whole sequence's document ids make a dense (batch, 1, T, T) boolean
 mask with causality, so the mask costs ``T^2`` bytes per sequence on every rank: for long packed
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from layershard.parallel.attention import causal_attention
 from layershard.parallel.context.layout import gather, layout_order
 
 
@@ -103,12 +105,12 @@ def all_to_all_attention(
     if widen > 1:
         k, v = k.repeat_interleave(widen, dim=1), v.repeat_interleave(widen, dim=1)
     qh, kh, vh = (_to_heads(x, group, natural) for x in (q, k, v))
-    rep = qh.shape[1] // kh.shape[1]
-    if rep > 1:
-        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
-    if doc_ids is None:
-        y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    if doc_ids is None:  # grouped heads as the one-process model passes them (same bytes saved)
+        y = causal_attention(qh, kh, vh, scale=scale)
     else:
+        rep = qh.shape[1] // kh.shape[1]
+        if rep > 1:
+            kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
         docs = gather(doc_ids, group, dim=1)
         causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
         mask = (docs[:, :, None] == docs[:, None, :]) & causal

@@ -117,7 +117,7 @@ def document_attention(
     k, v (batch, kv_heads, seq, head_dim), a query attending to the earlier keys of its own
     document (``doc_ids`` (batch, seq): equal ids, one document). A dense boolean mask,
     ``seq^2`` bytes a row, as ``all_to_all_attention``'s; kv heads repeated as
-    ``models.llama.causal_attention`` does where the kernel would not take them grouped."""
+    ``parallel.attention.causal_attention`` does where the kernel would not take them grouped."""
     t, rep = q.shape[2], q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
