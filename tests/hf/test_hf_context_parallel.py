@@ -134,3 +134,103 @@ def test_trainer_with_context_parallelism_matches_plain_sharding(tmp_path: Path)
         # random tokens, whose loss does not fall in 4 steps, but each step's differs
         assert max(x[2] for x in ref) > 0.5, name
         assert len({round(x[1], 4) for x in ref}) == STEPS, name
+
+
+def _sft(world: int, out: Path, cp: int, mode: str) -> dict:
+    """TRL's SFTTrainer (its fused LM head, loss on completions only) sharded by layershard,
+    with ``ShardingPlugin(cp=cp)``; the logged losses and gradient norms, the final weights."""
+    import torch
+    from _hf_script import chat_tokenizer, completions, llama
+    from trl import SFTConfig, SFTTrainer
+
+    import layershard as ls
+
+    tok = chat_tokenizer()
+    model = llama(vocab_size=len(tok), pad_token_id=0, eos_token_id=1)
+    per_rank = 8 // (2 * (world // cp))  # 8 sequences per optimizer step: accumulation 2
+    args = SFTConfig(
+        output_dir=str(out / f"sft-cp{cp}-{mode}"), use_cpu=True, ddp_backend="gloo",
+        report_to=[], per_device_train_batch_size=per_rank, gradient_accumulation_steps=2,
+        max_steps=STEPS, learning_rate=1e-2, adam_epsilon=ADAM_EPS,
+        lr_scheduler_type="constant", max_grad_norm=0.5, logging_steps=1, save_strategy="no",
+        seed=0, data_seed=0, disable_tqdm=True, log_level="error", dataloader_num_workers=0,
+        bf16=False, gradient_checkpointing=False, max_length=32, completion_only_loss=True,
+    )  # fmt: skip
+    trainer = ls.hf.sharded(SFTTrainer)(
+        model=model, args=args, train_dataset=completions(64), processing_class=tok,
+        layershard=ls.hf.ShardingPlugin(cp=cp, cp_mode=mode),
+    )  # fmt: skip
+    trainer.train()
+    sharded = ls.hf.sharded_of(trainer.model_wrapped) or ls.hf.sharded_of(trainer.model)
+    if cp > 1:  # the run is what it claims: attention over the CP group in this mode
+        assert trainer.get_cp_size() == cp
+        assert model.config._attn_implementation == "layershard_cp"
+        ctx = sharded.module.context_parallel
+        assert ctx.mode == mode and ctx.size == cp
+    logged = [
+        [h["step"], h["loss"], h["grad_norm"]] for h in trainer.state.log_history if "loss" in h
+    ]
+    torch.manual_seed(0)
+    return {"logged": logged, "state": sharded.full_state_dict(rank0_only=False)}
+
+
+def _sft_rank(rank: int, world: int, out: str) -> None:
+    ref = _sft(world, Path(out), 1, "ring")
+    res = {}
+    for mode in ("ring", "all_to_all"):
+        run = _sft(world, Path(out), 2, mode)
+        diff = max((run["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+        res[mode] = {"ref": ref["logged"], "cp": run["logged"], "param_diff": diff}
+    if rank == 0:
+        Path(out, "sft.json").write_text(json.dumps(res))
+
+
+@pytest.mark.slow
+def test_trl_sft_trainer_with_context_parallelism_matches_plain_sharding(tmp_path: Path) -> None:
+    """``ls.hf.sharded(trl.SFTTrainer)`` with ShardingPlugin(cp=2), ring and all-to-all, against
+    ShardingPlugin() on the same global batches: TRL's fused LM head scores the pre-shifted
+    labels of each rank's part of the sequences (completion-only loss, padded rows)."""
+    pytest.importorskip("trl")
+    run_ranks(_sft_rank, 2, str(tmp_path))
+    res = json.loads((tmp_path / "sft.json").read_text())
+    for name, r in res.items():
+        ref, cp = r["ref"], r["cp"]
+        assert [x[0] for x in cp] == [x[0] for x in ref] == list(range(1, STEPS + 1)), name
+        loss = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(cp, ref))
+        norm = max(abs(a[2] - b[2]) / abs(b[2]) for a, b in zip(cp, ref))
+        print(f"sft {name}: loss {loss:.2e}, grad norm {norm:.2e}, weights {r['param_diff']:.2e}")
+        assert loss < LOSS_RTOL, (name, cp, ref)
+        assert norm < GRAD_NORM_RTOL, name
+        assert r["param_diff"] < PARAM_TOL, name
+
+
+def test_what_trainer_does_not_run_under_cp_is_refused_at_construction(tmp_path: Path) -> None:
+    """One line each, before the model is touched: evaluation, label smoothing, and a
+    ``compute_loss`` of a class other than Trainer's and TRL's SFTTrainer's (a subclass
+    override; TRL's DPOTrainer)."""
+    import transformers as T
+
+    import layershard as ls
+
+    cfg = T.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = T.LlamaForCausalLM(cfg)
+
+    class Own(ls.hf.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    cases = [
+        (ls.hf.Trainer, dict(eval_strategy="steps", eval_steps=1), "does not evaluate yet"),
+        (ls.hf.Trainer, dict(label_smoothing_factor=0.1), "label_smoothing_factor with"),
+        (Own, {}, "SFTTrainer's compute_loss on each rank's part of the sequences; Own overrides"),
+    ]
+    for cls, kw, match in cases:
+        args = T.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], **kw)
+        with pytest.raises(ValueError, match=match) as e:
+            cls(model=model, args=args, layershard=ls.hf.ShardingPlugin(cp=2))
+        assert "\n" not in str(e.value)
+    trl = pytest.importorskip("trl")
+    from layershard.hf.trainer import _context_loss_owners
+
+    assert trl.SFTTrainer in _context_loss_owners() and trl.DPOTrainer not in _context_loss_owners()

@@ -235,7 +235,7 @@ def _refusals(rank: int, world: int) -> None:
     ))  # fmt: skip
     _refuses(ValueError, r"cp=2\): a mixture of experts is not supported", ls.parallelize, moe,
              cp=2)  # fmt: skip
-    _refuses(ValueError, r"context parallelism with ep > 1 is not supported", ls.parallelize,
+    _refuses(ValueError, r"the model has no expert layers to split", ls.parallelize,
              hf_model("llama"), cp=2, ep=2)  # fmt: skip
     _refuses(ValueError, r"cp x tp x dp_replicate = 4 must divide the world size 2",
              ls.parallelize, hf_model("llama"), cp=2, tp=2)  # fmt: skip

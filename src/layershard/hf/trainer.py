@@ -21,7 +21,8 @@ hands the model this rank's part of each (``context_batch``). The loss stays Tra
 ``num_items_in_batch``, counted on every rank of a group and summed over the world, is divided
 by ``get_cp_size()`` (``N``), and each rank's loss is multiplied by the world size as under DDP,
 so the gradient the engine averages over the world is the single process's mean over the
-global batch's targets (docs/context-parallel.md, "Trainer").
+global batch's targets (docs/context-parallel.md, "Trainer"). TRL's SFTTrainer takes the same
+parts through its own ``compute_loss`` (``_context_loss_owners``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -190,11 +192,11 @@ class ShardedTrainerMixin(_TrainerBase):
             for k in type(self).__mro__
             if k is not ShardedTrainerMixin and "compute_loss" in vars(k)
         )
-        if owner is not transformers.Trainer:
+        if owner not in _context_loss_owners():
             raise ValueError(
-                f"ls.hf.Trainer: ShardingPlugin(cp={cp}) runs transformers.Trainer's compute_loss "
-                f"on each rank's part of the sequences; {type(self).__name__} overrides it "
-                "(TRL's trainers do), which is not supported yet"
+                f"ls.hf.Trainer: ShardingPlugin(cp={cp}) runs transformers.Trainer's or TRL's "
+                f"SFTTrainer's compute_loss on each rank's part of the sequences; "
+                f"{type(self).__name__} overrides it, which is not supported yet"
             )
         if a.n_gpu > 1:  # Trainer's DataParallel, which layershard never runs (one device a rank)
             raise ValueError(f"ls.hf.Trainer: ShardingPlugin(cp={cp}) needs one device per rank")
@@ -327,6 +329,18 @@ class ShardedTrainerMixin(_TrainerBase):
         if sharded is None or best is None or not (Path(best) / CHECKPOINT_DIR).is_dir():
             return super()._load_best_model()
         ls.load_checkpoint(Path(best) / CHECKPOINT_DIR, sharded, restore_rng=False)
+
+
+def _context_loss_owners() -> tuple[type, ...]:
+    """The classes whose ``compute_loss`` takes a CP rank's part of a batch: transformers'
+    Trainer's (``labels`` and ``shift_labels``, ``num_items_in_batch`` over cp), and TRL's
+    SFTTrainer's, whose fused LM head scores pre-shifted ``shift_labels`` without shifting
+    them (``trl.trainer.utils.add_fused_lm_head``) and divides by the same
+    ``num_items_in_batch``. Its other trainers (DPO, GRPO, KTO...) compute per-sequence
+    log-probabilities, which a CP rank holds only part of."""
+    trl = sys.modules.get("trl")
+    sft = getattr(trl, "SFTTrainer", None) if trl is not None else None
+    return (transformers.Trainer,) if sft is None else (transformers.Trainer, sft)
 
 
 def _context_of(model: Any) -> ContextParallel:
