@@ -98,7 +98,8 @@ def test_qlora_writes_its_json(capsys, tmp_path):
     assert round(m["packed_base"] / GIB, 1) == 15.9  # docs/qlora.md: "15.9 GiB per GPU"
     assert d["settings"] == {"world": 2, "lora_rank": 16, "double_quant": True,
                              "compute_dtype": "bf16", "seq_len": 2048, "micro_batch": 1,
-                             "offload": False, "frozen_dtype": None}  # fmt: skip
+                             "offload": False, "frozen_dtype": None,
+                             "offload_activations": False, "loss_chunks": 0}  # fmt: skip
     assert (d["model"]["name"], d["model"]["params"], d["gpu"]) == (
         "llama-70b",
         68976648192,
@@ -115,8 +116,8 @@ def test_qlora_writes_a_config_train_accepts(capsys, tmp_path):
     assert main(argv) == 0
     assert f"wrote {out}: layershard train --config {out}" in capsys.readouterr().out
     cfg = yaml.safe_load(out.read_text())
-    # train loads what it does not quantize in fp32 (train/loop/qlora.py): planned so
-    s = QLoRASettings(world=2, lora_rank=8, seq_len=512, micro_batch=2, frozen_dtype="fp32")
+    # train loads what it does not quantize in the compute dtype (train/loop/qlora.py)
+    s = QLoRASettings(world=2, lora_rank=8, seq_len=512, micro_batch=2)
     m = qlora_memory(ModelShape.from_hf_config(model), s)
     assert cfg == {
         "init_from": str(model), "qlora": True, "lora_rank": 8, "seq_len": 512, "micro_batch": 2,
@@ -135,9 +136,9 @@ def test_qlora_writes_a_config_train_accepts(capsys, tmp_path):
         (["--hf-config", "{model}", "--no-double-quant"],
          "--write-config: layershard train quantizes with double quantization; drop "
          "--no-double-quant"),
-        (["--hf-config", "{model}", "--frozen-dtype", "bf16"],
-         "--write-config: layershard train --qlora loads the unquantized weights in fp32; drop "
-         "--frozen-dtype"),
+        (["--hf-config", "{model}", "--frozen-dtype", "fp32"],
+         "--write-config: layershard train --qlora loads the unquantized weights in the compute "
+         "dtype (--param-dtype); drop --frozen-dtype"),
     ],
 )  # fmt: skip
 def test_qlora_write_config_refusals(capsys, tmp_path, flags, expected):

@@ -189,9 +189,29 @@ def check_quantized(specs: list, largest_block_numel: int | None = None) -> None
       and no optimizer can step them; train adapters on a frozen base (PEFT's LoRA);
     - one not yet quantized (``bnb_quantized`` False: bitsandbytes quantizes on ``.to(device)``):
       its data is still the full-precision weight;
-    - one on the meta device (its bytes do not exist yet).
+    - one on the meta device (its bytes do not exist yet);
+    - PEFT's DoRA (``use_dora=True``) beside a bitsandbytes 4-bit base: DoRA's forward
+      dequantizes the base weight from the module's ``Params4bit`` parameter
+      (``peft.utils.integrations.dequantize_module_weight``), and while a unit runs the module's
+      weight is a view of its gathered bytes, which PEFT takes for an unquantized weight (the
+      "FSDP edge case": it returns the bytes as the weight; on a CPU it then assigns the
+      parameter back, replacing the registered slice).
     """
     int8 = getattr(sys.modules.get("bitsandbytes.nn.modules"), "Int8Params", None)
+    dora = [u.name for s in specs for _, uses in s.params for u in uses
+            if "lora_magnitude_vector" in u.name]  # fmt: skip
+    four_bit = params4bit_class()
+    if (
+        dora
+        and four_bit is not None
+        and any(isinstance(p, four_bit) for s in specs for p, _ in s.params)
+    ):
+        raise ValueError(
+            f"shard(): {dora[0]} is a DoRA magnitude (LoraConfig(use_dora=True)) on a bitsandbytes "
+            "4-bit base, which layershard cannot run (PEFT's DoRA reads the base weight as a "
+            "Params4bit, not as the gathered bytes); train LoRA (use_dora=False) on the 4-bit "
+            "base, or DoRA on a bf16 base"
+        )
     for s in specs:
         for p, uses in s.params:
             name = uses[0].name

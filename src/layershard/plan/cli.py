@@ -277,10 +277,10 @@ def _qlora_train_refuses(args: argparse.Namespace) -> str:
             "--write-config: layershard train quantizes with double quantization; drop "
             "--no-double-quant"
         )
-    if args.frozen_dtype not in (None, "fp32"):
+    if args.frozen_dtype not in (None, args.param_dtype or "bf16"):
         return (
-            "--write-config: layershard train --qlora loads the unquantized weights in fp32; "
-            "drop --frozen-dtype"
+            "--write-config: layershard train --qlora loads the unquantized weights in the "
+            "compute dtype (--param-dtype); drop --frozen-dtype"
         )
     return ""
 
@@ -306,8 +306,7 @@ def _qlora(args: argparse.Namespace, shape: ModelShape, gpu: GPU, cluster: Clust
         seq_len=seq,
         micro_batch=args.micro_batch,
         offload=args.offload,
-        # a config for train: planned as train loads them (train/loop/qlora.py)
-        frozen_dtype=args.frozen_dtype or ("fp32" if args.write_config else None),
+        frozen_dtype=args.frozen_dtype,  # None: the compute dtype, as train loads them
     )
     print(render_qlora(shape, settings, gpu.name, gpu.memory_bytes))
     out = qlora_dict(shape, settings, gpu.name, gpu.memory_bytes)

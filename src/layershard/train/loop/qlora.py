@@ -1,6 +1,18 @@
 """``layershard train --qlora``: the ``--init-from`` model loaded in 4 bits (bitsandbytes NF4 with
 double quantization, ``from_pretrained`` quantizes while it loads) with PEFT LoRA adapters on
-every linear, before ``ls.shard`` (engine/four_bit.py); the run's ``final/`` is the adapter."""
+every linear, before ``ls.shard`` (engine/four_bit.py); the run's ``final/`` is the adapter.
+
+What is neither 4-bit nor an adapter (embedding, LM head, norms) is frozen and loaded in the
+compute dtype: ``ls.shard`` keeps a frozen parameter in its own dtype, sharded 1/N in a flat group
+of that dtype and gathered without a cast (engine/build.py ``_by_dtype``), so a bf16 run holds
+them in 2 bytes, not in fp32 (Llama-3-70B: 1.96 GiB per GPU less at 2 GPUs). The adapters are
+fp32 master weights whatever the load dtype (PEFT's ``autocast_adapter_dtype``, checked here).
+
+A large vocabulary (``CHUNKED_VOCAB`` and up: Llama 3's 128256) computes the loss in
+``LOSS_CHUNKS`` chunks (``ls.chunked_loss`` on the transformers model inside the PEFT one: the
+logits never whole; equal to the plain loss to fp32 rounding) for ``--task pretrain``. Not yet for
+``--task sft``: the loop runs a micro-batch without a response token backward through its logits
+(trainer.py), which the chunked loss does not materialize."""
 
 from __future__ import annotations
 
@@ -11,10 +23,14 @@ from torch import nn
 
 from layershard.train.config import TrainConfig
 
+CHUNKED_VOCAB = 32768
+LOSS_CHUNKS = 8
+
 
 def build_qlora(cfg: TrainConfig, precision: str, device: torch.device) -> nn.Module:
-    """The 4-bit base with fresh adapters (seeded by ``cfg.seed``: equal on every rank); what
-    is not quantized stays fp32 (layershard's master weights), compute in ``precision``."""
+    """The 4-bit base with fresh adapters (seeded by ``cfg.seed``: equal on every rank); the
+    frozen weights that are not quantized in the compute dtype ``precision`` (fp32 on CPU), the
+    adapters in fp32 (layershard's master weights)."""
     try:
         import bitsandbytes  # noqa: F401
         import peft
@@ -34,7 +50,7 @@ def build_qlora(cfg: TrainConfig, precision: str, device: torch.device) -> nn.Mo
     )
     place = {"": device.index or 0} if device.type == "cuda" else "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        cfg.init_from, quantization_config=quant, dtype=torch.float32, device_map=place,
+        cfg.init_from, quantization_config=quant, dtype=compute, device_map=place,
         trust_remote_code=False,
     )  # fmt: skip
     torch.manual_seed(cfg.seed)
@@ -42,7 +58,21 @@ def build_qlora(cfg: TrainConfig, precision: str, device: torch.device) -> nn.Mo
         r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, target_modules="all-linear",
         lora_dropout=0.0,
     )  # fmt: skip
-    return peft.get_peft_model(model, lora)
+    peft_model = peft.get_peft_model(model, lora, autocast_adapter_dtype=True)
+    # layershard steps fp32 masters only: an adapter PEFT left in 16 bits would train in them
+    low = [
+        n for n, p in peft_model.named_parameters() if p.requires_grad and p.dtype != torch.float32
+    ]
+    if low:
+        raise RuntimeError(f"--qlora: PEFT left adapters in 16 bits ({low[0]}); upgrade peft")
+    if cfg.task == "pretrain" and model.config.vocab_size >= CHUNKED_VOCAB:
+        from layershard.loss import chunked_loss
+
+        try:  # the causal LM PEFT wraps (its head is not adapted)
+            chunked_loss(model, LOSS_CHUNKS)
+        except (TypeError, ValueError):  # logits transformed before the loss: the plain loss
+            pass
+    return peft_model
 
 
 def save_adapter(model: nn.Module, folder: Path) -> None:
