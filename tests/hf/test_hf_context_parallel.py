@@ -83,9 +83,16 @@ def _train(world: int, out: Path, cp: int, mode: str, packed: bool) -> dict:
     )  # fmt: skip
     trainer = ls.hf.Trainer(
         model=model, args=args, train_dataset=data, data_collator=collator,
-        layershard=ls.hf.ShardingPlugin(cp=cp, cp_mode=mode),
+        eval_dataset=_eval_dataset(), layershard=ls.hf.ShardingPlugin(cp=cp, cp_mode=mode),
     )  # fmt: skip
     trainer.train()
+    evaluated = trainer.evaluate()["eval_loss"]
+    if cp > 1 and not packed and mode == "ring":  # what evaluation under cp does not give
+        with pytest.raises(ValueError, match=r"predict\(\) under ShardingPlugin\(cp=2\)"):
+            trainer.predict(_eval_dataset())
+        trainer.compute_metrics = lambda p: {}
+        with pytest.raises(ValueError, match=r"compute_metrics with ShardingPlugin\(cp=2\)"):
+            trainer.evaluate()
     sharded = ls.hf.sharded_of(trainer.model_wrapped) or ls.hf.sharded_of(trainer.model)
     assert sharded is not None
     if cp > 1:
@@ -94,7 +101,19 @@ def _train(world: int, out: Path, cp: int, mode: str, packed: bool) -> dict:
     logged = [
         [h["step"], h["loss"], h["grad_norm"]] for h in trainer.state.log_history if "loss" in h
     ]
-    return {"logged": logged, "state": sharded.full_state_dict(rank0_only=False)}
+    state = sharded.full_state_dict(rank0_only=False)
+    return {"logged": logged, "state": state, "eval_loss": evaluated}
+
+
+def _eval_dataset() -> list[dict]:
+    """16 whole sequences, every label a target: each batch's mean over its targets weighs every
+    token alike, so the mean over batches is the same whatever the batching (under cp a CP
+    group reads what 2 data-parallel ranks read without it)."""
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randint(1, V, (16, SEQ), generator=g)
+    return [{"input_ids": r.tolist(), "labels": r.tolist()} for r in rows]
 
 
 def _rank(rank: int, world: int, out: str) -> None:
@@ -108,6 +127,7 @@ def _rank(rank: int, world: int, out: str) -> None:
                 "ref": ref["logged"],
                 "cp": run["logged"],
                 "param_diff": diff,
+                "eval": [ref["eval_loss"], run["eval_loss"]],
             }
     if rank == 0:
         Path(out, "res.json").write_text(json.dumps(res))
@@ -117,7 +137,7 @@ def _rank(rank: int, world: int, out: str) -> None:
 def test_trainer_with_context_parallelism_matches_plain_sharding(tmp_path: Path) -> None:
     """ShardingPlugin(cp=2), ring and all-to-all, plain rows and packed (ring), against
     ShardingPlugin() on the same global batches: each step's logged loss and gradient norm,
-    and the final weights."""
+    the final weights, and evaluate()'s loss (predict() and compute_metrics refused)."""
     run_ranks(_rank, 2, str(tmp_path))
     res = json.loads((tmp_path / "res.json").read_text())
     assert sorted(res) == ["all_to_all-False", "ring-False", "ring-True"]
@@ -130,6 +150,10 @@ def test_trainer_with_context_parallelism_matches_plain_sharding(tmp_path: Path)
         assert loss < LOSS_RTOL, (name, cp, ref)
         assert norm < GRAD_NORM_RTOL, name
         assert r["param_diff"] < PARAM_TOL, name
+        # evaluate(): the loss of the trained model on the evaluation set, as without cp
+        ev = abs(r["eval"][1] - r["eval"][0]) / r["eval"][0]
+        print(f"{name}: eval loss {ev:.2e} {r['eval']}")
+        assert ev < LOSS_RTOL, (name, r["eval"])
         # the run exercises what it claims: the clip (max_grad_norm 0.5) is active; the data are
         # random tokens, whose loss does not fall in 4 steps, but each step's differs
         assert max(x[2] for x in ref) > 0.5, name
@@ -205,7 +229,7 @@ def test_trl_sft_trainer_with_context_parallelism_matches_plain_sharding(tmp_pat
 
 
 def test_what_trainer_does_not_run_under_cp_is_refused_at_construction(tmp_path: Path) -> None:
-    """One line each, before the model is touched: evaluation, label smoothing, and a
+    """One line each, before the model is touched: label smoothing, and a
     ``compute_loss`` of a class other than Trainer's and TRL's SFTTrainer's (a subclass
     override; TRL's DPOTrainer)."""
     import transformers as T
@@ -221,7 +245,6 @@ def test_what_trainer_does_not_run_under_cp_is_refused_at_construction(tmp_path:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     cases = [
-        (ls.hf.Trainer, dict(eval_strategy="steps", eval_steps=1), "does not evaluate yet"),
         (ls.hf.Trainer, dict(label_smoothing_factor=0.1), "label_smoothing_factor with"),
         (Own, {}, "SFTTrainer's compute_loss on each rank's part of the sequences; Own overrides"),
     ]

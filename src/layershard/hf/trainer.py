@@ -176,11 +176,6 @@ class ShardedTrainerMixin(_TrainerBase):
     def _ls_check_context_args(self) -> None:
         """What ShardingPlugin(cp=N) does not run, refused before any model is touched."""
         a, cp = self.args, self._ls_cp()
-        if getattr(a.eval_strategy, "value", a.eval_strategy) != "no":
-            raise ValueError(
-                f"ls.hf.Trainer: ShardingPlugin(cp={cp}) does not evaluate yet (the logits and "
-                "losses of a CP group are split over its ranks); set eval_strategy='no'"
-            )
         if a.label_smoothing_factor:
             raise ValueError(
                 f"ls.hf.Trainer: label_smoothing_factor with ShardingPlugin(cp={cp}) is not "
@@ -237,21 +232,42 @@ class ShardedTrainerMixin(_TrainerBase):
         )
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        self._ls_refuse_evaluation()
+        cp = self._ls_cp()
+        if cp > 1 and (self.compute_metrics or self.preprocess_logits_for_metrics):
+            raise ValueError(
+                f"ls.hf.Trainer: compute_metrics with ShardingPlugin(cp={cp}) is not supported: "
+                "a CP group's logits are split over its ranks; evaluation under cp gives the loss"
+            )
         return super().evaluate(*args, **kwargs)
 
-    def predict(self, *args: Any, **kwargs: Any) -> Any:
-        self._ls_refuse_evaluation()
-        return super().predict(*args, **kwargs)
+    def prediction_step(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> Any:
+        """Trainer's; under ``ShardingPlugin(cp=N)`` the loss only (``compute_loss`` on this
+        rank's part of the batch).
 
-    def _ls_refuse_evaluation(self) -> None:
+        Note: evaluation under CP is the loss alone. Each rank's loss is ``cp`` times its share
+        of its group's batch (``ContextParallel.loss_divisor``), so the mean of the losses that
+        ``evaluation_loop`` gathers from every rank, ``batch_size`` copies each, is the mean
+        over the data-parallel batches of each batch's loss, as without CP. The logits are split
+        over the group's ranks: they are not returned (``compute_metrics`` is refused)."""
         if self._ls_cp() > 1:
-            # a CP group's losses are shares of its batch and its logits are split by chunk:
-            # Trainer's gather (one entry a rank, truncated by world-sized batches) would be wrong
+            prediction_loss_only = True
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ls_cp() > 1:
+            # predictions are logits, which a CP group holds split by chunk over its ranks
             raise ValueError(
-                f"ls.hf.Trainer: evaluate() and predict() under ShardingPlugin(cp={self._ls_cp()}) "
-                "are not supported yet; evaluate the saved model (save_model) without cp"
+                f"ls.hf.Trainer: predict() under ShardingPlugin(cp={self._ls_cp()}) is not "
+                "supported (its logits are split over the CP ranks); evaluate() gives the loss, "
+                "or predict with the saved model (save_model) without cp"
             )
+        return super().predict(*args, **kwargs)
 
     # -- saving ----------------------------------------------------------------------------------
 

@@ -172,18 +172,13 @@ class TrainConfig:
             check_plan(self.plan)
         if self.precision == "fp16" and self.optimizer == "muon":
             raise ValueError("precision fp16 (loss scaling) is not supported with optimizer muon")
-        if self.loss_chunks and self.task == "sft":
-            # the loop runs a micro-batch with no response token backward through its logits,
-            # which the chunked loss never materializes
-            raise ValueError("loss_chunks is not supported with task sft yet; use loss_chunks 0")
         if self.qlora and not self.init_from:
             raise ValueError(
                 "--qlora needs --init-from: the Hugging Face model folder to load in 4 bits"
             )
-        if self.qlora and (self.loss_chunks or self.optimizer == "muon"):
+        if self.qlora and self.optimizer == "muon":
             raise ValueError(
-                "--qlora is not supported with --loss-chunks or --optimizer muon yet "
-                "(the adapters train with AdamW, the loss is the model's own)"
+                "--qlora is not supported with --optimizer muon yet (the adapters train with AdamW)"
             )
         if self.hf_config and self.init_from:
             raise ValueError(

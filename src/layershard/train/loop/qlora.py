@@ -9,10 +9,9 @@ them in 2 bytes, not in fp32 (Llama-3-70B: 1.96 GiB per GPU less at 2 GPUs). The
 fp32 master weights whatever the load dtype (PEFT's ``autocast_adapter_dtype``, checked here).
 
 A large vocabulary (``CHUNKED_VOCAB`` and up: Llama 3's 128256) computes the loss in
-``LOSS_CHUNKS`` chunks (``ls.chunked_loss`` on the transformers model inside the PEFT one: the
-logits never whole; equal to the plain loss to fp32 rounding) for ``--task pretrain``. Not yet for
-``--task sft``: the loop runs a micro-batch without a response token backward through its logits
-(trainer.py), which the chunked loss does not materialize."""
+``LOSS_CHUNKS`` chunks, or ``--loss-chunks K`` in K (``ls.chunked_loss`` on the transformers
+model inside the PEFT one: the logits never whole; equal to the plain loss to fp32 rounding), for
+``--task pretrain`` and ``sft`` alike."""
 
 from __future__ import annotations
 
@@ -65,12 +64,15 @@ def build_qlora(cfg: TrainConfig, precision: str, device: torch.device) -> nn.Mo
     ]
     if low:
         raise RuntimeError(f"--qlora: PEFT left adapters in 16 bits ({low[0]}); upgrade peft")
-    if cfg.task == "pretrain" and model.config.vocab_size >= CHUNKED_VOCAB:
+    chunks = cfg.loss_chunks or (LOSS_CHUNKS if model.config.vocab_size >= CHUNKED_VOCAB else 0)
+    if chunks:
         from layershard.loss import chunked_loss
 
         try:  # the causal LM PEFT wraps (its head is not adapted)
-            chunked_loss(model, LOSS_CHUNKS)
+            chunked_loss(model, chunks)
         except (TypeError, ValueError):  # logits transformed before the loss: the plain loss
+            if cfg.loss_chunks:  # asked for: say why not
+                raise
             pass
     return peft_model
 

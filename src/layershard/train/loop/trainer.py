@@ -217,7 +217,9 @@ class Trainer:
                     self._backward(out.loss * weight)
                     loss_sum += out.loss.detach().double() * counts[i]
                 else:  # nothing to learn here, but every rank must run the same backward
-                    self._backward(out.logits.sum() * 0.0)
+                    # (the chunked loss has no logits: its loss, nan without targets, has zero
+                    # gradients: loss.py)
+                    self._backward((out.loss if out.logits is None else out.logits.sum()) * 0.0)
         if self.scaler is not None:  # the norm and the clipping see the true gradients
             self.scaler.unscale_(self.opt)
         # grad_clip 0: an infinite bound clips nothing but still returns the norm (for the log)
