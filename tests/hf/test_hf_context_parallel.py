@@ -59,7 +59,7 @@ def _dataset(packed: bool) -> list[dict]:
     return out
 
 
-def _train(world: int, out: Path, cp: int, mode: str, packed: bool) -> dict:
+def _train(world: int, out: Path, cp: int, mode: str, packed: bool, tp: int = 1) -> dict:
     import torch
     import transformers as T
 
@@ -73,9 +73,9 @@ def _train(world: int, out: Path, cp: int, mode: str, packed: bool) -> dict:
     model = T.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
     data = _dataset(packed)
     collator = T.DataCollatorWithFlattening() if packed else T.default_data_collator
-    per_rank = 8 // (2 * (world // cp))  # 8 sequences per optimizer step: accumulation 2
+    per_rank = 8 // (2 * (world // (cp * tp)))  # 8 sequences per optimizer step: accumulation 2
     args = T.TrainingArguments(
-        output_dir=str(out / f"cp{cp}-{mode}-{packed}"), use_cpu=True, ddp_backend="gloo",
+        output_dir=str(out / f"cp{cp}-tp{tp}-{mode}-{packed}"), use_cpu=True, ddp_backend="gloo",
         report_to=[], per_device_train_batch_size=per_rank, gradient_accumulation_steps=2,
         max_steps=STEPS, learning_rate=1e-2, adam_epsilon=ADAM_EPS, lr_scheduler_type="constant", max_grad_norm=0.5,
         logging_steps=1, save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
@@ -83,11 +83,13 @@ def _train(world: int, out: Path, cp: int, mode: str, packed: bool) -> dict:
     )  # fmt: skip
     trainer = ls.hf.Trainer(
         model=model, args=args, train_dataset=data, data_collator=collator,
-        eval_dataset=_eval_dataset(), layershard=ls.hf.ShardingPlugin(cp=cp, cp_mode=mode),
+        eval_dataset=_eval_dataset(), layershard=ls.hf.ShardingPlugin(cp=cp, cp_mode=mode, tp=tp),
     )  # fmt: skip
     trainer.train()
     evaluated = trainer.evaluate()["eval_loss"]
-    if cp > 1 and not packed and mode == "ring":  # what evaluation under cp does not give
+    if (
+        cp > 1 and not packed and mode == "ring" and tp == 1
+    ):  # what evaluation under cp does not give
         with pytest.raises(ValueError, match=r"predict\(\) under ShardingPlugin\(cp=2\)"):
             trainer.predict(_eval_dataset())
         trainer.compute_metrics = lambda p: {}
@@ -117,18 +119,23 @@ def _eval_dataset() -> list[dict]:
 
 
 def _rank(rank: int, world: int, out: str) -> None:
+    """2 ranks: cp 2 in each mode, plain rows and packed (ring); 4 ranks: tp 2 x cp 2
+    (all-to-all, the model's base_model_tp_plan), plain rows."""
     res: dict = {}
-    for packed in (False, True):
-        ref = _train(world, Path(out), 1, "ring", packed)
-        for mode in ("ring", "all_to_all") if not packed else ("ring",):
-            run = _train(world, Path(out), 2, mode, packed)
-            diff = max((run["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
-            res[f"{mode}-{packed}"] = {
-                "ref": ref["logged"],
-                "cp": run["logged"],
-                "param_diff": diff,
-                "eval": [ref["eval_loss"], run["eval_loss"]],
-            }
+    cases = [(False, "ring"), (False, "all_to_all"), (True, "ring")]
+    if world == 4:
+        cases = [(False, "all_to_all")]
+    refs = {packed: _train(world, Path(out), 1, "ring", packed) for packed in {p for p, _ in cases}}
+    for packed, mode in cases:
+        ref = refs[packed]
+        run = _train(world, Path(out), 2, mode, packed, tp=world // 2)
+        diff = max((run["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+        res[f"{mode}-{packed}"] = {
+            "ref": ref["logged"],
+            "cp": run["logged"],
+            "param_diff": diff,
+            "eval": [ref["eval_loss"], run["eval_loss"]],
+        }
     if rank == 0:
         Path(out, "res.json").write_text(json.dumps(res))
 
@@ -141,6 +148,21 @@ def test_trainer_with_context_parallelism_matches_plain_sharding(tmp_path: Path)
     run_ranks(_rank, 2, str(tmp_path))
     res = json.loads((tmp_path / "res.json").read_text())
     assert sorted(res) == ["all_to_all-False", "ring-False", "ring-True"]
+    _check(res)
+
+
+@pytest.mark.slow
+def test_trainer_with_tp_and_cp_matches_plain_sharding(tmp_path: Path) -> None:
+    """ShardingPlugin(tp=2, cp=2, cp_mode="all_to_all") on 4 ranks (a block of 4 reads each
+    batch; each rank attends with its TP rank's heads over the CP group of its TP coordinate)
+    against ShardingPlugin() on the same 4 ranks and global batches."""
+    run_ranks(_rank, 4, str(tmp_path))
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert sorted(res) == ["all_to_all-False"]
+    _check(res)
+
+
+def _check(res: dict) -> None:
     for name, r in res.items():
         ref, cp = r["ref"], r["cp"]
         assert [x[0] for x in cp] == [x[0] for x in ref] == list(range(1, STEPS + 1)), name

@@ -370,12 +370,15 @@ def test_models_refused_before_any_group() -> None:
 
 def test_sharding_plugin_checks_cp() -> None:
     """``ls.hf.ShardingPlugin(cp=, cp_mode=)``: the types and ranges checked as ls.parallelize
-    checks them, cp with tp refused at once (tests/hf/test_hf_context_parallel.py trains with
+    checks them, cp with ep refused at once (tests/hf/test_hf_context_parallel.py trains with
     cp=2); cp 1 in either mode is plain sharding, nothing passed to ls.shard."""
     plugin_cls = pytest.importorskip("layershard.hf").ShardingPlugin
     assert plugin_cls(cp=2, cp_mode="all_to_all").cp == 2
-    _refuses(ValueError, r"^layershard: ShardingPlugin\(cp=2\) with tp or ep above 1 is not "
-             r"supported yet", plugin_cls, cp=2, tp=2)  # fmt: skip
+    _refuses(ValueError, r"^layershard: ShardingPlugin\(cp=2\) with ep above 1 is not "
+             r"supported yet", plugin_cls, cp=2, ep=2)  # fmt: skip
+    assert (
+        plugin_cls(cp=2, tp=2).tp == 2
+    )  # the composed mesh (tests/hf/test_hf_context_parallel.py)
     _refuses(ValueError, r"^ShardingPlugin\(\): cp must be at least 1, got 0$", plugin_cls, cp=0)
     _refuses(TypeError, r"^ShardingPlugin\(\): cp must be an integer, got '2'$", plugin_cls,
              cp="2")  # fmt: skip

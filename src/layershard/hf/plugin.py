@@ -72,11 +72,11 @@ class ShardingPlugin:
 
     def __post_init__(self) -> None:
         options.check("ShardingPlugin()", **{f.name: getattr(self, f.name) for f in fields(self)})
-        if self.cp > 1 and (self.tp > 1 or self.ep > 1):
-            # ls.parallelize refuses it too, but only once the model is sharded: say it here
+        if self.cp > 1 and self.ep > 1:
+            # (a transformers mixture of experts is refused under cp: hf_context.check)
             raise ValueError(
-                f"layershard: ShardingPlugin(cp={self.cp}) with tp or ep above 1 is not "
-                "supported yet; use cp with data parallelism (strategy, shard_size) only"
+                f"layershard: ShardingPlugin(cp={self.cp}) with ep above 1 is not supported "
+                "yet; use cp with tp and data parallelism (strategy, shard_size)"
             )
 
     def shard_kwargs(self) -> dict[str, Any]:
@@ -102,7 +102,9 @@ class ShardingPlugin:
         (``prepare_data_loader(torch_device_mesh=)``: the ranks of a TP group get the same
         batches, split over ``dp_replicate x dp_shard``); with ``cp`` > 1 a ``(dp_shard, cp)``
         one (a CP group's ``cp`` consecutive ranks get the same batches, split over ``world /
-        cp``, rank ``r`` taking ``r // cp``: ``ContextParallel.data_rank``); None otherwise.
+        cp``, rank ``r`` taking ``r // cp``: ``ContextParallel.data_rank``), with ``tp`` too a
+        ``(dp_shard, cp, tp)`` one (a block of ``cp x tp`` ranks, ``r // (cp x tp)``); None
+        otherwise.
         Collective."""
         if self.tp == 1 and self.cp == 1:
             return None
@@ -113,12 +115,17 @@ class ShardingPlugin:
         world = dist.get_world_size()
         kind = default_device(dist.group.WORLD).type
         if self.cp > 1:
-            if world % self.cp:
+            span = self.cp * self.tp  # the ranks that read one batch (meshes.context_group)
+            if world % span:
+                what = f"cp={self.cp}" + (f" x tp={self.tp}" if self.tp > 1 else "")
                 raise ValueError(
-                    f"layershard: ShardingPlugin(cp={self.cp}) must divide the world size {world} "
+                    f"layershard: ShardingPlugin({what}) must divide the world size {world} "
                     "(each CP group's ranks share a batch); change cp or the number of processes"
                 )
-            # accelerate reads only the sizes: process_index // cp of dp_shard data ranks
+            # accelerate reads only the sizes: process_index // (cp x tp) of dp_shard data ranks
+            if self.tp > 1:
+                shape, names = (world // span, self.cp, self.tp), ("dp_shard", "cp", "tp")
+                return device_mesh(kind, shape, names)
             return device_mesh(kind, (world // self.cp, self.cp), ("dp_shard", "cp"))
         return device_mesh(kind, self.mesh_shape(world), DENSE_DIMS)
 
