@@ -20,7 +20,7 @@ LAYERS = [
     {"parallel"},  # parallelism the models compute with (expert parallelism's all-to-all)
     {"sharded", "full_state", "loss"},  # the façade: ls.shard, ShardedModule, the chunked loss
     {"", "models", "parallelize"},  # reference models and their TP plans; ls.parallelize
-    {"checkpoint", "optim", "hf"},  # what users call on a sharded model
+    {"checkpoint", "optim", "hf", "ft"},  # what users call on a sharded model
     {"train", "bench", "plan", "testbed", "cli", "__main__"},  # the commands, the testbed
 ]
 # The only module that makes process groups and meshes (groups.py's docstring says who owns each).

@@ -23,6 +23,7 @@ __all__ = [
     "__version__",
     "chunked_loss",
     "export_hf",
+    "ft",
     "hf",
     "init_distributed",
     "load_checkpoint",
@@ -48,4 +49,8 @@ def __getattr__(name: str):
         import layershard.hf
 
         return layershard.hf
+    if name == "ft":  # ls.ft.FaultTolerant: needs the `ft` extra (torchft), imported on use
+        import layershard.ft
+
+        return layershard.ft
     raise AttributeError(f"module 'layershard' has no attribute {name!r}")

@@ -1,0 +1,149 @@
+"""One rank of one replica group of a fault-tolerant run (tests/ft): ``python _worker.py JSON``.
+
+It shards the tiny Llama over its group's ranks (its own torch.distributed world on
+``master_port``), trains through ``ls.ft.FaultTolerant`` until torchft's step counter reaches
+``steps`` with every group in the last quorum, and saves its records (one per step attempt), its
+report and its final state (slices, optimizer state) to ``out``. ``kill``: ``[step, where]``, it
+SIGKILLs itself at that step, ``where`` in ``forward`` (before the forward), ``backward`` (after
+the forward, before the backward), ``reduce`` (inside the cross-group all-reduce, after the
+first bucket was issued); ``hang``: it SIGSTOPs itself after the forward instead (the harness
+kills and restarts it later); ``recv`` (any step): as torchft's checkpoint transport starts to
+receive a peer's state. ``ready``: a folder where it marks itself built and waits for every rank
+of every group (the first start only: all groups in the first quorum). ``save_dir``: group 0
+saves an ``ls.save_checkpoint`` there at the end, and every rank 0 keeps its full weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import layershard as ls
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _parity
+from _parity import LR, lm_loss, local, tiny_llama  # noqa: E402
+
+GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 96
+
+
+def data(position: int) -> torch.Tensor:
+    """The global batch at ``position`` (every group reads its ranks' parts of it)."""
+    g = torch.Generator().manual_seed(1000 + position)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+
+
+def digest(model, opt) -> str:
+    """A hash of this rank's slices and optimizer state: equal digests, bitwise equal states."""
+    h = hashlib.sha1()
+    for f in model.flat_params:
+        h.update(f.shard.numpy().tobytes())
+    for st in opt.state.values():
+        for k in sorted(st):
+            h.update(st[k].detach().reshape(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(cfg: dict) -> None:
+    g, r, k, groups = cfg["group"], cfg["rank"], cfg["ranks"], cfg["groups"]
+    os.environ.update(
+        RANK=str(r), WORLD_SIZE=str(k), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(k),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["master_port"]),
+        LAYERSHARD_TIMEOUT_S=str(cfg.get("timeout_s", 30)),
+    )  # fmt: skip
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    ls.init_distributed(backend="gloo")
+    model = ls.shard(tiny_llama(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ft = ls.ft.FaultTolerant(
+        model, opt, replica_id=f"group{g}", lighthouse=cfg["lighthouse"],
+        min_replicas=cfg.get("min_replicas", 1), init_sync=cfg.get("init_sync", False),
+        use_async_quorum=cfg.get("async_quorum", True), timeout=cfg.get("ft_timeout_s", 10),
+        quorum_timeout=cfg.get("ft_timeout_s", 10), connect_timeout=10, hostname="127.0.0.1",
+        bucket_mb=cfg.get("bucket_mb", 25.0),
+    )  # fmt: skip
+    if cfg.get("ready"):
+        ready = Path(cfg["ready"])
+        (ready / f"{g}.{r}").touch()
+        while len(list(ready.iterdir())) < groups * k:
+            time.sleep(0.05)
+    kill = cfg.get("kill")
+    if kill and kill[1] == "recv":  # die as the state from a peer starts to arrive
+        ft.manager._checkpoint_transport.recv_checkpoint = _die
+    records = []
+    deadline = time.monotonic() + cfg.get("deadline_s", 120)
+    while ft.step_count < cfg["steps"] or ft.state.participants < groups:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"group {g} rank {r}: not done by the deadline: {records[-3:]}")
+        if kill and kill[0] == ft.step_count and kill[1] == "forward":
+            os.kill(os.getpid(), signal.SIGKILL)
+        ft.zero_grad()
+        position = ft.data_position
+        loss = lm_loss(model, local(data(position), g * k + r, groups * k))
+        if kill and kill[0] == ft.step_count and kill[1] in ("backward", "hang"):
+            os.kill(os.getpid(), signal.SIGKILL if kill[1] == "backward" else signal.SIGSTOP)
+        loss.backward()
+        if kill and kill[0] == ft.step_count and kill[1] == "reduce":
+            _kill_after_first_bucket(ft)
+        rec = {
+            "wall": time.time(),
+            "step": ft.step_count,
+            "position": position,
+            "loss": loss.item(),
+            "participants": ft.manager.num_participants(),
+            "participating": ft.manager.is_participating(),
+        }
+        rec["committed"] = ft.step()
+        rec["after"] = ft.step_count
+        rec["digest"] = digest(model, opt)
+        records.append(rec)
+        if ft.state.participants < groups and cfg.get("throttle_s"):
+            time.sleep(cfg["throttle_s"])  # a survivor alone: let the restarted group catch up
+    if cfg.get("save_dir") and g == 0:  # a scheduled checkpoint, written by one group
+        ls.save_checkpoint(
+            cfg["save_dir"], model, opt, step=ft.step_count,
+            extra={"data_position": ft.data_position, "torchft": ft.manager.state_dict()},
+        )  # fmt: skip
+    full = model.full_state_dict() if cfg.get("save_dir") else {}
+    out = {
+        "full": full,
+        "records": records,
+        "report": ft.report(),
+        "slices": [f.shard.clone() for f in model.flat_params],
+        "optim": opt.state_dict(),
+    }
+    torch.save(out, cfg["out"])
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's and torchft's threads: no interpreter teardown (tests/_dist.py)
+
+
+def _die(*args, **kwargs) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_after_first_bucket(ft) -> None:
+    """SIGKILL this process right after the cross-group all-reduce of the first bucket was
+    issued (its peers are then inside the collective)."""
+    allreduce = ft.manager.allreduce
+
+    def issue_then_die(*args, **kwargs):
+        work = allreduce(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return work
+
+    ft.manager.allreduce = issue_then_die
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
