@@ -7,11 +7,35 @@ are not (a gather leaves the other ranks' slices as they were), so only bytes ar
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
 import torch.distributed as dist
+
+
+def in_own_process(test: Callable[[], None]) -> Callable[[], None]:
+    """Run ``test`` (a test without arguments) in a process of its own when this one holds a
+    process group: the fake process group must be the default group, which an earlier test of
+    this pytest process may hold (``ls.init_distributed`` keeps a world of 1 for the process).
+    The process comes from the tests' fork server (tests/_dist.py); a failure is raised here."""
+
+    @functools.wraps(test)
+    def run() -> None:
+        if not dist.is_initialized():
+            return test()
+        from _dist import start_ranks
+
+        start_ranks(_call, 1, (test.__module__, test.__name__))
+
+    return run
+
+
+def _call(rank: int, module: str, name: str) -> None:
+    import importlib
+
+    getattr(importlib.import_module(module), name)()
 
 
 @contextlib.contextmanager
@@ -22,7 +46,7 @@ def fake_world(world: int) -> Iterator[None]:
 
     from layershard.groups import Groups
 
-    assert not dist.is_initialized()
+    assert not dist.is_initialized(), "run the test in_own_process: this process has a group"
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         with mock.patch.object(Groups, "control", lambda self: self.parent):

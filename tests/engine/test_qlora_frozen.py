@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from _qlora_budget import bytes_by_kind, fake_world, step_peak  # noqa: E402
+from _qlora_budget import bytes_by_kind, fake_world, in_own_process, step_peak  # noqa: E402
 
 import layershard as ls  # noqa: E402
 from layershard.engine.flat import ALIGN  # noqa: E402
@@ -57,6 +57,7 @@ def _measure(model) -> tuple[dict[str, int], int, dict]:
         return bytes_by_kind(sm, opt), peak, {"dtypes": dtypes, "opt": opt, "model": sm}
 
 
+@in_own_process
 def test_lora_frozen_base_in_bf16_halves_its_bytes_and_the_peak_falls_by_as_much():
     """Plain LoRA: the base loaded in bf16 instead of fp32 takes half the bytes per rank (2 per
     weight / N instead of 4), the adapters, their gradients and AdamW state are the same, and
@@ -79,6 +80,7 @@ def test_lora_frozen_base_in_bf16_halves_its_bytes_and_the_peak_falls_by_as_much
     assert abs((peak32 - peak16) / saved - 1) <= 0.01, (peak32, peak16, saved)
 
 
+@in_own_process
 def test_train_qlora_loads_the_frozen_weights_in_the_compute_dtype():
     """``layershard train --qlora`` (build_qlora): at bf16 the embedding, head and norms are
     bf16 (stored so by ls.shard), the 4-bit base packed, the adapters fp32; at fp32 (CPU's
@@ -90,7 +92,7 @@ def test_train_qlora_loads_the_frozen_weights_in_the_compute_dtype():
 
     with tempfile.TemporaryDirectory() as d:
         save_base(d)
-        cfg = SimpleNamespace(init_from=d, seed=0, lora_rank=4, task="pretrain")
+        cfg = SimpleNamespace(init_from=d, seed=0, lora_rank=4, task="pretrain", loss_chunks=0)
         for precision, frozen in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             model = build_qlora(cfg, precision, torch.device("cpu"))  # type: ignore[arg-type]
             kinds = {
@@ -111,9 +113,10 @@ def test_train_qlora_loads_the_frozen_weights_in_the_compute_dtype():
 
 
 def test_train_qlora_chunks_the_loss_of_a_large_vocabulary():
-    """``layershard train --qlora --task pretrain`` on a vocabulary of 32768 or more: the loss in
-    8 chunks (no logits with labels), equal to the plain loss of the same model to fp32
-    rounding (measured 1.8e-7 relative); below 32768, or for --task sft, the plain loss."""
+    """``layershard train --qlora`` on a vocabulary of 32768 or more, ``--task pretrain`` and
+    ``sft`` alike: the loss in 8 chunks (no logits with labels), or in ``--loss-chunks K``,
+    equal to the plain loss of the same model's logits to fp32 rounding (measured 1.8e-7
+    relative)."""
     pytest.importorskip("bitsandbytes")
     import transformers as T
 
@@ -127,10 +130,13 @@ def test_train_qlora_chunks_the_loss_of_a_large_vocabulary():
     with tempfile.TemporaryDirectory() as d:
         torch.manual_seed(0)
         T.LlamaForCausalLM(cfg).save_pretrained(d)
-        out = {}
-        for task in ("pretrain", "sft"):
-            run = SimpleNamespace(init_from=d, seed=0, lora_rank=4, task=task)
+        for task, chunks in (("pretrain", 0), ("sft", 0), ("sft", 3)):
+            run = SimpleNamespace(init_from=d, seed=0, lora_rank=4, task=task, loss_chunks=chunks)
             model = build_qlora(run, "fp32", torch.device("cpu"))  # type: ignore[arg-type]
-            out[task] = model(input_ids=x, labels=x)
-    assert out["pretrain"].logits is None and out["sft"].logits is not None
-    assert abs(out["pretrain"].loss.item() / out["sft"].loss.item() - 1) <= 1e-6
+            out = model(input_ids=x, labels=x)
+            assert out.logits is None, (task, chunks)
+            logits = model(input_ids=x).logits  # without labels: the logits, the plain loss
+            plain = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten()
+            )
+            assert abs(out.loss.item() / plain.item() - 1) <= 1e-6, (task, chunks)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
-from _qlora_budget import fake_world, step_peak  # noqa: E402
+from _qlora_budget import fake_world, in_own_process, step_peak  # noqa: E402
 from _qlora_widths import build, shape_of, unit_bytes  # noqa: E402
 
 import layershard as ls  # noqa: E402
@@ -26,6 +26,7 @@ WORLD, SEQ = 2, 8
 
 
 @pytest.mark.slow  # quantizing 2 x 218M weights on this CPU: ~1 min; ~4 GB at its peak
+@in_own_process
 def test_planned_terms_are_the_measured_bytes_at_llama3_8b_widths():
     shape = shape_of(str(CONFIG), 2)  # two blocks: the two gather slots they take in turn
     model = build(shape)
