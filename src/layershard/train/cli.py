@@ -22,6 +22,7 @@ from layershard.train.config import (
     check_launch,
     field_infos,
 )
+from layershard.train.launch import ft as ft_launch
 from layershard.train.launch.launcher import DEFAULT_TIMEOUT_S, launch, outcome
 from layershard.train.launch.nodes import DEFAULT_RDZV_TIMEOUT_S
 from layershard.train.launch.preflight import (
@@ -184,6 +185,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="a rank waiting this long in one collective fails the job (default "
                       f"{DEFAULT_TIMEOUT_S:.0f}; LAYERSHARD_TIMEOUT_S)")  # fmt: skip
 
+    ft = parser.add_argument_group(
+        "fault tolerance across replica groups (torchft; docs/fault-tolerance.md)"
+    )
+    ft.add_argument("--ft-replicas", type=int, default=argparse.SUPPRESS, metavar="N",
+                    help="N replica groups, one per launcher, each sharding the model over its own "
+                    "ranks (full/grad_op); a group that fails costs a step, not a restart")  # fmt: skip
+    ft.add_argument("--ft-group", type=int, default=argparse.SUPPRESS, metavar="G",
+                    help="with --ft-replicas: this launcher's group, 0..N-1; its run folder is "
+                    "RUN/group-G")  # fmt: skip
+    ft.add_argument("--ft-lighthouse", default=argparse.SUPPRESS, metavar="HOST:PORT",
+                    help="torchft's Lighthouse (default: TORCHFT_LIGHTHOUSE, else group 0 starts "
+                    "one on its host, port 29510)")  # fmt: skip
+
 
 def _bool_or_int(value: str) -> bool | int:
     low = value.lower()
@@ -244,11 +258,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"# train tokens: {manifest['train']['n_tokens']}, val tokens: "
               f"{manifest['val']['n_tokens']}")  # fmt: skip
         return 0
+    lighthouse = None
     try:
         print(f"run folder: {run_dir}", flush=True)
+        lighthouse = ft_launch.start_lighthouse(opts)
         rc, signalled = launch(run_dir, opts)
         code, message = outcome(Path(run_dir), opts, rc, signalled)
     finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
         st.release_lock(opts.lock)
         refused = read_report(opts.agent_report)
         if opts.agent_report is not None:

@@ -19,7 +19,7 @@ from pydantic import model_validator as _model_validator
 from pydantic.dataclasses import dataclass
 
 from layershard.engine.strategy import check_options as check_strategy_options
-from layershard.train.config_checks import check_compile, check_plan
+from layershard.train.config_checks import check_compile, check_ft_launch, check_plan
 from layershard.train.loop.sinks import Reporters
 from layershard.train.parallel import check_parallel, check_replica, group_size
 from layershard.train.parallel import check_world as check_parallel_world
@@ -264,6 +264,9 @@ LAUNCH_KEYS = (
     "resume_fallback",
     "timeout",
     "rdzv_timeout",
+    "ft_replicas",
+    "ft_group",
+    "ft_lighthouse",
 )
 
 # The longest process-group timeout: torch keeps it as a timedelta in milliseconds.
@@ -299,6 +302,9 @@ class LaunchSchema:
             description=f"a number of seconds > 0 (at most {MAX_TIMEOUT_S:.0f})",
         ),
     ] = None
+    ft_replicas: PositiveInt | None = None  # replica groups (train/launch/ft.py)
+    ft_group: NonNegativeInt | None = None
+    ft_lighthouse: StrictStr | None = None
 
     @_model_validator(mode="after")
     def _check(self) -> LaunchSchema:
@@ -323,6 +329,7 @@ class LaunchSchema:
             raise ValueError("--allow-data-change goes with --resume")
         if self.config is not None and not self.config.strip():
             raise ValueError("--config is empty; name a YAML file")
+        check_ft_launch(self.ft_replicas, self.ft_group, self.ft_lighthouse)
         return self
 
 
@@ -349,6 +356,9 @@ class LaunchOptions:
         None  # seconds the nodes wait for each other (train/launch/nodes.py)
     )
     dry_run: bool = False
+    ft_replicas: int | None = None  # fault tolerance across replica groups (train/launch/ft.py)
+    ft_group: int | None = None
+    ft_lighthouse: str | None = None
     notes: list[str] = field(default_factory=list)
     # set by prepare(): this launch's id (in launch.json and every rank's status) and its lock
     launch_id: str = ""

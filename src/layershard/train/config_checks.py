@@ -63,3 +63,32 @@ def check_plan(plan: dict[str, Any]) -> None:
             )
     if "gpu" in plan and not isinstance(plan["gpu"], str):
         raise ValueError(f"plan: gpu must be a GPU's name, got {plan['gpu']!r}")
+
+
+def check_ft_launch(replicas: int | None, group: int | None, lighthouse: str | None) -> None:
+    """``--ft-replicas N --ft-group G [--ft-lighthouse HOST:PORT]``: the flags that need no
+    config (train/launch/ft.py checks the rest)."""
+    if replicas is None:
+        for flag, value in (("--ft-group", group), ("--ft-lighthouse", lighthouse)):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} goes with --ft-replicas N (fault-tolerant replica groups)"
+                )
+        return
+    if group is None:
+        raise ValueError(
+            f"--ft-replicas {replicas} needs --ft-group G: this launcher's replica group, "
+            f"0..{replicas - 1} (one launch per group)"
+        )
+    if group >= replicas:
+        raise ValueError(
+            f"--ft-group {group} must be below --ft-replicas {replicas}: number the groups "
+            f"0..{replicas - 1}"
+        )
+    if lighthouse is not None:
+        host, sep, port = lighthouse.removeprefix("http://").rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(
+                f"--ft-lighthouse {lighthouse!r}: expected HOST:PORT (torchft_lighthouse's "
+                "address, e.g. node0:29510)"
+            )

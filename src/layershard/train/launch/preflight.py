@@ -39,6 +39,7 @@ from layershard.train.config import (
 from layershard.train.data.prepare import bpe_texts, corpus_hash, prepare_splits
 from layershard.train.data.sources import find_files
 from layershard.train.data.tokenizer import load_tokenizer, train_or_load_bpe
+from layershard.train.launch import ft as ft_launch
 from layershard.train.launch.checks import check_prepared
 from layershard.train.launch.nodes import (
     elastic,
@@ -224,6 +225,7 @@ def _resolved(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConf
     _check_launch_options(opts)
     yaml_layer = load_yaml(opts.config) if opts.config else {}
     run_dir = _run_dir_for([yaml_layer, cli_layer], bool(opts.resume))
+    run_dir = ft_launch.group_run_dir(run_dir, [yaml_layer, cli_layer], opts)  # RUN/group-<G>
     base: dict[str, Any] = {}
     if opts.resume:
         recorded = run_dir / "config.yaml"
@@ -233,6 +235,7 @@ def _resolved(cli_layer: dict[str, Any], opts: LaunchOptions) -> tuple[TrainConf
         for note in resume_layers(base, yaml_layer, cli_layer):
             print(f"layershard train: note: {note}", file=sys.stderr, flush=True)
     cfg = resolve(base, yaml_layer, cli_layer)
+    ft_launch.check(cfg, opts)  # --ft-replicas: what it cannot do yet
     cfg.run_dir = str(run_dir)
     identity.absolute_paths(cfg)
 
@@ -402,6 +405,7 @@ def _write_run_folder(
         "resume": str(resume_from) if resume_from else None,
         "resume_fallback": opts.resume_fallback,
         "stop_at_step": opts.stop_at_step,
+        "ft": ft_launch.launch_record(opts),
     }
     (run_dir / "launch.json").write_text(json.dumps(launch, indent=1))
 

@@ -89,15 +89,22 @@ def main(run_dir: str) -> int:
     device = default_device()
     np.seterr(all="ignore")
     path = Path(run_dir)
-    launch_id = json.loads((path / "launch.json").read_text()).get("launch_id")
+    launch = json.loads((path / "launch.json").read_text())
+    launch_id = launch.get("launch_id")
     store = connect_store() if world > 1 else None
     stop = StopRequest(store, announce=rank == 0)
     stop.install()  # before the status file exists: `layershard train` signals the ranks it lists
     status = st.RankStatus(path, rank, launch_id, attempt())
-    trainer, watchdog = None, None
+    trainer: Trainer | None = None
+    watchdog = None
     code, error, peer_lost, agreed = 1, None, False, False
     try:
-        trainer = Trainer(path, rank, world, device, stop=stop, status=status)
+        if launch.get("ft"):  # --ft-replicas: one replica group of several (torchft)
+            from layershard.train.loop.fault_tolerance import FTTrainer
+
+            trainer = FTTrainer(path, rank, world, device, stop=stop, status=status)
+        else:
+            trainer = Trainer(path, rank, world, device, stop=stop, status=status)
         if world > 1:
             wd_store = connect_store()  # the watchdog thread's own client
             assert wd_store is not None  # world > 1: the launcher set MASTER_ADDR/MASTER_PORT

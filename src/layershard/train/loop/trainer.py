@@ -46,12 +46,12 @@ from layershard.train.loop.report import (
     finish_eta,
     first_val_loss,
     measured,
-    memory_mib,
     plot_losses,
     sample,
     straggler,
 )
 from layershard.train.loop.sinks import open_sinks
+from layershard.train.loop.stats import StatsMixin
 from layershard.train.modeling import (
     build_model,
     check_seq_len,
@@ -72,7 +72,7 @@ class StopRun(Exception):
         self.reason, self.info = reason, info
 
 
-class Trainer:
+class Trainer(StatsMixin):
     def __init__(
         self,
         run_dir: Path,
@@ -224,6 +224,7 @@ class Trainer:
             self.scaler.unscale_(self.opt)
         # grad_clip 0: an infinite bound clips nothing but still returns the norm (for the log)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        self._before_clip()
         grad_norm = self.model.clip_grad_norm_(max_norm)
         # this rank's own work in the step: its time before the step's last collective, less
         # what it spent waiting for the others in the model's collectives (a straggler's is
@@ -242,8 +243,7 @@ class Trainer:
             stats["loss_scale"] = scale
             if self.scaler.get_scale() < scale:
                 stats["skipped"] = stats["overflow"] = True
-        elif math.isfinite(stats["loss"]) and math.isfinite(norm):
-            self.opt.step()
+        elif self._apply(math.isfinite(stats["loss"]) and math.isfinite(norm)):
             self.bad_steps = 0
         else:  # every rank read the same numbers: every rank skips this step
             self.bad_steps += 1
@@ -257,48 +257,20 @@ class Trainer:
         self.step += 1
         return stats
 
+    def _before_clip(self) -> None:
+        """After backward, before the norm and the clipping (ls.ft averages across groups)."""
+
+    def _apply(self, finite: bool) -> bool:
+        """Step the optimizer if the step's numbers are finite; returns whether they are."""
+        if finite:
+            self.opt.step()
+        return finite
+
     def _backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    @waiting("all-reduce of the step's loss and gradient norm")
-    def _read_stats(
-        self,
-        loss_sum: torch.Tensor,
-        total: torch.Tensor,
-        grad_norm: torch.Tensor,
-        with_memory: bool,
-        busy_s: float,
-    ) -> tuple[float, float, float, tuple[list[float], list[float]] | None]:
-        """The step's one device-to-host read: global loss sum and target count, gradient norm
-        (the same on every rank), and with ``with_memory`` each rank's MiB and busy seconds."""
-        distributed = dist.is_initialized() and self.world > 1
-        tail = torch.stack([total[0], grad_norm.detach().double().reshape(())])
-        if with_memory:
-            mib = memory_mib(self.model, self.opt, self.device)
-            extra = torch.tensor([mib, busy_s], dtype=torch.float64, device=self.device)
-            mine = torch.cat([loss_sum.reshape(1), extra])
-            parts = [torch.empty_like(mine) for _ in range(self.world)] if distributed else [mine]
-            if distributed:
-                dist.all_gather(parts, mine)
-            values = torch.cat([torch.stack(parts).flatten(), tail]).tolist()
-            per_rank = values[: 3 * self.world]
-            return (
-                sum(per_rank[0::3]), values[-2], values[-1], (per_rank[1::3], per_rank[2::3])
-            )  # fmt: skip
-        if distributed:
-            dist.all_reduce(loss_sum)
-        loss, n, norm = torch.cat([loss_sum.reshape(1), tail]).tolist()
-        return loss, n, norm, None
-
-    def _weights_finite(self) -> bool:
-        """Are this model's weights finite on every rank? (One flag, all-reduced.)"""
-        floats = [f.shard for f in self.model.flat_params if not f.packed]  # 4-bit: bytes
-        ok = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in floats))])
-        ok = ok.to(self.device)
-        if dist.is_initialized() and self.world > 1:
-            with waiting("all-reduce of the weights' finiteness"):
-                dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        return bool(ok.item())
+    def summary_extra(self) -> dict[str, Any]:
+        return {}  # more of summary.json (loop/fault_tolerance.py)
 
     def _refuse_non_finite(self, what: str) -> None:
         if not self._weights_finite():
@@ -591,6 +563,7 @@ class Trainer:
                 else first_val_loss(self.run_dir),
                 "val_loss_end": val_end,
                 "skipped_steps": self.skipped_steps,
+                **self.summary_extra(),
                 **measured(self.step_times, self.peak_mem_mib, self.device.type, self.cfg.plan),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
