@@ -40,7 +40,12 @@ from _qlora_widths import build, shape_of, unit_bytes  # noqa: E402
 
 import layershard as ls  # noqa: E402
 from layershard.plan.model import ModelShape  # noqa: E402
-from layershard.plan.qlora import QLoRASettings, qlora_memory, qlora_terms  # noqa: E402
+from layershard.plan.qlora import (  # noqa: E402
+    STATE_KINDS,
+    QLoRASettings,
+    qlora_memory,
+    qlora_terms,
+)
 
 
 def compare(measured: dict, shape: ModelShape, world: int, seq: int) -> dict:
@@ -86,14 +91,7 @@ def main(argv: list[str]) -> None:
     terms = compare(measured, shape, world, seq)
     depth = full.n_layers
     # the full-depth model states: per layer x depth + fixed, measured and planned
-    states = (
-        "packed_base",
-        "quant_state",
-        "frozen_other",
-        "adapters",
-        "adapter_grads",
-        "optimizer",
-    )
+    states = STATE_KINDS  # the model-state kinds plan/qlora.py sums
     total_measured = sum(depth * measured["block"][k] + measured["fixed"].get(k, 0) for k in states)
     full_plan = qlora_memory(full, QLoRASettings(world=world, seq_len=seq))
     row = {
