@@ -50,16 +50,14 @@ def check_parallel(cfg: Any) -> None:
             "over another group than the other weights); use --optimizer adamw, or drop --ep"
         )
     check_cp(cfg)
-    if cfg.tp == 1:
-        return
-    refused = (  # what --tp does not run with yet: (flag, given, why)
-        ("--qlora", cfg.qlora, "4-bit QLoRA has no tensor-parallel plan"),
-    )  # fmt: skip
-    for flag, given, why in refused:
-        if given:
-            raise ValueError(
-                f"tp {cfg.tp} is not supported with {flag} yet ({why}); drop {flag} or --tp"
-            )
+    if cfg.tp > 1 and cfg.qlora:
+        _refuse("tp", cfg.tp, "--qlora", "4-bit QLoRA has no tensor-parallel plan")
+
+
+def _refuse(name: str, n: int, flag: str, why: str) -> None:
+    raise ValueError(
+        f"{name} {n} is not supported with {flag} yet ({why}); drop {flag} or --{name}"
+    )
 
 
 def check_cp(cfg: Any) -> None:
@@ -72,14 +70,8 @@ def check_cp(cfg: Any) -> None:
                 "or leave out --cp-mode"
             )
         return
-    refused = (  # what --cp does not run with yet: (flag, given, why)
-        ("--qlora", cfg.qlora, "4-bit bases are not tested under context parallelism"),
-    )  # fmt: skip
-    for flag, given, why in refused:
-        if given:
-            raise ValueError(
-                f"cp {cp} is not supported with {flag} yet ({why}); drop {flag} or --cp"
-            )
+    if cfg.qlora:
+        _refuse("cp", cp, "--qlora", "4-bit bases are not tested under context parallelism")
 
 
 def check_cp_model(cfg: Any, kind: str, spec: Any) -> None:
