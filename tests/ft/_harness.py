@@ -7,6 +7,7 @@ has a deadline."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -30,7 +31,12 @@ class FTRun:
     ``kill=(group, rank, step, where)`` makes that rank SIGKILL itself; the harness then kills
     the rest of its group and starts the group again. ``kill_again=(group, rank, where)``: that
     rank of the group's second start kills itself too (``"recv"``: as it starts receiving its
-    peer's state), and the group is started a third time. Use as a context manager."""
+    peer's state), and the group is started a third time. ``schedule``: failures spread over
+    the run, ``[(group, rank, step, where), ...]`` (the worker's ``kills``), each group started
+    again after each. ``lighthouse_down=(step, for_s)``: once group 0's rank 0 has taken
+    ``step`` steps (its ``journal``), the Lighthouse is shut down and a new one started on its
+    address ``for_s`` later (it knows nothing of the old one's quorums). Use as a context
+    manager."""
 
     def __init__(
         self,
@@ -45,21 +51,28 @@ class FTRun:
         join_timeout_ms: int = 5000,
         hang_s: float = 8.0,
         kill_again: tuple[int, int, str] | None = None,
+        schedule: list[tuple[int, int, int, str]] | None = None,
+        lighthouse_down: tuple[float, float] | None = None,
         **cfg,
     ) -> None:
         self.tmp, self.groups, self.ranks, self.steps = tmp, groups, ranks, steps
         self.kill, self.deadline_s, self.cfg = kill, deadline_s, cfg
         self.kill_again = kill_again
+        self.schedule = schedule or []
+        self.deaths: dict[int, int] = {}  # group -> planned deaths seen
         # A group that misses heartbeats for heartbeat_timeout_ms (a dead one; on a loaded
         # machine, at 1 s, also a live one now and then) is left out of the next quorum;
         # min_replicas=groups: no quorum without every group (the runs without a failure).
-        self.lighthouse = lighthouse_server(
+        self._lighthouse_args = dict(
             min_replicas=min_replicas,
             join_timeout_ms=join_timeout_ms,
             heartbeat_timeout_ms=heartbeat_timeout_ms,
             quorum_tick_ms=20,
         )
+        self.lighthouse = lighthouse_server(**self._lighthouse_args)
         self.lighthouse_address = self.lighthouse.address()
+        self.lighthouse_down = lighthouse_down  # (after s, for s): the Lighthouse restarted
+        self.lighthouse_restarted_at: float | None = None
         self.procs: dict[tuple[int, int], subprocess.Popen] = {}
         self.starts: dict[int, int] = {}  # group -> how many times it was started
         self.failed_at: dict[int, float] = {}  # group -> when the harness saw a rank die
@@ -106,12 +119,20 @@ class FTRun:
                 cfg["kill"] = [self.kill[2], self.kill[3]]
             if self.starts[g] == 2 and self.kill_again and self.kill_again[:2] == (g, r):
                 cfg["kill"] = [-1, self.kill_again[2]]
+            if self.schedule:
+                cfg["kills"] = [[s, w] for gg, rr, s, w in self.schedule if (gg, rr) == (g, r)]
+                cfg["fired"] = str(self.tmp / "fired")
+                (self.tmp / "fired").mkdir(exist_ok=True)
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             with open(self._log(g, r), "w") as log:
                 self.procs[(g, r)] = subprocess.Popen(
                     [sys.executable, str(WORKER), json.dumps(cfg)],
                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 )  # fmt: skip
+
+    def _journal_steps(self, g: int, r: int) -> int:
+        path = Path(f"{self.cfg['journal']}.{g}.{r}.jsonl")
+        return len(path.read_text().splitlines()) if path.exists() else 0
 
     def logs(self) -> str:
         parts = []
@@ -127,6 +148,18 @@ class FTRun:
             self.start_group(g)
         deadline = time.monotonic() + self.deadline_s
         while True:
+            if self.lighthouse_down and self.lighthouse_restarted_at is None:
+                at_step, for_s = self.lighthouse_down
+                if self._journal_steps(0, 0) >= at_step:
+                    self.lighthouse.shutdown()
+                    del self.lighthouse  # its port is free once the server is dropped
+                    gc.collect()
+                    time.sleep(for_s)
+                    port = self.lighthouse_address.rsplit(":", 1)[1]
+                    self.lighthouse = lighthouse_server(
+                        bind=f"127.0.0.1:{port}", **self._lighthouse_args
+                    )
+                    self.lighthouse_restarted_at = time.time()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not finish in {self.deadline_s} s\n{self.logs()}")
             codes = {key: p.poll() for key, p in self.procs.items()}
@@ -145,8 +178,12 @@ class FTRun:
                         and self.kill_again[0] == g
                         and self.starts[g] == 2
                     )
+                    # a scheduled failure writes its marker before it fires
+                    fired = len(list((self.tmp / "fired").glob(f"{g}.*"))) if self.schedule else 0
+                    planned = planned or self.deaths.get(g, 0) < fired
                     if not planned:
                         raise AssertionError(f"group {g} failed (rc {rc})\n{self.logs()}")
+                    self.deaths[g] = self.deaths.get(g, 0) + 1
                     self.failed_at[g] = time.monotonic()
                     for r2 in range(self.ranks):  # the launcher takes the group down
                         p = self.procs[(g, r2)]

@@ -8,7 +8,11 @@ SIGKILLs itself at that step, ``where`` in ``forward`` (before the forward), ``b
 the forward, before the backward), ``reduce`` (inside the cross-group all-reduce, after the
 first bucket was issued); ``hang``: it SIGSTOPs itself after the forward instead (the harness
 kills and restarts it later); ``recv`` (any step): as torchft's checkpoint transport starts to
-receive a peer's state. ``ready``: a folder where it marks itself built and waits for every rank
+receive a peer's state. ``kills``: ``[[step, where], ...]``, failures spread over the run: the
+first not yet fired (a marker in ``fired``) fires at the first step from ``step`` on whose
+previous step had every group in the quorum (one group down at a time, so a healthy peer
+always holds the state). ``journal``: each step's record is also appended to ``JOURNAL.G.R.jsonl`` (kept across
+restarts). ``ready``: a folder where it marks itself built and waits for every rank
 of every group (the first start only: all groups in the first quorum). ``save_dir``: group 0
 saves an ``ls.save_checkpoint`` there at the end, and every rank 0 keeps its full weights."""
 
@@ -33,10 +37,27 @@ from _parity import LR, lm_loss, local, tiny_llama  # noqa: E402
 GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 96
 
 
-def data(position: int) -> torch.Tensor:
-    """The global batch at ``position`` (every group reads its ranks' parts of it)."""
-    g = torch.Generator().manual_seed(1000 + position)
-    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+def data(position: int, stream: str = "random", seed: int = 1000) -> torch.Tensor:
+    """The global batch at ``position`` (every group reads its ranks' parts of it). ``stream``
+    ``"random"``: uniform tokens (nothing to learn; the bitwise tests); ``"chain"``: each token
+    follows from the one before through a fixed permutation, 9 times in 10, so that a model
+    learns (the loss falls from ln 96 = 4.6 towards 0.5) and a validation loss says how far
+    training got."""
+    g = torch.Generator().manual_seed(seed + position)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    if stream == "chain":
+        follow = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))
+        keep = torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.9
+        for t in range(1, SEQ):
+            tokens[:, t] = torch.where(keep[:, t], follow[tokens[:, t - 1]], tokens[:, t])
+    return tokens
+
+
+def validation_loss(model, stream: str) -> float:
+    """The mean loss over 4 held-out global batches (positions no run trains on)."""
+    with torch.no_grad():
+        losses = [lm_loss(model, data(10**6 + i, stream)).item() for i in range(4)]
+    return sum(losses) / len(losses)
 
 
 def digest(model, opt) -> str:
@@ -61,19 +82,21 @@ def main(cfg: dict) -> None:
     torch.set_num_threads(1)
     ls.init_distributed(backend="gloo")
     model = ls.shard(tiny_llama(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", LR))
     ft = ls.ft.FaultTolerant(
         model, opt, replica_id=f"group{g}", lighthouse=cfg["lighthouse"],
         min_replicas=cfg.get("min_replicas", 1), init_sync=cfg.get("init_sync", False),
         use_async_quorum=cfg.get("async_quorum", True), timeout=cfg.get("ft_timeout_s", 10),
-        quorum_timeout=cfg.get("ft_timeout_s", 10), connect_timeout=10, hostname="127.0.0.1",
+        quorum_timeout=cfg.get("quorum_timeout_s", cfg.get("ft_timeout_s", 10)), connect_timeout=10, hostname="127.0.0.1",
         bucket_mb=cfg.get("bucket_mb", 25.0),
+        **({"quorum_retries": cfg["quorum_retries"]} if "quorum_retries" in cfg else {}),
     )  # fmt: skip
     if cfg.get("ready"):
         ready = Path(cfg["ready"])
         (ready / f"{g}.{r}").touch()
         while len(list(ready.iterdir())) < groups * k:
             time.sleep(0.05)
+    stream = cfg.get("data", "random")
     kill = cfg.get("kill")
     if kill and kill[1] == "recv":  # die as the state from a peer starts to arrive
         ft.manager._checkpoint_transport.recv_checkpoint = _die
@@ -82,11 +105,13 @@ def main(cfg: dict) -> None:
     while ft.step_count < cfg["steps"] or ft.state.participants < groups:
         if time.monotonic() > deadline:
             raise TimeoutError(f"group {g} rank {r}: not done by the deadline: {records[-3:]}")
+        if cfg.get("kills"):
+            kill = _scheduled(cfg, ft, groups)
         if kill and kill[0] == ft.step_count and kill[1] == "forward":
             os.kill(os.getpid(), signal.SIGKILL)
         ft.zero_grad()
         position = ft.data_position
-        loss = lm_loss(model, local(data(position), g * k + r, groups * k))
+        loss = lm_loss(model, local(data(position, stream), g * k + r, groups * k))
         if kill and kill[0] == ft.step_count and kill[1] in ("backward", "hang"):
             os.kill(os.getpid(), signal.SIGKILL if kill[1] == "backward" else signal.SIGSTOP)
         loss.backward()
@@ -104,6 +129,9 @@ def main(cfg: dict) -> None:
         rec["after"] = ft.step_count
         rec["digest"] = digest(model, opt)
         records.append(rec)
+        if cfg.get("journal"):  # every start's steps, for a replay of the whole run
+            with open(f"{cfg['journal']}.{g}.{r}.jsonl", "a") as f:
+                f.write(json.dumps({**rec, "group": g}) + "\n")
         if ft.state.participants < groups and cfg.get("throttle_s"):
             time.sleep(cfg["throttle_s"])  # a survivor alone: let the restarted group catch up
     if cfg.get("save_dir") and g == 0:  # a scheduled checkpoint, written by one group
@@ -118,6 +146,7 @@ def main(cfg: dict) -> None:
         "report": ft.report(),
         "slices": [f.shard.clone() for f in model.flat_params],
         "optim": opt.state_dict(),
+        "validation_loss": validation_loss(model, stream) if cfg.get("validate") else None,
     }
     torch.save(out, cfg["out"])
     import torch.distributed as dist
@@ -126,6 +155,21 @@ def main(cfg: dict) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # gloo's and torchft's threads: no interpreter teardown (tests/_dist.py)
+
+
+def _scheduled(cfg: dict, ft, groups: int) -> list | None:
+    """This rank's next failure from ``kills``, as ``[step, where]``, when it is due now (its
+    marker written first: a restarted rank does not fire it again); None otherwise."""
+    fired = Path(cfg["fired"])
+    for i, (step, where) in enumerate(cfg.get("kills", [])):
+        marker = fired / f"{cfg['group']}.{cfg['rank']}.{i}"
+        if marker.exists():
+            continue
+        if ft.step_count >= step and ft.state.participants == groups:
+            marker.touch()
+            return [ft.step_count, where]
+        return None
+    return None
 
 
 def _die(*args, **kwargs) -> None:

@@ -112,7 +112,10 @@ class FaultTolerant:
     (seconds). ``bucket_mb``: the gradient slices are all-reduced in buckets of about this size
     (a flat group larger than that is all-reduced in place, without a copy). ``process_group``:
     torchft's cross-group process group (default ``ProcessGroupGloo`` on CPU,
-    ``ProcessGroupNCCL`` where the slices are on CUDA). Other keyword arguments go to
+    ``ProcessGroupNCCL`` where the slices are on CUDA). ``quorum_retries``: how often the
+    group's manager asks the Lighthouse again when asking fails (torchft's default, 0, ends
+    every rank when the Lighthouse restarts; with retries the job waits for it, up to
+    ``quorum_timeout``: tests/ft/test_failures.py). Other keyword arguments go to
     ``torchft.Manager``.
     """
 
@@ -132,6 +135,7 @@ class FaultTolerant:
         hostname: str | None = None,
         bucket_mb: float = 25.0,
         process_group: Any = None,
+        quorum_retries: int = 20,
         **manager_kwargs: Any,
     ) -> None:
         if not isinstance(model, ShardedModule):
@@ -170,6 +174,7 @@ class FaultTolerant:
             replica_id=replica_id,
             lighthouse_addr=lighthouse,
             hostname=hostname or socket.gethostname(),
+            quorum_retries=quorum_retries,
             **manager_kwargs,
         )
         self.manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
