@@ -14,6 +14,12 @@ Two measurements (README.md next to this file has the results and how to read th
   before the failure and the first committed step after it, minus a median step (the time
   lost), the steps thrown away, and the restarted group's time from its start to its recovery.
 
+``--link PRESET|RATE[,DELAY]`` (overhead mode, root): over the testbed of
+``layershard bench --nodes`` (src/layershard/testbed/): one network namespace per group, the
+groups' nodes joined by the shaped link, each group's ranks on their node's loopback, the
+Lighthouse on node 0; ``hybrid`` puts ranks g*K..g*K+K-1 on node g (its shard groups inside a
+node, its replicate all-reduce across the link).
+
 Run from the repository root with the venv active::
 
     python benchmarks/fault-tolerance/overhead.py --mode overhead --repeats 3 --out benchmarks/fault-tolerance/overhead.json
@@ -53,7 +59,7 @@ def worker(cfg: dict) -> None:
 
     os.environ.update(
         RANK=str(cfg["rank"]), WORLD_SIZE=str(cfg["world"]), LOCAL_RANK=str(cfg["rank"]),
-        LOCAL_WORLD_SIZE=str(cfg["world"]), MASTER_ADDR="127.0.0.1",
+        LOCAL_WORLD_SIZE=str(cfg["world"]), MASTER_ADDR=cfg.get("master_addr", "127.0.0.1"),
         MASTER_PORT=str(cfg["master_port"]),
     )  # fmt: skip
     torch.set_num_threads(1)
@@ -71,7 +77,8 @@ def worker(cfg: dict) -> None:
     if cfg["mode"] == "ft":
         ft = ls.ft.FaultTolerant(
             model, opt, replica_id=f"group{cfg['group']}", lighthouse=cfg["lighthouse"],
-            init_sync=False, hostname="127.0.0.1", timeout=30, quorum_timeout=30,
+            init_sync=False, hostname=cfg.get("master_addr", "127.0.0.1"), timeout=30,
+            quorum_timeout=30,
             use_async_quorum=not cfg.get("sync_quorum", False),
         )  # fmt: skip
     g_rank = cfg["group"] * k + cfg["rank"] if ft_mode else cfg["rank"]
@@ -127,9 +134,21 @@ def worker(cfg: dict) -> None:
 # ---- the launcher ------------------------------------------------------------------------------
 
 
-def launch(cfg: dict, tmp: Path, timeout_s: float) -> dict:
-    """Start the run ``cfg`` describes; returns every rank's output by ``(group, rank)``."""
+LIGHTHOUSE = """
+import sys, time
+from layershard.ft import lighthouse_server
+server = lighthouse_server(bind="0.0.0.0:" + sys.argv[1], min_replicas=int(sys.argv[2]),
+                           heartbeat_timeout_ms=int(sys.argv[3]), join_timeout_ms=5000)
+time.sleep(10**6)
+"""
+
+
+def launch(cfg: dict, tmp: Path, timeout_s: float, testbed=None) -> dict:
+    """Start the run ``cfg`` describes; returns every rank's output by ``(group, rank)``. With
+    ``testbed``: group g's ranks (hybrid: ranks g*K..g*K+K-1) on node g, the Lighthouse on
+    node 0."""
     lighthouse = None
+    lighthouse_proc = None
     procs: dict[tuple[int, int], subprocess.Popen] = {}
     groups, k = cfg["groups"], cfg["ranks"]
     starts: dict[int, float] = {}
@@ -141,15 +160,23 @@ def launch(cfg: dict, tmp: Path, timeout_s: float) -> dict:
         starts[g] = time.time()
         world = k if cfg["mode"] != "hybrid" else groups * k
         for r in range(world if cfg["mode"] == "hybrid" else k):
+            node = r // k if cfg["mode"] == "hybrid" else g
             c = {**cfg, "group": g, "rank": r, "world": world, "master_port": port,
-                 "lighthouse": lighthouse.address() if lighthouse else None,
+                 "lighthouse": lighthouse,
                  "out": str(tmp / f"out.{g}.{r}.json"),
                  "kill": kill if with_kill and r == k - 1 else None}  # fmt: skip
+            cmd = [sys.executable, __file__, "--worker", json.dumps(c)]
             with open(tmp / f"log.{g}.{r}", "a") as log:
-                procs[(g, r)] = subprocess.Popen(
-                    [sys.executable, __file__, "--worker", json.dumps(c)],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
+                if testbed is None:
+                    procs[(g, r)] = subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                else:  # the group's store on its own node (hybrid's on node 0)
+                    c["master_addr"] = testbed.ip(0 if cfg["mode"] == "hybrid" else g)
+                    cmd[-1] = json.dumps(c)
+                    procs[(g, r)] = testbed.popen(
+                        node, cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    )
 
     try:
         if cfg["mode"] == "hybrid":
@@ -160,11 +187,25 @@ def launch(cfg: dict, tmp: Path, timeout_s: float) -> dict:
         else:
             from layershard.ft import lighthouse_server
 
-            lighthouse = lighthouse_server(  # without a failure: every group in the first quorum
-                min_replicas=1 if kill is not None else groups,
-                heartbeat_timeout_ms=cfg.get("heartbeat_timeout_ms", 5000),
-                join_timeout_ms=cfg.get("join_timeout_ms", 5000),
-            )
+            # without a failure: every group in the first quorum
+            min_replicas = 1 if kill is not None else groups
+            heartbeat_ms = cfg.get("heartbeat_timeout_ms", 5000)
+            if testbed is None:
+                server = lighthouse_server(
+                    min_replicas=min_replicas, heartbeat_timeout_ms=heartbeat_ms,
+                    join_timeout_ms=cfg.get("join_timeout_ms", 5000),
+                )  # fmt: skip
+                lighthouse = server.address()
+            else:
+                port = free_port()
+                lighthouse = f"http://{testbed.ip(0)}:{port}"
+                lighthouse_proc = testbed.popen(
+                    0, [sys.executable, "-c", LIGHTHOUSE, str(port), str(min_replicas),
+                        str(heartbeat_ms)],
+                    stdout=open(tmp / "lighthouse.log", "w"), stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+                time.sleep(3)  # it listens once its imports are done
             for g in range(groups):
                 start(g, g == 1 and kill is not None)
         deadline = time.monotonic() + timeout_s
@@ -196,11 +237,28 @@ def launch(cfg: dict, tmp: Path, timeout_s: float) -> dict:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
-        if lighthouse is not None:
-            lighthouse.shutdown()
+        if lighthouse_proc is not None:
+            os.killpg(lighthouse_proc.pid, signal.SIGKILL)
+            lighthouse_proc.wait(timeout=10)
+        elif cfg["mode"] == "ft" and lighthouse is not None:
+            server.shutdown()
 
 
 def overhead(args) -> dict:
+    if not args.link:
+        return _overhead(args, None)
+    from layershard.testbed.links import matmul_flops, parse
+    from layershard.testbed.netns import Testbed
+
+    flops = args.cpu_flops * 1e9 if args.cpu_flops else matmul_flops()
+    link = parse(args.link, flops)
+    with Testbed(args.groups, link) as testbed:
+        result = _overhead(args, testbed)
+    result["link"] = {**link.as_dict(), "cpu_flops": flops}
+    return result
+
+
+def _overhead(args, testbed) -> dict:
     runs = []
     for rep in range(args.repeats):
         modes = ["hybrid", "ft"] + (["split"] if args.split else [])
@@ -209,7 +267,7 @@ def overhead(args) -> dict:
                        vocab=args.vocab, seq=args.seq, batch=args.batch,
                        steps=args.steps + args.warmup, sync_quorum=args.sync_quorum)  # fmt: skip
             with tempfile.TemporaryDirectory() as tmp:
-                res = launch(cfg, Path(tmp), args.timeout)
+                res = launch(cfg, Path(tmp), args.timeout, testbed)
             log = res["outs"]["0.0"]["log"][args.warmup :]
             row = {"mode": mode, "repeat": rep,
                    "median_step_s": statistics.median(x["step_s"] for x in log)}  # fmt: skip
@@ -287,6 +345,12 @@ def main() -> None:
         action="store_true",
         help="also time the groups alone: each its own world, nothing across groups",
     )
+    p.add_argument(
+        "--link",
+        help="overhead mode over the testbed (root): one node per group, joined by this link "
+        "(a preset such as h100-ib400, or RATE[,DELAY]; layershard bench --help)",
+    )
+    p.add_argument("--cpu-flops", type=float, help="GFLOP/s to scale a preset by (measured)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out")
     args = p.parse_args()

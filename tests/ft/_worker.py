@@ -60,6 +60,27 @@ def validation_loss(model, stream: str) -> float:
     return sum(losses) / len(losses)
 
 
+def build_model(kind: str = "llama"):
+    """The model every group builds (the same seed): the tiny built-in Llama, or (``"hf"``) a
+    tiny transformers Llama."""
+    if kind == "hf":
+        import transformers as T
+
+        torch.manual_seed(0)
+        return T.LlamaForCausalLM(
+            T.LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+            )  # fmt: skip
+        )
+    return tiny_llama(0)
+
+
 def digest(model, opt) -> str:
     """A hash of this rank's slices and optimizer state: equal digests, bitwise equal states."""
     h = hashlib.sha1()
@@ -81,7 +102,7 @@ def main(cfg: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     ls.init_distributed(backend="gloo")
-    model = ls.shard(tiny_llama(0))
+    model = ls.shard(build_model(cfg.get("model", "llama")))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", LR))
     ft = ls.ft.FaultTolerant(
         model, opt, replica_id=f"group{g}", lighthouse=cfg["lighthouse"],

@@ -23,12 +23,15 @@ from _worker import data, digest  # noqa: E402
 GROUPS, RANKS, STEPS = 2, 2, 5
 
 
-def _hybrid(rank: int, world: int, steps: int, out: str, shard_size: int = RANKS) -> None:
-    from _parity import LR, lm_loss, local, tiny_llama
+def _hybrid(
+    rank: int, world: int, steps: int, out: str, shard_size: int = RANKS, kind: str = "llama"
+) -> None:
+    from _parity import LR, lm_loss, local
+    from _worker import build_model
 
     import layershard as ls
 
-    model = ls.shard(tiny_llama(0), strategy="hybrid", shard_size=shard_size)
+    model = ls.shard(build_model(kind), strategy="hybrid", shard_size=shard_size)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for position in range(steps):
@@ -48,7 +51,8 @@ def _hybrid(rank: int, world: int, steps: int, out: str, shard_size: int = RANKS
 
 
 def _compare(tmp_path, groups: int, ranks: int, **cfg) -> None:
-    run_ranks(_hybrid, groups * ranks, STEPS, str(tmp_path / "hybrid"), ranks)
+    kind = cfg.get("model", "llama")
+    run_ranks(_hybrid, groups * ranks, STEPS, str(tmp_path / "hybrid"), ranks, kind)
     with FTRun(tmp_path, groups, ranks, STEPS, deadline_s=120, min_replicas=groups, **cfg) as run:
         outs = run.run()
     for (g, r), out in outs.items():
@@ -73,6 +77,13 @@ def test_three_groups_of_one_equal_hybrid(tmp_path):
     slice alone (``bucket_mb=0``: buffers of hybrid's sizes, which gloo splits and sums as it
     does hybrid's) over the groups in hybrid's rank order, and the results are bitwise."""
     _compare(tmp_path, 3, 1, bucket_mb=0)
+
+
+@pytest.mark.slow
+def test_transformers_model_equals_hybrid(tmp_path):
+    """A transformers ``LlamaForCausalLM`` through ls.ft, 2 groups x 1 rank, against hybrid over
+    2 ranks (``shard_size=1``): the same loop as the built-in model's, bit for bit."""
+    _compare(tmp_path, 2, 1, model="hf")
 
 
 def test_buckets():

@@ -170,14 +170,31 @@ def _close(a: float, b: float, rtol: float = LOSS_RTOL) -> bool:
     return abs(a - b) <= rtol * abs(b)
 
 
+def _hf_model(tmp_path: Path) -> list[str]:
+    """A transformers Llama's config of SMALL's widths, as --hf-config, in place of SMALL's
+    --model-override flags."""
+    import transformers
+
+    transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    ).save_pretrained(str(tmp_path / "hf"))  # fmt: skip
+    small = [
+        a for i, a in enumerate(SMALL) if "--model-override" not in SMALL[max(i - 1, 0) : i + 1]
+    ]
+    return [*small, "--hf-config", str(tmp_path / "hf")]
+
+
 @pytest.mark.slow
-def test_two_groups_equal_one_run_of_the_global_batch(tmp_path):
+@pytest.mark.parametrize("model", ["built-in", "transformers"])
+def test_two_groups_equal_one_run_of_the_global_batch(tmp_path, model):
     steps = 6
-    argv = [*SMALL, "--nproc-per-node", "1", "--steps", str(steps), "--eval-interval", "3"]
+    small = SMALL if model == "built-in" else _hf_model(tmp_path)
+    argv = [*small, "--nproc-per-node", "1", "--steps", str(steps), "--eval-interval", "3"]
     with _groups(tmp_path, 2, argv, {}) as procs:  # min_replicas 2: every step has both
         _wait(tmp_path, procs, 120)
     ref_dir = tmp_path / "ref"
-    ref_argv = [*SMALL, "--nproc-per-node", "2", "--steps", str(steps), "--eval-interval", "3"]
+    ref_argv = [*small, "--nproc-per-node", "2", "--steps", str(steps), "--eval-interval", "3"]
     assert train_main(["--run-dir", str(ref_dir), *ref_argv]) == 0
     g0, g1 = (tmp_path / "run" / f"group-{g}" for g in range(2))
     ref = _steps(ref_dir)
