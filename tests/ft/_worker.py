@@ -102,8 +102,15 @@ def main(cfg: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     ls.init_distributed(backend="gloo")
-    model = ls.shard(build_model(cfg.get("model", "llama")))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", LR))
+    backward = torch.Tensor.backward
+    if cfg.get("model") == "accelerate":  # the loop of docs/fault-tolerance.md, ls.hf's way
+        accelerator = ls.hf.Accelerator(cpu=True)
+        net = build_model("hf")
+        model, opt = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=LR))
+        backward = accelerator.backward
+    else:
+        model = ls.shard(build_model(cfg.get("model", "llama")))
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", LR))
     ft = ls.ft.FaultTolerant(
         model, opt, replica_id=f"group{g}", lighthouse=cfg["lighthouse"],
         min_replicas=cfg.get("min_replicas", 1), init_sync=cfg.get("init_sync", False),
@@ -135,7 +142,7 @@ def main(cfg: dict) -> None:
         loss = lm_loss(model, local(data(position, stream), g * k + r, groups * k))
         if kill and kill[0] == ft.step_count and kill[1] in ("backward", "hang"):
             os.kill(os.getpid(), signal.SIGKILL if kill[1] == "backward" else signal.SIGSTOP)
-        loss.backward()
+        backward(loss)
         if kill and kill[0] == ft.step_count and kill[1] == "reduce":
             _kill_after_first_bucket(ft)
         rec = {

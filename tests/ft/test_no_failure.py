@@ -51,7 +51,7 @@ def _hybrid(
 
 
 def _compare(tmp_path, groups: int, ranks: int, **cfg) -> None:
-    kind = cfg.get("model", "llama")
+    kind = {"accelerate": "hf"}.get(cfg.get("model", "llama"), cfg.get("model", "llama"))
     run_ranks(_hybrid, groups * ranks, STEPS, str(tmp_path / "hybrid"), ranks, kind)
     with FTRun(tmp_path, groups, ranks, STEPS, deadline_s=120, min_replicas=groups, **cfg) as run:
         outs = run.run()
@@ -84,6 +84,13 @@ def test_transformers_model_equals_hybrid(tmp_path):
     """A transformers ``LlamaForCausalLM`` through ls.ft, 2 groups x 1 rank, against hybrid over
     2 ranks (``shard_size=1``): the same loop as the built-in model's, bit for bit."""
     _compare(tmp_path, 2, 1, model="hf")
+
+
+@pytest.mark.slow
+def test_accelerate_loop_equals_hybrid(tmp_path):
+    """``ls.hf.Accelerator().prepare(model, optimizer)``, then ls.ft on what it returns, and
+    ``accelerator.backward``: 2 groups x 1 rank of a transformers Llama, bit for bit hybrid's."""
+    _compare(tmp_path, 2, 1, model="accelerate")
 
 
 def test_buckets():
