@@ -210,3 +210,27 @@ def test_ci_runs_the_readme_s_test_command() -> None:
     readme = [b.code for b in PAGES[REPO / "README.md"].blocks if "ruff format --check" in b.code]
     assert len(readme) == 1
     assert readme[0].strip() in (REPO / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def test_a_rank_s_end_marker_is_one_write(monkeypatch) -> None:
+    """Each rank's "ran to its end" line reaches the shared output in one write: with
+    PYTHONUNBUFFERED a print of several arguments writes each apart, two ranks' lines
+    interleaved ("...on rank docs-test: ...on rank0\\n 1"), and a run that ended well but for
+    gloo's teardown abort was failed (seen in CI, docs/training-loop.md)."""
+    import io
+    import sys
+
+    from docs_support import blocks
+
+    class Writes(io.StringIO):
+        calls: list[str] = []
+
+        def write(self, s: str) -> int:
+            self.calls.append(s)
+            return len(s)
+
+    out = Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setenv("RANK", "1")
+    exec(blocks._EPILOGUE, {})
+    assert out.calls == [f"{blocks._DONE} 1\n"], out.calls

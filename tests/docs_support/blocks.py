@@ -407,7 +407,13 @@ def base_env(cache: Path) -> dict[str, str]:
 
 # Printed by every rank once the block's code has run to its end (the interpreter's exit follows).
 _DONE = "docs-test: the code ran to its end on rank"
-_EPILOGUE = f"\n\nprint('{_DONE}', __import__('os').environ.get('RANK', '0'), flush=True)\n"
+# One write: under PYTHONUNBUFFERED a print of several arguments writes each apart, and two
+# ranks' lines interleave in the shared output.
+_EPILOGUE = (
+    "\n\nimport os as _os, sys as _sys\n"
+    f"_sys.stdout.write('{_DONE} ' + _os.environ.get('RANK', '0') + '\\n')\n"
+    "_sys.stdout.flush()\n"
+)
 # gloo's threads, destroyed with the interpreter, abort a rank now and then after a script ended
 # well (the test helpers leave with os._exit for this reason); such an exit is let through,
 # with a warning, when every rank had reached its end.
