@@ -5,8 +5,8 @@ It shards the tiny Llama over its group's ranks (its own torch.distributed world
 ``steps`` with every group in the last quorum, and saves its records (one per step attempt), its
 report and its final state (slices, optimizer state) to ``out``. ``kill``: ``[step, where]``, it
 SIGKILLs itself at that step, ``where`` in ``forward`` (before the forward), ``backward`` (after
-the forward, before the backward), ``reduce`` (inside the cross-group all-reduce, after the
-first bucket was issued); ``hang``: it SIGSTOPs itself after the forward instead (the harness
+the forward, before the backward), ``reduce`` (inside the cross-group all-reduce: its peers have
+issued theirs); ``hang``: it SIGSTOPs itself after the forward instead (the harness
 kills and restarts it later); ``recv`` (any step): as torchft's checkpoint transport starts to
 receive a peer's state. ``kills``: ``[[step, where], ...]``, failures spread over the run: the
 first not yet fired (a marker in ``fired``) fires at the first step from ``step`` on whose
@@ -205,16 +205,16 @@ def _die(*args, **kwargs) -> None:
 
 
 def _kill_after_first_bucket(ft) -> None:
-    """SIGKILL this process right after the cross-group all-reduce of the first bucket was
-    issued (its peers are then inside the collective)."""
-    allreduce = ft.manager.allreduce
+    """SIGKILL this process where it would issue its first cross-group all-reduce, half a
+    second late: its peers have issued theirs and wait inside the collective for data that never
+    comes. (Issuing first and dying right after raced: a bucket small enough went through before
+    the kill, the peers' step committed, seen once on a loaded machine.)"""
 
-    def issue_then_die(*args, **kwargs):
-        work = allreduce(*args, **kwargs)
+    def die_instead(*args, **kwargs):
+        time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
-        return work
 
-    ft.manager.allreduce = issue_then_die
+    ft.manager.allreduce = die_instead
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def test_group_killed_mid_backward_rejoins(tmp_path):
 def test_two_by_two_rank_killed_rejoins(tmp_path, where):
     """2 groups x 2 ranks; group 1's rank 1 SIGKILLs itself at step 2 before it starts the step
     (its group never joins that step's quorum: the survivors lose nothing), or inside the
-    cross-group all-reduce (its first bucket issued: the survivors throw step 2 away); the
+    cross-group all-reduce (its peers waiting in it for its data: the survivors throw step 2 away); the
     launcher takes its group down and starts it again."""
     with FTRun(tmp_path, GROUPS, 2, steps=6, kill=(1, 1, 2, where), throttle_s=0.2) as run:
         outs = run.run()
