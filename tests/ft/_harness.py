@@ -130,9 +130,10 @@ class FTRun:
                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 )  # fmt: skip
 
-    def _journal_steps(self, g: int, r: int) -> int:
+    def journal(self, g: int, r: int) -> list[dict]:
+        """Rank ``r`` of group ``g``'s step records over all its starts (the ``journal`` cfg)."""
         path = Path(f"{self.cfg['journal']}.{g}.{r}.jsonl")
-        return len(path.read_text().splitlines()) if path.exists() else 0
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
     def logs(self) -> str:
         parts = []
@@ -150,7 +151,7 @@ class FTRun:
         while True:
             if self.lighthouse_down and self.lighthouse_restarted_at is None:
                 at_step, for_s = self.lighthouse_down
-                if self._journal_steps(0, 0) >= at_step:
+                if len(self.journal(0, 0)) >= at_step:
                     self.lighthouse.shutdown()
                     del self.lighthouse  # its port is free once the server is dropped
                     gc.collect()

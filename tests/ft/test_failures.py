@@ -14,7 +14,6 @@ Checked against references, bit for bit:
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -32,26 +31,7 @@ GROUPS = 2
 def _replay(rank: int, world: int, plan: list[tuple[int, int]], out: str) -> None:
     """One process, one rank: for each committed step ``(position, n)``, groups 0..n-1's
     gradients at ``position`` (one rank each), summed in group order, times 1/n, AdamW."""
-    from _parity import LR, lm_loss, local, tiny_llama
-
-    import layershard as ls
-
-    model = ls.shard(tiny_llama(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    flats = [f for f in model.flat_params if f.requires_grad]
-    for position, n in plan:
-        total: list[torch.Tensor] = []
-        for g in range(n):
-            opt.zero_grad()
-            lm_loss(model, local(data(position), g, GROUPS)).backward()
-            grads = [f.grad.clone() for f in flats]
-            total = grads if not total else [a + b for a, b in zip(total, grads)]
-        for f, s in zip(flats, total):
-            torch.mul(s, 1.0 / n, out=f.grad)
-        opt.step()
-    torch.save(
-        {"slices": [f.shard.clone() for f in model.flat_params], "digest": digest(model, opt)}, out
-    )
+    _replay_by_group(rank, world, [[(g, p) for g in range(n)] for p, n in plan], out)
 
 
 def _check_rejoin(
@@ -165,9 +145,10 @@ def test_group_killed_rejoins_with_synchronous_quorum(tmp_path):
 
 
 def _replay_by_group(rank: int, world: int, plan: list[list[tuple[int, int]]], out: str) -> None:
-    """As ``_replay``, each committed step given as the ``(group, position)`` of every group
-    that took part (after a Lighthouse restart two groups can read different positions in one
-    step: the one whose lone step failed moved on)."""
+    """The replay of committed steps, each given as the ``(group, position)`` of every group
+    that took part, summed in that order, times 1/their number, AdamW (after a Lighthouse
+    restart two groups can read different positions in one step: the one whose lone step
+    failed moved on)."""
     from _parity import LR, lm_loss, local, tiny_llama
 
     import layershard as ls
@@ -209,7 +190,7 @@ def test_lighthouse_restarts(tmp_path):
     assert run.lighthouse_restarted_at is not None and run.starts == {0: 1, 1: 1}, run.starts
     steps: dict[int, list[tuple[int, int]]] = {}
     for g in range(GROUPS):
-        recs = [json.loads(x) for x in Path(f"{journal}.{g}.0.jsonl").read_text().splitlines()]
+        recs = run.journal(g, 0)
         assert sum(not x["committed"] for x in recs) <= 1, recs
         gaps = [b["wall"] - a["wall"] for a, b in zip(recs, recs[1:])]
         assert max(gaps) < outage_s + quorum_timeout_s, max(gaps)
