@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 
 import torch
@@ -57,7 +57,8 @@ _sharded_away: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValu
 def shard(
     model: nn.Module,
     *,
-    layers: Iterable[nn.Module | str] | None = None,
+    layers: Iterable[nn.Module | str | Sequence[nn.Module | str]] | None = None,
+    blocks_per_unit: int = 1,
     mixed_precision: MixedPrecision | None = None,
     strategy: str = "full",
     activation_checkpointing: int = 0,
@@ -77,7 +78,10 @@ def shard(
     Args:
         layers: the repeated blocks (modules or their names). ``None`` finds them: the children
             of the longest ``nn.ModuleList`` of same-class modules. Every other module that owns
-            parameters (embeddings, final norm, head) becomes an extra unit.
+            parameters (embeddings, final norm, head) becomes an extra unit. An entry that is a
+            list of blocks the model calls one after another makes them one unit.
+        blocks_per_unit: K consecutive blocks (of ``layers``) per unit: one collective for K
+            small blocks over a high-latency link; gather buffers of K blocks.
         mixed_precision: compute and reduce dtypes; ``None`` means fp32 throughout.
         strategy: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2), ``"no_shard"`` (DDP-like) or
             ``"hybrid"`` (HSDP: sharded within groups of ``shard_size`` ranks, default the ranks
@@ -98,7 +102,7 @@ def shard(
         reshard_after_forward: for ``"full"``: ``True``; ``False`` is ``"grad_op"``; an int K
             keeps each unit sharded over K ranks (a node) from its forward to its backward, so
             the backward gather stays within them (ZeRO++ hpZ, FSDP2's int).
-        activation_checkpointing: recompute the first K blocks in backward.
+        activation_checkpointing: recompute the first K blocks (modules, not units) in backward.
         device: where compute lives; default: this rank's GPU under NCCL, else CPU.
         offload: ``ls.CPUOffload()``: fp32 shards, gradient slices and optimizer state in CPU
             memory (pinned where CUDA), the optimizer stepping there; gathered weights on
@@ -114,7 +118,7 @@ def shard(
     options.check(
         "shard()", strategy=strategy, shard_size=shard_size, mixed_precision=mixed_precision,
         reshard_after_forward=reshard_after_forward, offload=offload, compile=compile,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=activation_checkpointing, blocks_per_unit=blocks_per_unit,
     )  # fmt: skip
     if isinstance(model, ShardedModule) or model in _sharded_models:
         raise ValueError("shard(): this model is already sharded")
@@ -138,10 +142,10 @@ def shard(
     )
     host = torch.device("cpu") if offload is not None else device
 
-    specs = find_units(model, layers)
+    specs = find_units(model, layers, blocks_per_unit)
     if not specs:
         raise ValueError("shard(): the model has no parameters to shard")
-    n_blocks = sum(s.is_block for s in specs)
+    n_blocks = sum(len(s.modules) for s in specs if s.is_block)
     if not 0 <= activation_checkpointing <= n_blocks:
         raise ValueError(
             f"shard(activation_checkpointing={activation_checkpointing}): must be between 0 and "
@@ -201,15 +205,13 @@ def shard(
     schedule.install(model)
     _sharded_models.add(model)
 
-    blocks = [u for u in units if u.is_block]
-    block_modules = [u.module for u in blocks if u.module is not None]
+    blocks = [(u, m) for u in units if u.is_block for m in u.modules]
     if compile:
         compile_options = compile if isinstance(compile, dict) else {}
-        for m in block_modules:  # the block's computation only: the unit's hooks stay outside
+        for _, m in blocks:  # the block's computation only: the unit's hooks stay outside
             m.forward = torch.compile(m.forward, **compile_options)
-    for u in blocks[:activation_checkpointing]:
-        assert u.module is not None
-        u.module.forward = partial(schedule.checkpoint_forward, u, u.module.forward)
+    for u, m in blocks[:activation_checkpointing]:
+        m.forward = partial(schedule.checkpoint_forward, u, m.forward)
 
     if dist.get_world_size(group) > 1:
         for b in _unique(t for _, t in model.named_buffers()):  # every rank starts equal

@@ -70,18 +70,18 @@ def test_preset_sizes():
     assert ModelShape.from_preset("llama-1b").total_params == 1_235_814_400
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_units_match_engine(tied):
+@pytest.mark.parametrize("tied,blocks_per_unit", [(False, 1), (True, 1), (False, 3)])
+def test_units_match_engine(tied, blocks_per_unit):
     from layershard.engine.units import backward_needs_weights, find_units
 
     cfg = build_config("tiny", tie_embeddings=tied)
     engine = [
         (s.name, sum(p.numel() for p, _ in s.params), s.module is None or backward_needs_weights(s))
-        for s in find_units(LlamaForCausalLM(cfg))
+        for s in find_units(LlamaForCausalLM(cfg), blocks_per_unit=blocks_per_unit)
     ]
     ours = [
         ("<root>" if u.persistent else u.name, u.numel, u.persistent or u.needs_weights_in_backward)
-        for u in units(ModelShape.from_config(cfg))
+        for u in units(ModelShape.from_config(cfg), blocks_per_unit)
     ]
     assert ours == engine
     assert [name for name, _, needs in engine if not needs] == ([] if tied else ["embed"])

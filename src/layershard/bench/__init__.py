@@ -74,3 +74,28 @@ def wire_impl(gather: str | None, reduce: str) -> str | None:
     if gather is None and reduce == "fp32":
         return None
     return "layershard" + (f"-{gather}" if gather else "") + ("-bf16r" if reduce == "bf16" else "")
+
+
+# layershard with K consecutive blocks per unit (``--blocks-per-unit K``: ``ls.shard(
+# blocks_per_unit=K)``), one collective for K blocks: "-bK" after a layershard implementation's
+# name ("layershard-b2", "layershard-grad_op-b4").
+def split_blocks(impl: str) -> tuple[str, int]:
+    """(the implementation without its "-bK", K); K is 1 without one."""
+    base, _, k = impl.rpartition("-b")
+    if base.startswith("layershard") and k.isdigit() and int(k) > 1:
+        return base, int(k)
+    return impl, 1
+
+
+def impl_order(impl: str) -> tuple[int, int]:
+    """Where ``impl`` goes in a table: ``IMPLS``' order, each with its "-bK" rows after it."""
+    base, k = split_blocks(impl)
+    return (IMPLS.index(base) if base in IMPLS else len(IMPLS), k)
+
+
+def known_impl(impl: str) -> str:
+    """``impl`` if the bench knows it (argparse's ``type``)."""
+    base, k = split_blocks(impl)
+    if base not in IMPLS or (k > 1 and base not in STRATEGY_IMPL.values()):
+        raise ValueError(impl)
+    return impl

@@ -27,6 +27,7 @@ from layershard.bench import (
     STRATEGY_IMPL,
     TP_IMPL,
     UNTIMED_STEPS,
+    split_blocks,
     wire_impl,
 )
 from layershard.bench import context as cp_rows
@@ -163,6 +164,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="layershard strategies to run (hybrid from 4 ranks, as 2 groups, or a group per node "
         "with --nodes; hpz: the backward gathers within a node, or within half the ranks)",
     )
+    r.add_argument(
+        "--blocks-per-unit", type=int, nargs="+", default=[], metavar="K",
+        help="also run layershard (and each --strategy) with K consecutive blocks per unit "
+        "(ls.shard(blocks_per_unit=K): one collective for K blocks), as layershard-bK",
+    )  # fmt: skip
     r.add_argument(
         "--nodes", type=int, default=1, metavar="N",
         help="nodes of the testbed (network namespaces on this machine, needs root): --nproc "
@@ -357,7 +363,13 @@ def run_shape(args: argparse.Namespace) -> int:
         return 2
     parallel = (["layershard-ep"] if args.ep else []) + ([TP_IMPL] if args.tp else [])
     parallel += cp_rows.impls(args)
-    ours = ["layershard", *parallel, *strategies, *wires]
+    if any(k < 2 for k in args.blocks_per_unit):
+        print(
+            "layershard bench: --blocks-per-unit takes K >= 2 (1 is the plain run)", file=sys.stderr
+        )
+        return 2
+    buckets = [f"{i}-b{k}" for i in ["layershard", *strategies] for k in args.blocks_per_unit]
+    ours = ["layershard", *parallel, *strategies, *buckets, *wires]
     impls = ours + [i for i in chosen if i not in ours]
     out = Path(args.out or f"benchmarks/speed/{args.tag}-{device}")
     if args.out and args.shape_name:  # one folder per named shape
@@ -407,7 +419,8 @@ def run_shape(args: argparse.Namespace) -> int:
                 # hybrid needs two groups of two or more ranks; hpZ a group smaller than all
                 two = n * args.nodes >= 4 and (args.nodes == 1 or n >= 2)
                 plan += [(n, r, i) for i in order
-                         if i not in ("layershard-hybrid", "layershard-hpz") or two]  # fmt: skip
+                         if split_blocks(i)[0] not in ("layershard-hybrid", "layershard-hpz")
+                         or two]  # fmt: skip
         t_start = time.time()
         testbed = getattr(args, "testbed", None)  # the nodes' namespaces (--nodes), if any
         for k, (n, r, impl) in enumerate(plan):

@@ -8,7 +8,7 @@ import json
 import statistics
 from pathlib import Path
 
-from layershard.bench import IMPLS
+from layershard.bench import impl_order
 
 MiB = 1024 * 1024
 
@@ -37,7 +37,7 @@ def aggregate(files: list[Path], settings: dict | None = None) -> dict:
         at_n = [r for r in runs if r["world_size"] == n]
         ls_runs = {r["repeat"]: r for r in at_n if r["impl"] == "layershard" and "error" not in r}
         impls = {}
-        for impl in [i for i in IMPLS if any(r["impl"] == i for r in at_n)]:
+        for impl in sorted({r["impl"] for r in at_n}, key=impl_order):
             impls[impl] = _summarize(impl, [r for r in at_n if r["impl"] == impl], ls_runs, n)
         ls = impls.get("layershard", {})
         for s in impls.values():
@@ -391,7 +391,7 @@ def plot_links(base: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         mine = [r for r in rows if (r["shape"] or "model") == shape and r["rate_bps"]]
-        for impl in [i for i in IMPLS if any(r["impl"] == i for r in mine)]:
+        for impl in sorted({r["impl"] for r in mine}, key=impl_order):
             pts = sorted((r["rate_bps"], r["step_s"], r["sent_per_step"]) for r in mine
                          if r["impl"] == impl)  # fmt: skip
             ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", label=impl)

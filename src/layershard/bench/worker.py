@@ -28,7 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layershard.bench import EP_IMPLS, IMPLS, MUON_ALTERNATIVE, STRATEGY_IMPL, TP_IMPL, WIRE_IMPL
+from layershard.bench import (
+    EP_IMPLS,
+    MUON_ALTERNATIVE,
+    STRATEGY_IMPL,
+    TP_IMPL,
+    WIRE_IMPL,
+    known_impl,
+    split_blocks,
+)
 from layershard.bench import context as cp_rows
 from layershard.bench.measure import (
     CountCollectives,
@@ -43,13 +51,14 @@ MUON_LR = 0.02  # Muon's lr in --optimizer muon runs (AdamW keeps --lr for the o
 
 
 def is_layershard(impl: str) -> bool:
+    impl = split_blocks(impl)[0]
     ours = ("layershard", MUON_ALTERNATIVE, "layershard-ep", TP_IMPL)
     return impl in ours or impl in STRATEGY_IMPLS or impl in WIRE_IMPL or impl in cp_rows.CP_IMPLS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="layershard.bench.worker")
-    p.add_argument("--impl", required=True, choices=IMPLS)
+    p.add_argument("--impl", required=True, type=known_impl)
     p.add_argument("--model", default="small")
     p.add_argument(
         "--model-override", action="append", default=[], metavar="KEY=VALUE",
@@ -178,6 +187,7 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
                 {"fp8": torch.float8_e4m3fn, "int8": torch.int8, None: None}[gather],
             )
             notes["wire"] = f"gather {gather or 'exact'}, reduce {reduce}"
+        impl, blocks_per_unit = split_blocks(impl)
         strategy = STRATEGY_IMPLS.get(impl, "full")
         kwargs: dict = {"strategy": strategy}
         # a node's ranks on the testbed (layershard bench --nodes); else two groups: 2 x 2 at 4
@@ -189,6 +199,9 @@ def wrap(impl: str, model: nn.Module, device: torch.device, bf16: bool, world: i
         if strategy == "hpz":  # ZeRO++ hpZ: the backward gathers within a node
             kwargs = {"strategy": "full", "reshard_after_forward": group}
             notes["groups"] = f"hpZ over {group} of {world}"
+        if blocks_per_unit > 1:
+            kwargs["blocks_per_unit"] = blocks_per_unit
+            notes["blocks_per_unit"] = blocks_per_unit
         model = ls.shard(model, mixed_precision=mp, device=device, **kwargs)
         return model, no_autocast, notes
     if impl == "plain":  # the unsharded model on each rank's own batch: no communication at all

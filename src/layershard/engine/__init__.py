@@ -11,8 +11,9 @@ Read in the order of one training step:
 3. ``build``: what ``shard()`` assembles (storage, slots, units, collectives, the schedule);
    ``init``: the shards filled, or materialized from the meta device unit by unit.
 4. ``schedule``: the hooks (gather before compute, prefetch, backward triggers), with ``order``
-   (what follows each unit), ``backward_hooks`` (what tells a unit's backward begins or ends)
-   and ``backward_pass`` (one backward's state: the ranks' plan, deferred reductions).
+   (what follows each unit), ``backward_hooks`` (what tells a unit's backward begins or ends),
+   ``backward_pass`` (one backward's state: the ranks' plan, deferred reductions) and
+   ``block_runs`` (a unit of several blocks runs them in order).
 5. ``reducer``: gradients into this rank's fp32 slices.
 6. Where the bytes go: ``buffers`` (gather and gradient slots), ``gather_slots`` (which unit
    takes which slot, arithmetic the planner shares), ``collectives`` (all-gather and

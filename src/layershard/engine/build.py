@@ -144,7 +144,7 @@ def build_schedule(
             big.padded_numel, rdtype, device, big.shard_numel, big_scratch, host_dev, True, spare
         )
     units = [
-        Unit(s.name, s.module, s.is_block, fl, slot, device, backward_needs_weights(s))
+        Unit(s.name, s.modules, s.is_block, fl, slot, device, backward_needs_weights(s))
         for (s, fl, _), slot in zip(others, slots)
     ]
     for u in units:
@@ -167,7 +167,7 @@ def build_schedule(
         root_flats, root_buffer = storage.flats[0], storage.buffers[0]
         numel = sum(f.padded_numel for f in root_flats)
         root_slot = GatherSlot(numel, cdtype, device, root_buffer)
-        root = Unit("<root>", None, False, root_flats, root_slot, device)
+        root = Unit("<root>", [], False, root_flats, root_slot, device)
     reducer = Reducer(grad_slots, comm, offload, own)
     return Schedule(root, units, reducer, comm, precision, spare)
 

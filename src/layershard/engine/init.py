@@ -184,7 +184,7 @@ class _Materializer:
         self.names = {id(m): n for n, m in model.named_modules()}
         # names of the meta originals, for errors (a stored block's tensors are meta again)
         self.meta_names = {id(p): uses[0].name for s in specs for p, uses in s.params}
-        self.blocks = {id(s.module): s for s in specs if s.is_block}
+        self.blocks = {id(m): s for s in specs if s.is_block for m in s.modules}
         self.values: dict[int, nn.Parameter] = {}  # id(meta original) -> materialized tensor
         self.buffers: list[tuple[str, torch.Tensor]] = []
         # Storages (data_ptr) of the materialized tensors, and those an init wrote to.
@@ -250,7 +250,9 @@ class _Materializer:
         if self.post_order:
             self._init(mod, owner)
         spec = self.blocks.get(id(mod))
-        if spec is not None:
+        if spec is not None and all(
+            id(m) in self.visited or id(m) not in self.needs for m in spec.modules
+        ):  # a unit of several blocks: once the last of them is initialized
             self._store(spec)  # only an ancestor could touch it now, and _InitWatch raises
 
     def _init(self, mod: nn.Module, owner: nn.Module) -> None:

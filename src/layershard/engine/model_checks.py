@@ -38,13 +38,7 @@ from layershard.engine.units import UnitSpec
 
 
 def _unit_of(name: str, specs: list[UnitSpec]) -> str:
-    best = ""
-    for s in specs:
-        if s.module is None:
-            continue
-        if (name == s.name or name.startswith(s.name + ".")) and len(s.name) > len(best):
-            best = s.name
-    return best or "<root>"
+    return next((s.name for s in specs if s.owns(name)), "<root>")  # units do not nest
 
 
 def check_experts(specs: list[UnitSpec], sharding) -> None:
@@ -69,7 +63,7 @@ def check_experts(specs: list[UnitSpec], sharding) -> None:
 
 def check_shared_modules(model: nn.Module, specs: list[UnitSpec]) -> None:
     """Refuse a module with parameters that two units reach under different names."""
-    unit_roots = {id(s.module) for s in specs if s.module is not None}
+    unit_roots = {id(m) for s in specs for m in s.modules}
     names: dict[int, list[str]] = {}
     modules: dict[int, nn.Module] = {}
     for name, m in model.named_modules(remove_duplicate=False):

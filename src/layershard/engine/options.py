@@ -45,6 +45,7 @@ class _Options(BaseModel):
         StrictBool | Ranks, Field(description="True, False or a number of ranks K >= 1")
     ] = True
     activation_checkpointing: Blocks = 0
+    blocks_per_unit: Ranks = 1
     mixed_precision: Annotated[
         InstanceOf[MixedPrecision] | None, Field(description="an ls.MixedPrecision(...) or None")
     ] = None

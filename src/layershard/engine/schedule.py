@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -45,6 +46,7 @@ from layershard.engine.backward_hooks import (
     weight_saving_hooks,
 )
 from layershard.engine.backward_pass import BackwardPass, plan_backward
+from layershard.engine.block_runs import BlockRuns
 from layershard.engine.buffers import Spare
 from layershard.engine.collectives import Comm, profiled
 from layershard.engine.order import Order, Phase
@@ -83,6 +85,7 @@ class Schedule:
         self.uses = UseLog()  # the uses a backward may still reach
         self.bw: BackwardPass | None = None  # the backward in progress (backward_pass.py)
         self._hooks: list[tuple[Unit, saved_tensors_hooks]] = []  # pushed at pre-forward
+        self.block_runs = BlockRuns()  # a unit of several blocks runs them in order
 
     def all_units(self) -> list[Unit]:
         return ([self.root] if self.root else []) + self.units
@@ -113,23 +116,39 @@ class Schedule:
             model.register_forward_hook(lambda m, a, out: self.root_post_forward()),
         ]
         for u in self.units:
-            assert u.module is not None  # only the root unit has no module
+            first, last = u.modules[0], u.modules[-1]  # the same module but for several blocks
             handles.append(
-                u.module.register_forward_pre_hook(
+                first.register_forward_pre_hook(
                     lambda m, a, kw, u=u: self.pre_forward(u, a, kw), with_kwargs=True
                 )
             )
+            for i, m in enumerate(u.modules[1:], 1):
+                handles.append(m.register_forward_pre_hook(partial(self._later_block, u, i)))
             handles.append(
-                u.module.register_forward_hook(lambda m, a, out, u=u: self.post_forward(u, out))
+                last.register_forward_hook(lambda m, a, out, u=u: self.post_forward(u, out))
             )
             # A forward that raised ran no post-forward: leave its saved-tensor hooks anyway,
-            # or they would outlive it and see every later forward, of any model.
+            # or they would outlive it and see every later forward, of any model. (One of a
+            # unit's first blocks raising leaves them to the model's hook below.)
             handles.append(
-                u.module.register_forward_hook(
+                last.register_forward_hook(
                     lambda m, a, out, u=u: self._pop_saved_tensor_hooks(u), always_call=True
                 )
             )
+        # Once the model's forward returned or raised, no unit's forward is open.
+        handles.append(
+            model.register_forward_hook(
+                lambda m, a, out: self._pop_saved_tensor_hooks(), always_call=True
+            )
+        )
         return handles
+
+    def _later_block(self, u: Unit, i: int, module: nn.Module, args: tuple) -> None:
+        """Block ``i`` > 0 of a unit of several blocks begins (block_runs.py)."""
+        if self.in_backward():  # a recompute that calls the module (as pre_forward's)
+            self.pre_forward(u)
+        else:
+            self.block_runs.check(u, i)
 
     @staticmethod
     def in_backward() -> bool:
@@ -152,6 +171,7 @@ class Schedule:
         # that raised may have left state behind.
         self._drop_failed_pass()
         self._pop_saved_tensor_hooks()
+        self.block_runs.open = None
         self.reducer.finish()
         for u in self.all_units():
             u.unbind()
@@ -224,6 +244,7 @@ class Schedule:
             self._ensure_for_backward(u, bw)
             self._bind(u, None)
             return None
+        self.block_runs.enter(u, self._grad_forward)
         if self._recorded is not None:
             self._recorded.append(u)
         self._uses += 1
@@ -244,6 +265,7 @@ class Schedule:
 
     def post_forward(self, u: Unit, out):
         use: int | None = None  # a checkpoint's recompute: part of a use already in backward
+        self.block_runs.leave(u)
         if not self.in_backward():
             self._pop_saved_tensor_hooks(u)
             use = self._use_of.get(id(u))

@@ -3,6 +3,8 @@
 A unit is what is gathered and reduced as one: each repeated block (by default the children of the
 longest ``nn.ModuleList`` of same-class modules, e.g. a Llama's decoder layers), plus one extra unit
 per top-level module outside the blocks that owns parameters (embeddings, final norm, LM head).
+Several consecutive blocks may make one unit (``layers=[[b0, b1], ...]`` or ``blocks_per_unit``):
+one collective for all of them, where a unit per block would pay each collective's latency.
 Parameters reachable from two units (tied embeddings) or owned directly by a module above the blocks
 go to the *root unit*, which stays gathered from the model's forward to the end of its backward.
 Every parameter belongs to exactly one unit.
@@ -27,9 +29,21 @@ from layershard.engine.flat import FlatParam, ParamSlot, ParamUse, view_keys
 @dataclass
 class UnitSpec:
     name: str
-    module: nn.Module | None  # whose forward triggers the gather; None for the root unit
+    # its modules in the order they run (one, or several consecutive blocks): the first one's
+    # forward gathers the unit, the last one's ends its forward; none for the root unit
+    modules: list[nn.Module]
     is_block: bool
     params: list[tuple[nn.Parameter, list[ParamUse]]] = field(default_factory=list)
+    module_names: list[str] = field(default_factory=list)
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The module whose forward gathers the unit (None: the root unit)."""
+        return self.modules[0] if self.modules else None
+
+    def owns(self, module_name: str) -> bool:
+        """Is ``module_name`` one of the unit's modules or inside one?"""
+        return any(module_name == n or module_name.startswith(n + ".") for n in self.module_names)
 
 
 def backward_needs_weights(spec: UnitSpec) -> bool:
@@ -60,14 +74,16 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def _resolve_layers(model: nn.Module, layers) -> list[nn.Module]:
+def _resolve_layers(model: nn.Module, layers, blocks_per_unit: int = 1) -> list[list[nn.Module]]:
+    """The blocks as units: a list of modules per unit (one module, or several that run one
+    after another)."""
     if layers is None:
-        return find_blocks(model)
+        layers = find_blocks(model)
     if isinstance(layers, nn.Module) and not isinstance(layers, nn.ModuleList):
         layers = [layers]
     names = dict((id(m), n) for n, m in model.named_modules())
-    out: list[nn.Module] = []
-    for i, layer in enumerate(layers):
+
+    def resolve(layer, where: str) -> nn.Module:
         if isinstance(layer, str):
             try:
                 layer = model.get_submodule(layer)
@@ -78,25 +94,48 @@ def _resolve_layers(model: nn.Module, layers) -> list[nn.Module]:
                 ) from None
         if not isinstance(layer, nn.Module) or id(layer) not in names or layer is model:
             raise ValueError(
-                f"shard(layers=...): layers[{i}] ({type(layer).__name__}) is not a submodule of "
+                f"shard(layers=...): {where} ({type(layer).__name__}) is not a submodule of "
                 "the model passed to shard(); pass modules of that model (e.g. model.layers)"
             )
-        out.append(layer)
-    block_names = [names[id(m)] for m in out]
+        return layer
+
+    groups: list[list[nn.Module]] = []
+    for i, entry in enumerate(layers):
+        if isinstance(entry, (list, tuple)) and not isinstance(entry, nn.ModuleList):
+            if not entry:
+                raise ValueError(f"shard(layers=...): layers[{i}] is an empty group")
+            groups.append([resolve(x, f"layers[{i}][{j}]") for j, x in enumerate(entry)])
+        else:
+            groups.append([resolve(entry, f"layers[{i}]")])
+    if blocks_per_unit > 1:  # consecutive entries merged, blocks_per_unit at a time
+        groups = [
+            [m for g in groups[i : i + blocks_per_unit] for m in g]
+            for i in range(0, len(groups), blocks_per_unit)
+        ]
+    block_names = [names[id(m)] for g in groups for m in g]
+    if len(set(block_names)) < len(block_names):
+        twice = next(n for n in block_names if block_names.count(n) > 1)
+        raise ValueError(f"shard(layers=...): {twice!r} is given twice; a module is in one unit")
     for a in block_names:
         for b in block_names:
             if a != b and b.startswith(a + "."):
                 raise ValueError(
                     f"shard(layers=...): {b!r} is nested inside {a!r}; units must not nest"
                 )
-    return out
+    return groups
 
 
-def find_units(model: nn.Module, layers: Iterable | None = None) -> list[UnitSpec]:
-    """Units in registration order: the root unit first (if any), then blocks and extra units."""
-    blocks = _resolve_layers(model, layers)
+def find_units(
+    model: nn.Module, layers: Iterable | None = None, blocks_per_unit: int = 1
+) -> list[UnitSpec]:
+    """Units in registration order: the root unit first (if any), then blocks and extra units.
+    A unit of several blocks is named for its modules joined by ``+``."""
+    groups = _resolve_layers(model, layers, blocks_per_unit)
     named = list(model.named_modules())
-    block_names = {n for n, m in named if any(m is b for b in blocks)}
+    name_of = {id(m): n for n, m in named}
+    # each block module's name -> its unit's key, the name of the unit's first module
+    unit_key = {name_of[id(m)]: name_of[id(g[0])] for g in groups for m in g}
+    block_names = set(unit_key)
 
     def inside_block(name: str) -> str | None:
         for b in block_names:
@@ -113,7 +152,7 @@ def find_units(model: nn.Module, layers: Iterable | None = None) -> list[UnitSpe
     for name, _ in named:
         b = inside_block(name)
         if b is not None:
-            owner_of[name] = b
+            owner_of[name] = unit_key[b]
         elif is_ancestor(name):
             owner_of[name] = ""
         else:
@@ -136,10 +175,15 @@ def find_units(model: nn.Module, layers: Iterable | None = None) -> list[UnitSpe
             param_of[id(p)] = p
 
     modules = dict(named)
-    specs: dict[str, UnitSpec] = {"": UnitSpec("<root>", None, False)}
+    specs: dict[str, UnitSpec] = {"": UnitSpec("<root>", [], False)}
+    by_key = {name_of[id(g[0])]: g for g in groups}
     for name, _ in named:
-        if name in block_names or name in extra_roots:
-            specs[name] = UnitSpec(name, modules[name], name in block_names)
+        if name in by_key:  # units of blocks in the order of their first module
+            g = by_key[name]
+            member_names = [name_of[id(m)] for m in g]
+            specs[name] = UnitSpec("+".join(member_names), g, True, [], member_names)
+        elif name in extra_roots:
+            specs[name] = UnitSpec(name, [modules[name]], False, [], [name])
     for pid, us in uses.items():
         unit_names = {owner_of[u.name.rpartition(".")[0]] for u in us}
         home = unit_names.pop() if len(unit_names) == 1 else ""  # tied across units -> root
@@ -153,14 +197,17 @@ class Unit:
     def __init__(
         self,
         name: str,
-        module: nn.Module | None,
+        modules: list[nn.Module],
         is_block: bool,
         flats: list[FlatParam],
         slot: GatherSlot,
         device: torch.device,
         gather_in_backward: bool = True,
     ):
-        self.name, self.module, self.is_block = name, module, is_block
+        self.name, self.modules, self.is_block = name, modules, is_block
+        # the module whose forward gathers the unit; the forward of the last of ``modules`` ends
+        # the unit's (they are the same but for a unit of several blocks)
+        self.module = modules[0] if modules else None
         self.flats, self.slot = flats, slot
         self.gather_in_backward = gather_in_backward  # False: an embedding (see units.py)
         # its trainable flat groups: one, and a second of experts in an expert-parallel layer

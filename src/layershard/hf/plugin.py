@@ -8,7 +8,7 @@ model is touched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -47,7 +47,8 @@ class ShardingPlugin:
     all of them (the model's own checkpointing), and the two cannot be combined.
     """
 
-    layers: Iterable[nn.Module | str] | None = None
+    layers: Iterable[nn.Module | str | Sequence[nn.Module | str]] | None = None
+    blocks_per_unit: int = 1
     mixed_precision: MixedPrecision | None = None
     strategy: str = "full"
     activation_checkpointing: int = 0

@@ -242,11 +242,11 @@ def offload_checkpointed_inputs(model: Any, pin_memory: bool | None = None) -> H
     if sharded is None:
         raise ValueError("offload_checkpointed_inputs(model): pass the model ls.shard() returned")
     blocks = [
-        u.module
+        m
         for u in sharded.units
         if u.is_block
-        and u.module is not None
-        and getattr(getattr(u.module.forward, "func", None), "__name__", "") == "checkpoint_forward"
+        for m in u.modules
+        if getattr(getattr(m.forward, "func", None), "__name__", "") == "checkpoint_forward"
     ]
     if not blocks:
         raise ValueError(

@@ -334,13 +334,15 @@ def _layout(param_numels: tuple[int, ...], world_size: int) -> tuple:
     return layout(list(param_numels), world_size)
 
 
-def units(shape: ModelShape) -> list[Unit]:
-    """layershard's units in forward order (root unit first, as ``find_units`` lists it)."""
-    return list(_units(shape))
+def units(shape: ModelShape, blocks_per_unit: int = 1) -> list[Unit]:
+    """layershard's units in forward order (root unit first, as ``find_units`` lists it);
+    ``blocks_per_unit`` K: each K consecutive blocks one unit, their parameters one flat group
+    (``ls.shard(blocks_per_unit=K)``)."""
+    return list(_units(shape, blocks_per_unit))
 
 
 @cache
-def _units(shape: ModelShape) -> tuple[Unit, ...]:
+def _units(shape: ModelShape, k: int = 1) -> tuple[Unit, ...]:
     out: list[Unit] = []
     embed = (shape.embedding_params,)
     if shape.tie_embeddings:
@@ -350,7 +352,10 @@ def _units(shape: ModelShape) -> tuple[Unit, ...]:
     if shape.pos_params:
         out.append(Unit("pos", (shape.pos_params,), "extra", needs_weights_in_backward=False))
     block = shape.block_param_numels
-    out += [Unit(f"layers.{i}", block, "block") for i in range(shape.n_layers)]
+    for i in range(0, shape.n_layers, k):
+        group = range(i, min(i + k, shape.n_layers))
+        name = "+".join(f"layers.{j}" for j in group)
+        out.append(Unit(name, block * len(group), "block"))
     norm = (shape.dim, shape.dim) if shape.gpt else (shape.dim,)
     out.append(Unit("norm", norm, "extra"))
     if not shape.tie_embeddings:

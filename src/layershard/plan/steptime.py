@@ -146,9 +146,14 @@ def _compute(shape: ModelShape, stages: list[Stage], gpu: GPU, e: Efficiency, to
     scale = 1.0 / e.compute_scale
     floors = elementwise_floors(shape.family)
     for s in stages:
-        if s.name.startswith("layers."):
-            sc = block_compute(shape, tokens, seq, gpu.peak_flops, hbm, km, floors, c,
-                               recompute=int(s.name.split(".")[1]) < k)  # fmt: skip
+        if s.name.startswith("layers."):  # one block, or several as one unit ("layers.0+...")
+            sc = StageCompute({}, {})
+            for name in s.name.split("+"):
+                one = block_compute(shape, tokens, seq, gpu.peak_flops, hbm, km, floors, c,
+                                    recompute=int(name.split(".")[1]) < k)  # fmt: skip
+                for mine, theirs in ((sc.fwd, one.fwd), (sc.bwd, one.bwd)):
+                    for kk, v in theirs.items():
+                        mine[kk] = mine.get(kk, 0.0) + v
         elif s.name == "lm_head":
             sc = head_compute(shape, tokens, gpu.peak_flops, hbm, km, c, loss, chunks)
         else:  # embedding lookups, the final norm: their bytes
@@ -188,6 +193,7 @@ def predict_time(
     latency_fn: Callable[[str, int, int], float] | None = None,
     cp: int = 1,
     cp_mode: str = "ring",
+    blocks_per_unit: int = 1,
 ) -> TimePlan:
     """Step time of one optimizer step (module docstring). Efficiencies: ``eff`` (default: the
     GPU's), ``compute_eff`` (a fraction of peak for every FLOP, instead of the kernel model)
@@ -229,8 +235,9 @@ def predict_time(
     wire = Wire.of(param_dtype, reduce_dtype, gather_dtype)
     c = wire.c
     stages, root = build_stages(
-        shape, layout, micro_batch, seq_len, checkpoint_layers, wire, loss_chunks, cp
-    )
+        shape, layout, micro_batch, seq_len, checkpoint_layers, wire, loss_chunks, cp,
+        blocks_per_unit,
+    )  # fmt: skip
     ct = ContextTime(shape, cp, cp_mode) if cp > 1 else None
     if mt:
         mt.extend(stages, root, micro_batch, seq_len, checkpoint_layers, wire)

@@ -18,7 +18,7 @@ The testbed is a small cluster whose GPUs are this CPU's ranks, so the same time
 Each bench implementation maps to the settings the planner knows: ``layershard`` is ``full``;
 ``-bf16r`` a bf16 reduction; ``-fp8``/``-int8`` gathers in 8 bits (their quantization's CPU time
 is not modelled); ``-hybrid`` sharded within a node; ``-hpz`` hpZ over a node; ``-grad_op``, ``-no_shard``
-themselves; FSDP2 and FSDP1
+themselves; ``-bK`` K blocks per unit (fewer, larger collectives); FSDP2 and FSDP1
 the same bytes as ``full``; DDP ``no_shard``.
 """
 
@@ -84,6 +84,8 @@ def _settings_of(impl: str, nproc: int) -> dict[str, Any] | None:
             kw["reshard_after_forward"] = nproc
         elif part in ("grad_op", "no_shard"):
             kw["strategy"] = part
+        elif part[:1] == "b" and part[1:].isdigit():  # -bK: K blocks per unit
+            kw["blocks_per_unit"] = int(part[1:])
         else:
             return None
     return kw

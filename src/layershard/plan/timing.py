@@ -313,21 +313,26 @@ def build_stages(
     wire: Wire,
     loss_chunks: int = 0,
     cp: int = 1,
+    blocks_per_unit: int = 1,
 ) -> tuple[list[Stage], Stage | None]:
     """Stages in forward order, and the root unit's (gathered at the start of the forward,
     kept all step, reduced at the end of the backward; no compute of its own). The chunked
     loss (``loss_chunks``) computes the logits again in the head's backward. ``cp``: each rank
-    computes ``seq_len / cp`` tokens of each sequence, over the whole sequence's keys."""
+    computes ``seq_len / cp`` tokens of each sequence, over the whole sequence's keys.
+    ``blocks_per_unit`` K: a stage per K blocks (one unit), computing theirs."""
     tokens = micro_batch * seq_len // cp
     k = max(0, min(checkpoint_layers, shape.n_layers))
     bf = block_fwd_flops(shape, tokens, seq_len)
     head = 2 * shape.head_params * tokens
     stages = [Stage("embed")] + ([Stage("pos")] if shape.pos_params else [])
-    for i in range(shape.n_layers):
-        stages.append(Stage(f"layers.{i}", bf, 2 * bf + (bf if i < k else 0.0)))
+    for i in range(0, shape.n_layers, blocks_per_unit):
+        group = range(i, min(i + blocks_per_unit, shape.n_layers))
+        recompute = bf * sum(j < k for j in group)
+        name = "+".join(f"layers.{j}" for j in group)
+        stages.append(Stage(name, bf * len(group), 2 * bf * len(group) + recompute))
     stages += [Stage("norm"), Stage("lm_head", head, 2 * head + (head if loss_chunks else 0.0))]
     by_name = {s.name: s for s in stages}
-    us = units(shape)
+    us = units(shape, blocks_per_unit)
     sharded = [u for u in us if not u.persistent]
     # Still gathered when backward starts (buffers.py, "between the passes"); the others are
     # gathered again.

@@ -86,6 +86,8 @@ _HELP = {
     "offload": "ls.CPUOffload(): shards, gradients and optimizer state in CPU memory",
     "compile": "torch.compile each block's forward (YAML: a mapping of torch.compile options)",
     "activation_checkpointing": "number of blocks recomputed in backward",
+    "blocks_per_unit": "K consecutive blocks per unit: one all-gather and one reduce-scatter for "
+    "K blocks (many small blocks over a high-latency link)",
     "loss_chunks": "compute the loss in K chunks, never holding the full fp32 logits (0: off)",
     "seed": "seed of the init and the data order",
     "eval_interval": "validate every N steps (0: only at start and end)",

@@ -111,6 +111,7 @@ class TrainConfig:
         Field(description="true, false or a mapping of torch.compile options"),
     ] = False
     activation_checkpointing: NonNegativeInt = 0  # number of blocks to recompute in backward
+    blocks_per_unit: PositiveInt = 1  # K consecutive blocks gathered and reduced as one unit
     loss_chunks: NonNegativeInt = 0  # the chunked loss (ls.chunked_loss) in K chunks; 0: off
     seed: Int = 0
     # --- evaluation, checkpoints, output ------------------------------------------------------

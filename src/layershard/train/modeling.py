@@ -282,6 +282,7 @@ def shard_options(cfg: TrainConfig, precision: str, device: torch.device) -> dic
     return {
         "mixed_precision": mp,
         "activation_checkpointing": cfg.activation_checkpointing,
+        "blocks_per_unit": cfg.blocks_per_unit,
         "device": device if device.type != "cpu" else None,
         "strategy": cfg.strategy,
         "shard_size": cfg.shard_size,
