@@ -146,6 +146,40 @@ def test_wire_options_are_layershard_runs():
     assert all(n in IMPLS and n in WIRE_IMPL for n in names if n)
 
 
+def test_blocks_per_unit_rows_are_layershard_runs(capsys, monkeypatch):
+    """`--blocks-per-unit K` names a layershard run per K and strategy ("layershard-b2",
+    "layershard-grad_op-b4"), which the worker takes and shards with blocks_per_unit=K; they sort
+    after the run they group; K < 2 and a -bK of another implementation are refused."""
+    from layershard.bench import impl_order, known_impl, split_blocks
+    from layershard.bench.worker import wrap
+
+    assert split_blocks("layershard-grad_op-b4") == ("layershard-grad_op", 4)
+    assert split_blocks("layershard") == ("layershard", 1)
+    assert split_blocks("layershard-bf16r") == ("layershard-bf16r", 1)
+    for bad in ("fsdp2-b2", "layershard-fp8-b2", "nonsense"):
+        with pytest.raises(ValueError):
+            known_impl(bad)
+    names = ["ddp", "layershard-b2", "layershard-grad_op", "layershard", "layershard-grad_op-b2"]
+    assert sorted(names, key=impl_order) == [
+        "layershard", "layershard-b2", "layershard-grad_op", "layershard-grad_op-b2", "ddp",
+    ]  # fmt: skip
+    from layershard.cli import main
+
+    assert main(["bench", "--blocks-per-unit", "1", "--out", "unused"]) == 2
+    assert "--blocks-per-unit takes K >= 2" in capsys.readouterr().err
+    import torch
+
+    import layershard as ls
+
+    given = {}
+    monkeypatch.setattr(ls, "shard", lambda model, **kw: given.update(kw) or model)
+    _, _, notes = wrap(
+        "layershard-grad_op-b2", torch.nn.Linear(2, 2), torch.device("cpu"), False, 2
+    )
+    assert given["blocks_per_unit"] == 2 and given["strategy"] == "grad_op"
+    assert notes["blocks_per_unit"] == 2
+
+
 @pytest.mark.slow
 def test_bench_tensor_parallel(tmp_path):
     """`--tp 2`: layershard-tp (ls.parallelize(model, tp=2), both ranks on the same batches)

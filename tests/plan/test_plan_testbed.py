@@ -53,3 +53,25 @@ def test_refuses_what_is_not_a_testbed_bench(tmp_path: Path, capsys) -> None:
     (tmp_path / "b/results.json").write_text(json.dumps(d))
     assert main(["plan", "--testbed", str(tmp_path / "b")]) == 2
     assert "not a testbed bench" in capsys.readouterr().err
+
+
+BUCKETS = BENCH.parents[2] / "deep-buckets-2x1/1gbit_100ms/deep"
+
+
+def test_blocks_per_unit_rows_send_the_same_bytes_in_fewer_collectives() -> None:
+    """The deep shape over a latency-bound link with K blocks per unit (benchmarks/links,
+    deep-buckets-2x1): the planner reads the -bK rows, sends the bench's bytes for each (within
+    0.5%: fewer, larger flats pad a little less), and charges fewer collectives' delays, so it
+    predicts K=2 and K=4 faster than a unit per block, as measured."""
+    rows, _ = testbed.predict_bench(BUCKETS)
+    by = {r.impl: r for r in rows}
+    assert {"layershard-b2", "layershard-b4", "layershard-grad_op-b4"} <= set(by)
+    for r in rows:
+        if r.impl.startswith("layershard"):
+            assert r.measured_bytes is not None
+            assert abs(r.network_bytes / r.measured_bytes - 1) < 5e-3, (r.impl, r.network_bytes)
+    for base in ("layershard", "layershard-grad_op"):
+        one, two, four = by[base], by[f"{base}-b2"], by[f"{base}-b4"]
+        assert two.exposed_network_s < one.exposed_network_s, base
+        assert four.exposed_network_s < one.exposed_network_s, base
+        assert two.measured_s < one.measured_s and four.measured_s < one.measured_s, base
