@@ -24,6 +24,7 @@ import layershard as ls
 from layershard.models import LlamaConfig, LlamaForCausalLM
 
 checks = RankChecks(world_size=2)
+more = RankChecks(world_size=2, slow=True)  # the integrations: outside the fast tier
 STEPS = 4
 
 
@@ -119,7 +120,7 @@ def _one_collective_per_unit(rank: int, world: int) -> None:
     )  # the same weights; only the padding of fewer, larger flats differs
 
 
-@checks.check
+@more.check
 def _explicit_groups_and_hf_checkpointing(rank: int, world: int) -> None:
     """``layers=[[...], ...]`` groups as given (names or modules); a transformers Llama with its
     own gradient checkpointing, whose recompute calls each block again inside the backward,
@@ -162,7 +163,7 @@ def _explicit_groups_and_hf_checkpointing(rank: int, world: int) -> None:
     ls.shard(hf(reentrant=True), blocks_per_unit=1)(x, labels=x).loss.backward()  # one per unit
 
 
-@checks.check
+@more.check
 def _meta_init_and_checkpoints_across_groupings(rank: int, world: int) -> None:
     """Deferred (meta-device) init of a grouped model equals eager init bit for bit, and a
     checkpoint saved with one grouping loads into another (it is per parameter)."""
@@ -183,6 +184,38 @@ def _meta_init_and_checkpoints_across_groupings(rank: int, world: int) -> None:
     a, b = grouped.full_state_dict(), per_block.full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     dist.barrier()
+
+
+@more.check
+def _with_tensor_expert_and_context_parallelism(rank: int, world: int) -> None:
+    """Grouped under ``ls.parallelize``: tp=2 (DTensor shards in the flat groups), ep=2 (each
+    unit's experts a flat group over the expert group) and cp=2 (each sequence split over both
+    ranks) train bit for bit as with a unit per block."""
+    from test_moe import tiny_moe
+
+    from layershard.parallel.context import context_batch
+
+    def cp_loss(model, x):
+        return model(**context_batch(model, x, x)).loss
+
+    for kw, make, parts, loss in (
+        ({"tp": 2}, lambda: tiny_llama(n_layers=4), 1, lm_loss),
+        ({"ep": 2}, tiny_moe, 2, lm_loss),
+        ({"cp": 2}, lambda: tiny_llama(n_layers=4), 1, cp_loss),
+    ):
+        runs = []
+        for k in (1, 2):
+            model = ls.parallelize(make(), blocks_per_unit=k, **kw)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = []
+            for x in batches(3):
+                step_loss = loss(model, local(x, rank % parts, parts))
+                step_loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(step_loss.item())
+            runs.append((losses, model.full_state_dict()))
+        _same(runs[0], runs[1], str(kw))
 
 
 class _Skip(torch.nn.Module):
@@ -220,3 +253,4 @@ def _refused_groupings(rank: int, world: int) -> None:
 
 
 checks.collect(globals())
+more.collect(globals())
