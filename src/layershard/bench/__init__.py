@@ -6,6 +6,8 @@ The worker (``layershard.bench.worker``) runs one implementation and writes one 
 ``layershard.bench.report`` aggregates them into a table, ``results.json`` and ``bench.png``.
 """
 
+import re
+
 # Steps a worker runs after the timed ones (collectives counted, model state measured, memory
 # tracked or not): what crosses a testbed's links during a run is per all of its steps.
 UNTIMED_STEPS = 3
@@ -81,9 +83,9 @@ def wire_impl(gather: str | None, reduce: str) -> str | None:
 # name ("layershard-b2", "layershard-grad_op-b4").
 def split_blocks(impl: str) -> tuple[str, int]:
     """(the implementation without its "-bK", K); K is 1 without one."""
-    base, _, k = impl.rpartition("-b")
-    if base.startswith("layershard") and k.isdigit() and int(k) > 1:
-        return base, int(k)
+    m = re.fullmatch(r"(layershard.*)-b([1-9][0-9]*)", impl)
+    if m and int(m[2]) > 1:
+        return m[1], int(m[2])
     return impl, 1
 
 

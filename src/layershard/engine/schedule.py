@@ -209,6 +209,7 @@ class Schedule:
         if not self.in_backward():
             self.phase = Phase.IDLE
             self.spare.clear()  # also where the forward's last unit did not run
+            self.block_runs.finish()  # a unit of several blocks left open raises
 
     def quiesce(self) -> None:
         """Wait for every collective in flight that reads or writes a shard or a buffer. Every
@@ -244,7 +245,7 @@ class Schedule:
             self._ensure_for_backward(u, bw)
             self._bind(u, None)
             return None
-        self.block_runs.enter(u, self._grad_forward)
+        self.block_runs.enter(u, self._grad_forward, self.phase is Phase.FORWARD)
         if self._recorded is not None:
             self._recorded.append(u)
         self._uses += 1

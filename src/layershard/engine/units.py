@@ -101,13 +101,19 @@ def _resolve_layers(model: nn.Module, layers, blocks_per_unit: int = 1) -> list[
 
     groups: list[list[nn.Module]] = []
     for i, entry in enumerate(layers):
-        if isinstance(entry, (list, tuple)) and not isinstance(entry, nn.ModuleList):
+        # a list, or a ModuleList that is not the model's own (a slice: model.layers[:2])
+        group = isinstance(entry, (list, tuple)) or (
+            isinstance(entry, nn.ModuleList) and id(entry) not in names
+        )
+        if group:
             if not entry:
                 raise ValueError(f"shard(layers=...): layers[{i}] is an empty group")
             groups.append([resolve(x, f"layers[{i}][{j}]") for j, x in enumerate(entry)])
         else:
             groups.append([resolve(entry, f"layers[{i}]")])
-    if blocks_per_unit > 1:  # consecutive entries merged, blocks_per_unit at a time
+    if blocks_per_unit > 1 and any(len(g) > 1 for g in groups):
+        raise ValueError("shard(): pass blocks_per_unit= or groups of blocks in layers=, not both")
+    if blocks_per_unit > 1:  # consecutive blocks merged, blocks_per_unit at a time
         groups = [
             [m for g in groups[i : i + blocks_per_unit] for m in g]
             for i in range(0, len(groups), blocks_per_unit)

@@ -204,7 +204,10 @@ def predict_time(
     ``gather_dtype``: fp8/int8 weights over the all-gathers (their bytes; the quantize and
     dequantize kernels are not modelled). ``mesh``: a ``parallel.Mesh`` (TP and EP sizes;
     ``plan/parallel.py``). ``cp``, ``cp_mode``: context parallelism, ``micro_batch`` sequences
-    per CP group of ``cp`` ranks (``plan/context.py``)."""
+    per CP group of ``cp`` ranks (``plan/context.py``). ``blocks_per_unit``: K blocks per unit
+    (``ls.shard(blocks_per_unit=K)``), not modelled with a mesh or ``cp``."""
+    if blocks_per_unit > 1 and (cp > 1 or (mesh is not None and not mesh.trivial)):
+        raise ValueError("predict_time: blocks_per_unit above 1 is not modelled with tp/ep/cp")
     shape = ModelShape.from_config(config)
     full, mt = shape, None
     if mesh is not None and not mesh.trivial:
