@@ -78,6 +78,7 @@ CASES = [
     ("grad_op", lambda: tiny_llama(n_layers=4), {"strategy": "grad_op"}, 1),
     ("checkpointed", lambda: tiny_llama(n_layers=4), {"activation_checkpointing": 3}, 1),
     ("no_sync", lambda: tiny_llama(n_layers=4), {}, 2),
+    ("offload", lambda: tiny_llama(n_layers=4), {"offload": ls.CPUOffload()}, 1),
     ("tied_frozen", lambda: _frozen_mlp(tiny_llama(n_layers=4, tie_embeddings=True)), {}, 1),
     # fp8 gathers (a scale per parameter) and bf16 reductions (each element's fp32 sum rounded
     # once): per element too, so bitwise as well
@@ -88,8 +89,8 @@ CASES = [
 @checks.check
 def _bitwise_as_one_unit_per_block(rank: int, world: int) -> None:
     """blocks_per_unit 2, 3 (an odd last unit) and 4 train bit for bit as a unit per block:
-    full, grad_op, activation checkpointing across a unit's blocks, no_sync accumulation, tied
-    embeddings with a partly frozen unit, fp8 gathers with bf16 reductions."""
+    full, grad_op, activation checkpointing across a unit's blocks, no_sync accumulation, CPU
+    offload, tied embeddings with a partly frozen unit, fp8 gathers with bf16 reductions."""
     for name, make, kw, micro in CASES:
         per_block = _train(ls.shard(make(), **kw), rank, world, micro=micro)
         for k in (2, 3, 4) if name == "full" else (2,):
