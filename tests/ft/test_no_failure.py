@@ -50,13 +50,30 @@ def _hybrid(
     )
 
 
-def _compare(tmp_path, groups: int, ranks: int, **cfg) -> None:
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """``hybrid(world, shard_size, kind)``: where the hybrid run of that layout and model wrote
+    its ranks' results (``PREFIX.RANK``), run once a module: the transformers Llama's serves
+    both its ls.ft loops (the plain one and accelerate's)."""
+    made: dict[tuple[int, int, str], Path] = {}
+
+    def get(world: int, shard_size: int, kind: str) -> Path:
+        if (world, shard_size, kind) not in made:
+            prefix = tmp_path_factory.mktemp("hybrid") / "hybrid"
+            run_ranks(_hybrid, world, STEPS, str(prefix), shard_size, kind)
+            made[(world, shard_size, kind)] = prefix
+        return made[(world, shard_size, kind)]
+
+    return get
+
+
+def _compare(tmp_path, hybrid, groups: int, ranks: int, **cfg) -> None:
     kind = {"accelerate": "hf"}.get(cfg.get("model", "llama"), cfg.get("model", "llama"))
-    run_ranks(_hybrid, groups * ranks, STEPS, str(tmp_path / "hybrid"), ranks, kind)
+    reference = hybrid(groups * ranks, ranks, kind)
     with FTRun(tmp_path, groups, ranks, STEPS, deadline_s=120, min_replicas=groups, **cfg) as run:
         outs = run.run()
     for (g, r), out in outs.items():
-        ref = torch.load(tmp_path / f"hybrid.{g * ranks + r}", weights_only=False)
+        ref = torch.load(f"{reference}.{g * ranks + r}", weights_only=False)
         recs = out["records"]
         assert [x["committed"] for x in recs] == [True] * STEPS, recs
         assert [x["participants"] for x in recs] == [groups] * STEPS, recs
@@ -66,31 +83,31 @@ def _compare(tmp_path, groups: int, ranks: int, **cfg) -> None:
         assert out["report"]["events"] == [] and out["report"]["step"] == STEPS
 
 
-def test_two_groups_equal_hybrid(tmp_path):
-    _compare(tmp_path, GROUPS, RANKS)
+def test_two_groups_equal_hybrid(tmp_path, hybrid):
+    _compare(tmp_path, hybrid, GROUPS, RANKS)
 
 
 @pytest.mark.slow
-def test_three_groups_of_one_equal_hybrid(tmp_path):
+def test_three_groups_of_one_equal_hybrid(tmp_path, hybrid):
     """3 groups x 1 rank against hybrid over 3 ranks (shard_size=1: a replicate group of 3).
     A sum of three depends on its order; here torchft's gloo group all-reduces each flat group's
     slice alone (``bucket_mb=0``: buffers of hybrid's sizes, which gloo splits and sums as it
     does hybrid's) over the groups in hybrid's rank order, and the results are bitwise."""
-    _compare(tmp_path, 3, 1, bucket_mb=0)
+    _compare(tmp_path, hybrid, 3, 1, bucket_mb=0)
 
 
 @pytest.mark.slow
-def test_transformers_model_equals_hybrid(tmp_path):
+def test_transformers_model_equals_hybrid(tmp_path, hybrid):
     """A transformers ``LlamaForCausalLM`` through ls.ft, 2 groups x 1 rank, against hybrid over
     2 ranks (``shard_size=1``): the same loop as the built-in model's, bit for bit."""
-    _compare(tmp_path, 2, 1, model="hf")
+    _compare(tmp_path, hybrid, 2, 1, model="hf")
 
 
 @pytest.mark.slow
-def test_accelerate_loop_equals_hybrid(tmp_path):
+def test_accelerate_loop_equals_hybrid(tmp_path, hybrid):
     """``ls.hf.Accelerator().prepare(model, optimizer)``, then ls.ft on what it returns, and
     ``accelerator.backward``: 2 groups x 1 rank of a transformers Llama, bit for bit hybrid's."""
-    _compare(tmp_path, 2, 1, model="accelerate")
+    _compare(tmp_path, hybrid, 2, 1, model="accelerate")
 
 
 def test_buckets():

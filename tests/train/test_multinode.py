@@ -110,21 +110,31 @@ def no_leftovers(tmp_path):
     assert not left, left
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+def nodes_cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.getbasetemp() / "ls-cache-nodes")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache) -> Path:
-    """One node, two ranks, uninterrupted."""
+def one_node_run(tmp_path_factory) -> Path:
+    """One node, two ranks, uninterrupted (made once a session: tests/conftest.py)."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    os.environ["LAYERSHARD_CACHE"] = cache
+    os.environ["LAYERSHARD_CACHE"] = nodes_cache_dir(tmp_path_factory)
     try:
         assert train_main([*TINY, *COMMON, "--run-dir", str(run)]) == 0
     finally:
         del os.environ["LAYERSHARD_CACHE"]
     return run
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return nodes_cache_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(nodes_reference) -> Path:
+    """One node, two ranks, uninterrupted: the run this module's and tests/testbed's runs end
+    like, made once for both (only read)."""
+    return nodes_reference
 
 
 def _val(run: Path) -> float:

@@ -20,21 +20,15 @@ def _metric(run, key: str) -> list[float]:
     return [r[key] for r in rows if key in r]
 
 
-def test_train_qlora_from_a_model_folder(tmp_path):
+def test_train_qlora_from_a_model_folder(tmp_path, qlora_base):
     import peft
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    cfg.save_pretrained(str(tmp_path / "hf"))
-    base = tmp_path / "base"  # a model folder with its tokenizer.json, as --init-from reads
-    args = ["--steps", "1", "--eval-interval", "0", *TINY]
-    assert train_main(["--run-dir", str(base), "--hf-config", str(tmp_path / "hf"), *args]) == 0
+    # qlora_base (tests/conftest.py): a model folder with its tokenizer.json, as --init-from
+    # reads; one step of a 2-layer, 64-wide transformers Llama, shared with the bf16 test
     run, resumed = tmp_path / "qlora", tmp_path / "resumed"
     args = ["--steps", "6", "--eval-interval", "0", "--lr", "1e-2", "--checkpoint-interval", "3",
-            "--init-from", str(base / "final"), "--qlora", *TINY]  # fmt: skip
+            "--init-from", str(qlora_base), "--qlora", *TINY]  # fmt: skip
     assert train_main(["--run-dir", str(run), *args]) == 0
     val = _metric(run, "val_loss")
     assert val[-1] < val[0]  # the adapters learned
@@ -46,7 +40,7 @@ def test_train_qlora_from_a_model_folder(tmp_path):
     files = sorted(p.name for p in (run / "final").iterdir())
     assert "adapter_model.safetensors" in files and not any(f.startswith("model") for f in files)
     four_bit = transformers.AutoModelForCausalLM.from_pretrained(
-        str(base / "final"), device_map="cpu",
+        str(qlora_base), device_map="cpu",
         quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True),
     )  # fmt: skip
     loaded = peft.PeftModel.from_pretrained(four_bit, str(run / "final"))

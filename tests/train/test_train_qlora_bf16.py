@@ -22,19 +22,10 @@ def _losses(run) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def test_train_qlora_bf16_resumes(tmp_path):
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    cfg.save_pretrained(str(tmp_path / "hf"))
-    base = tmp_path / "base"
-    args = ["--steps", "1", "--eval-interval", "0", *TINY]
-    assert train_main(["--run-dir", str(base), "--hf-config", str(tmp_path / "hf"), *args]) == 0
+def test_train_qlora_bf16_resumes(tmp_path, qlora_base):
+    # qlora_base (tests/conftest.py): one step of a 2-layer, 64-wide transformers Llama
     args = ["--steps", "4", "--eval-interval", "0", "--lr", "1e-2", "--checkpoint-interval", "2",
-            "--init-from", str(base / "final"), "--qlora", "--precision", "bf16", *TINY]  # fmt: skip
+            "--init-from", str(qlora_base), "--qlora", "--precision", "bf16", *TINY]  # fmt: skip
     run, resumed = tmp_path / "run", tmp_path / "resumed"
     assert train_main(["--run-dir", str(run), *args]) == 0
     losses = _losses(run)
