@@ -1047,8 +1047,38 @@ def _engine_matches_prediction(rank: int, world: int) -> None:
             )
             assert report == pred, (kw, pd, report, pred)
             assert stats == collectives_per_step(cfg, world, pd, rd, grad_accum=2, no_sync=True)
+    _grouped_matches_prediction(rank, world)
     if world == 4:  # one spawn for both checks (each costs seconds of process start-up)
         _strategies_match_engine(rank, world)
+
+
+def _grouped_matches_prediction(rank: int, world: int) -> None:
+    """2 blocks per unit (3 blocks: a unit of 2 and one of 1): buffers, slices and collectives
+    as the planner counts them for ``blocks_per_unit=2``."""
+    import layershard as ls
+
+    cfg = LlamaConfig(**ENGINE_CONFIGS[0])
+    torch.manual_seed(0)
+    model = ls.shard(
+        LlamaForCausalLM(cfg), mixed_precision=ls.MixedPrecision(torch.bfloat16), blocks_per_unit=2
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    model.comm_stats(reset=True)
+    out = model(x, labels=x)
+    turns = {id(u.slot): u.slot for u in model.units if u.slot.in_turns}.values()
+    held = sum(s.data.untyped_storage().nbytes() for s in turns)
+    released = released_between_passes(cfg, world, torch.bfloat16, blocks_per_unit=2)
+    assert sum(s.capacity for s in turns) - held == released, held
+    out.loss.backward()
+    stats = model.comm_stats()
+    opt.step()
+    pred = predict_memory(cfg, world, torch.bfloat16, torch.float32, "adamw", rank=rank,
+                          backend="gloo", blocks_per_unit=2)  # fmt: skip
+    assert model.memory_report(opt) == pred, (model.memory_report(opt), pred)
+    assert stats == collectives_per_step(cfg, world, torch.bfloat16, blocks_per_unit=2)
+    assert pred != predict_memory(cfg, world, torch.bfloat16, torch.float32, "adamw", rank=rank,
+                                  backend="gloo")  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [3, 4])

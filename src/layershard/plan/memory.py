@@ -182,6 +182,7 @@ def predict_memory(
     shard_size: int | None = None,
     reshard_after_forward: bool | int = True,
     offload: bool = False,
+    blocks_per_unit: int = 1,
 ) -> dict[str, int]:
     """Per-rank bytes of layershard's model states, keyed as ``ShardedModule.memory_report()``,
     for every strategy of ``ls.shard`` (byte for byte, tested).
@@ -195,6 +196,9 @@ def predict_memory(
     ``backend="gloo"`` (CPU) reduce-scatters through an all-to-all, and so does a 16-bit
     ``reduce_dtype`` on every backend (fp32 sums): its ``reduce_scratch`` receives whole units,
     not shards.
+
+    ``blocks_per_unit``: K blocks per unit (``ls.shard(blocks_per_unit=K)``): the buffers
+    sized for units of K blocks.
 
     ``strategy``: ``full`` (ZeRO-3; ``reshard_after_forward=K`` adds each unit's 1/K kept for
     the backward), ``grad_op`` (ZeRO-2: a gather buffer per unit, the whole model in the compute
@@ -220,7 +224,7 @@ def predict_memory(
     # torch's Adam/AdamW keep a 4-byte fp32 ``step`` tensor per parameter
     adam = optimizer is not None and optimizer.lower() in ("adam", "adamw", "adamw-fused")
     step_bytes = 4 * shape.n_param_tensors if adam else 0
-    us = units(shape)
+    us = units(shape, blocks_per_unit)  # K blocks per unit: buffers of K blocks
 
     # compute on the shards themselves: one rank per shard group, fp32, not offloaded
     in_place = s_n == 1 and c == 4 and not offload
@@ -453,6 +457,7 @@ def released_between_passes(
     param_dtype: Any = "bf16",
     strategy: str = "full",
     shard_size: int | None = None,
+    blocks_per_unit: int = 1,
 ) -> int:
     """Bytes of ``gather_buffers`` given back from the forward's last unit to backward: the two
     slots in turns, except the last unit's weights if it takes one of them (the engine's
@@ -461,7 +466,8 @@ def released_between_passes(
     if strategy in ("grad_op", "no_shard"):
         return 0
     s_n = int(shard_size or world_size) if strategy == "hybrid" else int(world_size)
-    sharded = [u for u in units(ModelShape.from_config(config)) if not u.persistent]
+    shape = ModelShape.from_config(config)
+    sharded = [u for u in units(shape, blocks_per_unit) if not u.persistent]
     if not sharded:
         return 0
     others = [u.padded_numel(s_n) for u in sharded]

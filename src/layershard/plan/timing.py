@@ -407,12 +407,13 @@ def _step_transfers_for(
     reshard_after_forward: bool | int,
     offload: bool,
     gpus_per_node: int | None,
+    blocks_per_unit: int = 1,
 ) -> list[Transfer]:
     shape = ModelShape.from_config(config)
     layout = resolve_layout(
         strategy, world_size, shard_size, reshard_after_forward, gpus_per_node, offload
     )
-    stages, root = build_stages(shape, layout, 1, 1, 0, wire)
+    stages, root = build_stages(shape, layout, 1, 1, 0, wire, blocks_per_unit=blocks_per_unit)
     return step_transfers(stages, root, grad_accum, no_sync, world_size, not layout.keep_gathered)
 
 
@@ -428,6 +429,7 @@ def collectives_per_step(
     reshard_after_forward: bool | int = True,
     offload: bool = False,
     gather_dtype: str | None = None,
+    blocks_per_unit: int = 1,
 ) -> dict[str, dict[str, int]]:
     """The collectives of one optimizer step, in the format of ``ShardedModule.comm_stats()``:
     count, full-buffer bytes (before the (N-1)/N ring factor) and count per phase (without
@@ -436,7 +438,7 @@ def collectives_per_step(
     wire = Wire.of(param_dtype, reduce_dtype, gather_dtype)
     ts = _step_transfers_for(
         config, world_size, wire, grad_accum, no_sync, strategy, shard_size,
-        reshard_after_forward, offload, None,
+        reshard_after_forward, offload, None, blocks_per_unit,
     )  # fmt: skip
     return _aggregate(ts)
 
