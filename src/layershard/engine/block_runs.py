@@ -65,6 +65,10 @@ class BlockRuns:
             )
         self.next += 1
 
+    def reset(self) -> None:
+        """A new forward: what one that raised left open is over."""
+        self.open = None
+
     def leave(self, u: Unit) -> None:
         if self.open is u:
             self.open = None

@@ -171,7 +171,7 @@ class Schedule:
         # that raised may have left state behind.
         self._drop_failed_pass()
         self._pop_saved_tensor_hooks()
-        self.block_runs.open = None
+        self.block_runs.reset()
         self.reducer.finish()
         for u in self.all_units():
             u.unbind()

@@ -211,9 +211,6 @@ class Unit:
         gather_in_backward: bool = True,
     ):
         self.name, self.modules, self.is_block = name, modules, is_block
-        # the module whose forward gathers the unit; the forward of the last of ``modules`` ends
-        # the unit's (they are the same but for a unit of several blocks)
-        self.module = modules[0] if modules else None
         self.flats, self.slot = flats, slot
         self.gather_in_backward = gather_in_backward  # False: an embedding (see units.py)
         # its trainable flat groups: one, and a second of experts in an expert-parallel layer
@@ -239,6 +236,12 @@ class Unit:
         self.secondary: list[torch.Tensor] | None = None
         self.bound = False
         self.span: record_function | None = None  # profiler label of the compute in progress
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The module whose forward gathers the unit (None: the root unit); the forward of the
+        last of ``modules`` ends the unit's (the same module but for several blocks)."""
+        return self.modules[0] if self.modules else None
 
     @property
     def acc_dirty(self) -> bool:

@@ -352,15 +352,20 @@ def _units(shape: ModelShape, k: int = 1) -> tuple[Unit, ...]:
     if shape.pos_params:
         out.append(Unit("pos", (shape.pos_params,), "extra", needs_weights_in_backward=False))
     block = shape.block_param_numels
-    for i in range(0, shape.n_layers, k):
-        group = range(i, min(i + k, shape.n_layers))
-        name = "+".join(f"layers.{j}" for j in group)
+    for name, group in block_groups(shape.n_layers, k):
         out.append(Unit(name, block * len(group), "block"))
     norm = (shape.dim, shape.dim) if shape.gpt else (shape.dim,)
     out.append(Unit("norm", norm, "extra"))
     if not shape.tie_embeddings:
         out.append(Unit("lm_head", (shape.head_params,), "extra"))
     return tuple(out)
+
+
+def block_groups(n_layers: int, k: int) -> list[tuple[str, range]]:
+    """The blocks as units of ``k`` consecutive blocks: (unit name, block indices), named as
+    ``find_units`` names them ("layers.0+layers.1")."""
+    groups = [range(i, min(i + k, n_layers)) for i in range(0, n_layers, k)]
+    return [("+".join(f"layers.{j}" for j in g), g) for g in groups]
 
 
 def load_model(preset: str | None = None, hf_config: str | None = None) -> ModelShape:

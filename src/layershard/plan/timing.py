@@ -64,7 +64,7 @@ from typing import Any
 from layershard.engine.gather_slots import assign_gather_slots, gathered_into_backward
 from layershard.plan.hardware import Cluster
 from layershard.plan.memory import dtype_bytes, strategy_name
-from layershard.plan.model import ModelShape, Unit, units
+from layershard.plan.model import ModelShape, Unit, block_groups, units
 
 # Bytes the optimizer step streams per shard element (fp32 states): read p, g and each state,
 # write p and each state.
@@ -325,10 +325,8 @@ def build_stages(
     bf = block_fwd_flops(shape, tokens, seq_len)
     head = 2 * shape.head_params * tokens
     stages = [Stage("embed")] + ([Stage("pos")] if shape.pos_params else [])
-    for i in range(0, shape.n_layers, blocks_per_unit):
-        group = range(i, min(i + blocks_per_unit, shape.n_layers))
+    for name, group in block_groups(shape.n_layers, blocks_per_unit):
         recompute = bf * sum(j < k for j in group)
-        name = "+".join(f"layers.{j}" for j in group)
         stages.append(Stage(name, bf * len(group), 2 * bf * len(group) + recompute))
     stages += [Stage("norm"), Stage("lm_head", head, 2 * head + (head if loss_chunks else 0.0))]
     by_name = {s.name: s for s in stages}
