@@ -3,7 +3,7 @@
 A sharded model may need groups besides the one it runs on: a gloo *control* group for the small
 agreements of an NCCL model (``Comm.control``), a gloo group for its asynchronous checkpoint
 saves (checkpoint/save.py), its strategy's hpZ or hybrid groups (engine/strategy.py), and on
-gloo the *lanes* of the groups it gathers over (``lanes``, engine/collectives.py). Each
+gloo the *lanes* and *routes by node* of the groups it gathers over (engine/gloo_routes.py). Each
 model has one ``Groups`` (``model.sharding.groups``), and every group is made by ``Groups.make``.
 
 Who calls, in which order:
@@ -145,17 +145,22 @@ class Groups:
         return group
 
     def lanes(self, purpose: str, group: dist.ProcessGroup) -> list[dist.ProcessGroup]:
-        """``group``'s size of groups of its ranks, one per member (``engine/collectives.py``:
+        """``group``'s size of groups of its ranks, one per member (``engine/gloo_routes.py``:
         on gloo, what rank r sends goes on lane r, so that no TCP connection carries data both
         ways at once). Every group of the partition ``group`` belongs to is made, read from
         every rank of the model. Collective at shard()."""
         ranks = dist.get_process_group_ranks(group)
-        everyone: list = [None] * len(self.ranks)
-        dist.all_gather_object(everyone, ranks, group=self.parent)
-        partition = [list(r) for r in sorted({tuple(r) for r in everyone})]
+        partition = self.partition_of(ranks)
         out = [self.make(f"{purpose}-lane{i}", partition) for i in range(len(ranks))]
         assert all(g is not None for g in out)  # this rank is in its own group's lanes
         return out  # type: ignore[return-value]
+
+    def partition_of(self, ranks: list[int]) -> Partition:
+        """The partition that this rank's group ``ranks`` belongs to: every rank's group, read
+        from every rank of the model (sorted, so the same list on each). Collective."""
+        everyone: list = [None] * len(self.ranks)
+        dist.all_gather_object(everyone, ranks, group=self.parent)
+        return [list(r) for r in sorted({tuple(r) for r in everyone})]
 
     def _new(self, partition: Partition, backend: str) -> dist.ProcessGroup | None:
         me = dist.get_rank()

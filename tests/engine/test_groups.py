@@ -37,6 +37,7 @@ import layershard as ls
 
 checks = RankChecks(world_size=4)
 STEPS = 3
+INT8 = ls.MixedPrecision(torch.float32, torch.float32, gather_dtype=torch.int8)
 
 
 @contextlib.contextmanager
@@ -221,6 +222,54 @@ def gloo_lanes_change_no_bit(rank: int, world: int) -> None:
         (a, sa), (b, sb) = results["1", hpz], results["0", hpz]
         assert a == b, (hpz, a, b)
         assert all(torch.equal(sa[k], sb[k]) for k in sa), hpz
+
+
+@checks.check
+def routes_by_node_sum_as_hybrid(rank: int, world: int) -> None:
+    """Two "nodes" of 2 ranks on one machine (``LOCAL_WORLD_SIZE=2``): ``full`` over the 4 ranks
+    routes its gathers and reduce-scatters by node (engine/gloo_routes.py: a group within each
+    node, and one across the nodes per node). The gathers move the same chunks (the first step's
+    loss equals the flat routes', exact and with int8 gathers), and each gradient is the sum over
+    the nodes of the sum within each, in order, which is ``hybrid``'s order: three steps of
+    ``full`` by node are bit for bit ``hybrid``'s (losses and weights), as are hpZ's (its
+    reductions are ``full``'s, its backward gathers within a node), and within the spread of
+    the legitimate summation orders of the single-process reference, as the flat routes are."""
+    runs = {}
+    for name, env, opts in [
+        ("node", "1", {}),
+        ("flat", "0", {}),
+        ("hybrid", "1", {"strategy": "hybrid"}),
+        ("node-hpz", "1", {"reshard_after_forward": 2}),
+        ("node-int8", "1", {"mixed_precision": INT8}),
+        ("flat-int8", "0", {"mixed_precision": INT8}),
+    ]:
+        with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": "2", "LAYERSHARD_GLOO_NODES": env}):
+            model = ls.shard(_tiny(), **opts)
+        routes = model._schedule.comm.routes
+        if name.startswith("node"):
+            route = routes.nodes["shard"]
+            assert (route.nodes, route.per_node) == (2, 2), route
+            assert (route.node, route.local) == divmod(rank, 2), route
+            assert len(model._schedule.comm.lanes) == 3  # one within, two across
+        else:
+            assert not routes.nodes, name
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = train_losses(model, batches(STEPS), rank, world, opt)
+        runs[name] = (losses, model.full_state_dict(rank0_only=False))
+        del model, opt
+    node, s_node = runs["node"]
+    for other in ("hybrid", "node-hpz"):
+        losses, state = runs[other]
+        assert node == losses, (other, node, losses)
+        assert all(torch.equal(s_node[k], state[k]) for k in s_node), other
+    assert runs["node"][0][0] == runs["flat"][0][0]
+    assert runs["node-int8"][0][0] == runs["flat-int8"][0][0]
+    reference = _tiny()
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    reference_losses(reference, batches(STEPS), opt)
+    bound = param_bound(reference, *train_in_orders(_tiny(), batches(STEPS), world))
+    for name in ("node", "flat"):
+        assert max_diff(runs[name][1], reference)[0] <= bound, name
 
 
 @checks.check

@@ -812,14 +812,15 @@ def test_suggest_offload_when_nothing_else_fits():
 # --- calibration -------------------------------------------------------------------------------
 
 
-def _train_run(path, step_times, world=1, grad_accum=1, vocab=4096, precision="bf16"):
+def _train_run(path, step_times, world=1, grad_accum=1, vocab=4096, precision="bf16", **extra):
     """A `layershard train` run folder as the loop leaves it (the files calibration reads)."""
     import yaml
 
     path.mkdir()
     cfg = {"model": "tiny", "model_overrides": {}, "seq_len": 256, "micro_batch": 4,
            "precision": precision, "activation_checkpointing": 1,
-           "_resolved": {"world_size": world, "grad_accum": grad_accum, "vocab_size": vocab}}  # fmt: skip
+           "_resolved": {"world_size": world, "grad_accum": grad_accum, "vocab_size": vocab},
+           **extra}  # fmt: skip
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
     (path / "metrics.jsonl").write_text(
         "".join(
@@ -854,6 +855,24 @@ def test_calibrate_train_run_recovers_compute_efficiency(tmp_path):
     (tmp_path / "run" / "summary.json").write_text(json.dumps({"params": 123}))
     with pytest.raises(ValueError, match="123"):
         read_runs([tmp_path / "run"], gpus_per_node=8)
+
+
+def test_calibrate_fits_a_run_of_several_blocks_per_unit(tmp_path):
+    """A run with ``blocks_per_unit: 2`` is fitted as what it ran (fewer, larger collectives),
+    not refused nor taken as K = 1: its steps, made by the model with K = 2 at compute x 0.31
+    over 8 GPUs on 2 nodes, give back 0.31; fitted as K = 1 they would not."""
+    gpu = get_gpu("h100")
+    shape = ModelShape.from_config(build_config("tiny", vocab_size=4096))
+    true = replace(gpu.eff, compute_scale=0.31)
+    cluster = Cluster(8, 4)
+    t = predict_time(shape, gpu, cluster, 4, 256, 1, eff=true, blocks_per_unit=2).step_s
+    t1 = predict_time(shape, gpu, cluster, 4, 256, 1, eff=true).step_s
+    assert abs(t1 / t - 1) > 1e-3  # the test tells K = 2 from K = 1
+    _train_run(tmp_path / "run", [t] * 10, world=8, blocks_per_unit=2)
+    (m,) = read_runs([tmp_path / "run"], gpus_per_node=4)
+    assert m.settings.blocks_per_unit == 2
+    f = fit([m], gpu)
+    assert f.after.compute_scale == pytest.approx(0.31, rel=1e-4)
 
 
 def _bench(path, gpu, eff, vocab=4000, worlds=(2, 4)):
@@ -1113,3 +1132,32 @@ def _strategies_match_engine(rank: int, world: int) -> None:
         assert stats == expected, (name, stats, expected)
         plan_kw.pop("offload", None)
         assert by_group == collectives_by_group(cfg, world, 2, True, **plan_kw), (name, by_group)
+
+
+def test_cli_blocks_per_unit(tmp_path, capsys):
+    """``layershard plan --blocks-per-unit 2``: the plan is the library's with K = 2 (memory by
+    ``predict_memory``, step by ``predict_time``, both given ``blocks_per_unit=2``, which the
+    engine tests above hold byte for byte), larger buffers than K = 1, said in the strategy line,
+    written to ``--write-config``; refused in one line with --tp (not modelled)."""
+    args = ["plan", "--model", "llama-7b", "--gpus", "16", "--no-suggest"]
+    plans = {}
+    for k in (1, 2):
+        out = tmp_path / f"k{k}.json"
+        cfg = tmp_path / f"k{k}.yaml"
+        assert main([*args, "--blocks-per-unit", str(k), "--json", str(out),
+                     "--write-config", str(cfg)]) == 0  # fmt: skip
+        plans[k] = json.loads(out.read_text())
+        assert ("blocks_per_unit: 2" in cfg.read_text()) == (k == 2)
+    assert "full, 2 blocks per unit" in capsys.readouterr().out
+    shape = ModelShape.from_config(build_config("llama-7b"))
+    mem = predict_memory(shape, 16, "bf16", "fp32", blocks_per_unit=2)
+    got = plans[2]["memory_bytes"]
+    assert (
+        got["gather_buffers"] == mem["gather_buffers"] > plans[1]["memory_bytes"]["gather_buffers"]
+    )
+    assert got["model_states"] == mem["total"]
+    step = predict_time(shape, get_gpu("h100"), Cluster(16, 8), 1, 4096, blocks_per_unit=2).step_s
+    assert plans[2]["time"]["step_s"] == pytest.approx(step, rel=1e-12)
+    assert plans[2]["time"]["step_s"] != plans[1]["time"]["step_s"]
+    assert main([*args, "--blocks-per-unit", "2", "--tp", "2"]) == 2
+    assert "--blocks-per-unit 2: the plan models" in capsys.readouterr().err

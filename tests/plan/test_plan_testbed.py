@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from layershard.cli import main
-from layershard.plan import testbed
+from layershard.plan import Cluster, ring_bytes, testbed
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks/links/wire-2x1/a100-ib200/comm"
 
@@ -75,3 +75,23 @@ def test_blocks_per_unit_rows_send_the_same_bytes_in_fewer_collectives() -> None
         assert two.exposed_network_s < one.exposed_network_s, base
         assert four.exposed_network_s < one.exposed_network_s, base
         assert two.measured_s < one.measured_s and four.measured_s < one.measured_s, base
+
+
+NODES = BENCH.parents[2] / "nodes-2x2/a100-ib200/comm"
+
+
+def test_routes_by_node_send_each_chunk_across_once() -> None:
+    """2 nodes x 2 ranks (benchmarks/links, nodes-2x2): layershard's gloo routes by node
+    (engine/gloo_routes.py) send each chunk across the link once, and the planner counts them so
+    (``Cluster.by_node``): its bytes per node equal the link's counter for ``full``, hybrid and
+    hpZ within 1% (the counter also holds the run's setup: rendezvous, the state's broadcast),
+    where a ring's count would be 1.5x for ``full``."""
+    rows, _ = testbed.predict_bench(NODES)
+    by = {r.impl: r for r in rows}
+    impls = json.loads((NODES / "results.json").read_text())["world_sizes"]["4"]["impls"]
+    for impl in ("layershard", "layershard-hybrid", "layershard-hpz"):
+        per_node = 2 * by[impl].network_bytes  # two ranks a node
+        assert abs(per_node / impls[impl]["link_bytes_per_step"] - 1) < 0.01, impl
+    # a gather of one byte per node: a ring sends 3/4 of it from each node, by node 1/2
+    assert ring_bytes(1.0, 4, Cluster(4, 2))["network"] * 2 == 0.75
+    assert ring_bytes(1.0, 4, Cluster(4, 2, by_node=True))["network"] * 2 == 0.5

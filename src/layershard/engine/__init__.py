@@ -17,7 +17,8 @@ Read in the order of one training step:
 5. ``reducer``: gradients into this rank's fp32 slices.
 6. Where the bytes go: ``buffers`` (gather and gradient slots), ``gather_slots`` (which unit
    takes which slot, arithmetic the planner shares), ``collectives`` (all-gather and
-   reduce-scatter across torch versions and backends).
+   reduce-scatter across torch versions and backends), ``gloo_routes`` (on gloo, how a group's
+   bytes cross between nodes: lanes, and routes by node).
 
 The options: ``options`` (their types, checked where they enter), ``strategy`` (full, grad_op,
 no_shard, hybrid, hpZ), ``precision`` (mixed precision, fp16's scaler), ``wire_dtype`` (fp8/int8

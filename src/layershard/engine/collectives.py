@@ -35,21 +35,8 @@ buffer where an all_reduce sends twice that (16.8 MB, 2 ranks: 7.2 against 11.5 
 the native collectives instead: the same code path as NCCL (a shard-sized scratch per gradient
 slot), which is how the CUDA path's buffer logic is tested on CPU.
 
-Note: gloo's lanes. Gloo joins two ranks of a group by one TCP connection, and a connection that
-carries large messages both ways at once moves them one way at a time: over a link shaped to 128
-Mbit/s (the testbed, benchmarks/links/), a 16 MB gather by broadcasts on one group took 1.08 s,
-twice its bytes' time, and the all-to-all reduce-scatter as long. So each gathered group has
-``lanes``: as many groups of the same ranks as it has members (``Groups.lanes``, made at shard()),
-and what rank r sends goes on lane r only: its chunk's broadcast, and the reduce-scatter as one
-``scatter`` from each rank on its own lane (rank r receives chunk r of every rank's buffer, as from
-the all-to-all). Each connection then carries data one way, and the same gather took 0.55 s, the
-link's rate. Every rank issues the lanes' collectives in the same order, so each lane's sequence
-agrees across ranks. Lanes are made only for groups that span nodes (torchrun's
-``LOCAL_WORLD_SIZE``): over loopback, where gloo's time is the cores' copying, not a link, the
-extra groups' threads cost time on 2 cores (the comm shape, 2 ranks: 2.2 s a step against 1.7 s).
-Groups of more than ``MAX_LANES`` ranks keep one connection per pair (lanes would grow as the
-square of the group), and so does a model over a subgroup of the world.
-``LAYERSHARD_GLOO_LANES=1`` makes lanes for every group (tests), ``0`` for none.
+On gloo, a group that spans nodes routes its bytes by lanes, or by node when each node has
+several of its ranks: engine/gloo_routes.py.
 
 16-bit reductions (``reduce_dtype=bf16``/fp16) take the all-to-all on every backend, NCCL too: the
 chunks travel in 16 bits and the receiving rank sums them in fp32 and rounds once, where NCCL's
@@ -72,11 +59,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from layershard.distributed import local_world_size
+from layershard.engine.gloo_routes import GlooRoutes
 from layershard.engine.waits import waiting
 from layershard.engine.wire_dtype import WireGather
-
-MAX_LANES = 8  # the largest group given lanes on gloo (see the module docstring)
 
 # torch 2.13's names for the flat collectives; torch 2.11 (the GPU image's) has only the
 # deprecated ``*_tensor`` ones. Everything in layershard calls these two.
@@ -217,10 +202,11 @@ def _nothing() -> Pending:
 
 
 class _TwoStage(Pending):
-    """A reduction over the shard group, then over the replicas (``hybrid``, ``no_shard``), on
-    gloo: the second collective may start only when the first is done, so it is issued by
-    ``Comm.advance`` (at the next reduction, or at this one's wait), in issue order on every
-    rank, which keeps the ranks' collective order equal."""
+    """Two collectives in turn on gloo: a reduction over the shard group, then over the replicas
+    (``hybrid``, ``no_shard``), or a gather or a reduction by node (engine/gloo_routes.py). The
+    second may start only when the first is done, so it is issued by ``Comm.advance`` (a
+    reduction's: at the next reduction) or at this one's wait, in issue order on every rank,
+    which keeps the ranks' collective order equal."""
 
     def __init__(self, first: Pending, second: Callable[[], Pending]):
         super().__init__()
@@ -286,7 +272,7 @@ class Comm:
         self.gloo_workaround = (
             self.backend == "gloo" and os.environ.get("LAYERSHARD_GLOO_NATIVE") != "1"
         )
-        self._lanes = self._make_lanes(sharding)  # gloo: by group, one per sending rank
+        self.routes = GlooRoutes(sharding, self._members) if self.gloo_workaround else None
         self.host_sync = False  # CPU offload: waits also synchronize the CPU (see Pending)
         self._two_stage: list[_TwoStage] = []
         # Small agreements between ranks (which units a backward reaches) run on the CPU: on
@@ -317,54 +303,32 @@ class Comm:
     def members(self, over: str) -> tuple[dist.ProcessGroup | None, int, int]:
         return self._members[over]
 
-    def _make_lanes(self, sharding) -> dict[str, list[dist.ProcessGroup]]:
-        """The lanes of each gathered group that spans nodes (module docstring); none for a model
-        over a subgroup, whose other ranks would not make them (torch's naming: groups.py)."""
-        env = os.environ.get("LAYERSHARD_GLOO_LANES", "auto")
-        if not self.gloo_workaround or env == "0" or not sharding.groups.whole_world:
-            return {}
-        per_node = local_world_size(dist.get_world_size())
-        out = {}
-        for name in ("shard", "hpz", "expert"):
-            g, _, size = self._members[name]
-            if g is None or not 1 < size <= MAX_LANES:
-                continue
-            if env == "1" or len({r // per_node for r in dist.get_process_group_ranks(g)}) > 1:
-                out[name] = sharding.groups.lanes(name, g)
-        return out
-
     @property
     def lanes(self) -> list[dist.ProcessGroup]:
-        """Every lane group this model made (gloo; module docstring)."""
-        return [g for lanes in self._lanes.values() for g in lanes]
+        """Every group made to route this model's gathers on gloo (engine/gloo_routes.py)."""
+        return self.routes.all() if self.routes is not None else []
 
-    def _broadcasts(self, out: torch.Tensor, n: int, over: str) -> list:
-        """Gloo's all-gather: each rank's chunk of ``out`` (``n`` elements) broadcast from it,
-        on its lane when the group has lanes."""
+    def _gloo_gather(
+        self, out: torch.Tensor, n: int, over: str, phase: str, what: str, post=None
+    ) -> Pending:
+        """Gloo's all-gather of ``out`` (``n`` elements per rank, this rank's chunk in place),
+        in one stage or two (by node), then ``post()``."""
+        assert self.routes is not None
         group = self._members[over][0]
-        assert group is not None  # only called when the group communicates
-        lanes = self._lanes.get(over)
-        return [
-            dist.broadcast(c, src=dist.get_global_rank(group, r),
-                           group=lanes[r] if lanes else group, async_op=True)
-            for r, c in enumerate(out.split(n))
-        ]  # fmt: skip
+        timer = (self.stats.wait_s, phase)
+        first, second = self.routes.broadcasts(out, n, over, group)
+        if second is None:
+            return Pending(work=first, post=post, timer=timer, what=what)
+        then = lambda: Pending(work=second(), post=post, timer=timer, what=what)  # noqa: E731
+        return _TwoStage(Pending(work=first, timer=timer, what=what), then)
 
     def _exchange(self, recv: torch.Tensor, inp: torch.Tensor, over: str, async_op: bool):
         """A reduce-scatter's exchange: row r of ``recv`` gets this rank's chunk of rank r's
-        ``inp``; an all-to-all, or with lanes (gloo) one scatter from each rank on its own."""
-        group, rank, world = self._members[over]
-        assert group is not None  # only called when the group communicates
-        lanes = self._lanes.get(over)
-        if not lanes:
+        ``inp`` (an all-to-all; on gloo, by lanes where the group has them)."""
+        group, rank, _ = self._members[over]
+        if self.routes is None:
             return dist.all_to_all_single(recv, inp, group=group, async_op=async_op)
-        n = inp.numel() // world
-        chunks = list(inp.split(n))  # the root's: chunk r to rank r
-        return [
-            dist.scatter(row, chunks if r == rank else None, src=dist.get_global_rank(group, r),
-                         group=lane, async_op=async_op)
-            for r, (row, lane) in enumerate(zip(recv.split(n), lanes))
-        ]  # fmt: skip
+        return self.routes.exchange(recv, inp, over, group, rank, async_op)
 
     def communicates(self, over: str) -> bool:
         """Does group ``over`` move data (not a group of one; forced for tests)?"""
@@ -427,8 +391,7 @@ class Comm:
         with profiled(f"layershard::all_gather[{label}]"):
             if self.gloo_workaround:
                 own.copy_(src)
-                works = self._broadcasts(out, n, over)
-                return Pending(work=works, timer=(self.stats.wait_s, phase), what=what)
+                return self._gloo_gather(out, n, over, phase, what)
 
             def run(async_op: bool):
                 # on the comm stream: after the optimizer step that wrote the shard
@@ -476,13 +439,7 @@ class Comm:
         with profiled(f"layershard::all_gather[{label}]"):
             if self.gloo_workaround:
                 pack(own)
-                works = self._broadcasts(wire, chunk, over)
-                return Pending(
-                    work=works,
-                    post=lambda: unpack(wire),
-                    timer=(self.stats.wait_s, phase),
-                    what=what,
-                )
+                return self._gloo_gather(wire, chunk, over, phase, what, lambda: unpack(wire))
 
             def run(async_op: bool):
                 pack(own)  # on the comm stream: after the optimizer step that wrote the shard
@@ -509,15 +466,22 @@ class Comm:
         n = inp.numel() // world
         what = f"reduce-scatter of unit {label} ({phase})"
         first: Callable[[bool], object] | None = None
-        combine: Callable[[], object] | None = None  # after ``first``, before the replicas'
+        combine: Callable[[], object] | None = None  # after ``first``, before ``second``
+        second: Callable[[bool], object] | None = None  # across the nodes, or the replicas
+        settle: Callable[[], object] | None = None  # after ``second``, before ``post``
+        route = self.routes.nodes.get(over) if self.routes is not None else None
         if not self.communicates(over):
             chunk = inp
         else:
             self.stats.record("reduce_scatter", phase, inp.numel() * inp.element_size(), over)
             assert scratch is not None, "the reduce-scatter needs its gradient slot's scratch"
-            if self.by_all_to_all(inp.dtype):  # all-to-all, then this rank sums what it got
+            if route is not None and inp.dtype == torch.float32 and self.replicate is None:
+                first, combine, second, settle, chunk = route.reduce_scatter(
+                    scratch[: inp.numel()], inp
+                )
+            elif self.by_all_to_all(inp.dtype):  # all-to-all, then this rank sums what it got
                 recv = scratch[: inp.numel()]
-                first = lambda a: self._exchange(recv, inp, over, a)  # noqa: E731
+                first = partial(self._exchange, recv, inp, over)
                 if inp.dtype == torch.float32:  # into the first received chunk: inp is read only
                     rows = recv.split(n)
                     chunk = rows[0]
@@ -528,7 +492,6 @@ class Comm:
             else:
                 chunk = scratch[:n]
                 first = lambda a: reduce_scatter_single(chunk, inp, group=group, async_op=a)  # noqa: E731
-        second: Callable[[bool], object] | None = None
         if self.replicate is not None:
             self.stats.record(
                 "all_reduce", phase, chunk.numel() * chunk.element_size(), "replicate"
@@ -559,17 +522,27 @@ class Comm:
                     second(False)
 
                 return self._issue(run, lambda: post(chunk), phase, host_post, what)
-            # gloo with replicas: the all-reduce waits for the reduce-scatter (see _TwoStage)
+            # gloo, two stages (the replicas' all-reduce, or by node): see _TwoStage
+
+            def last() -> None:
+                if settle is not None:
+                    settle()
+                post(chunk)
+
             self.advance()
             p = _TwoStage(
                 self._issue(first, combine, phase, what=what),
-                lambda: self._issue(second, lambda: post(chunk), phase, host_post, what),
+                lambda: self._issue(second, last, phase, host_post, what),
             )
             self._two_stage.append(p)
             return p
 
-    def advance(self) -> None:
-        """Start the replica all-reduce of every two-stage reduction issued so far, in order."""
+    def advance(self, routed_only: bool = False) -> None:
+        """Start the second stage of every two-stage reduction issued so far, in order (with
+        ``routed_only``, only if they are routed by node: at a unit's backward, so that the
+        last reduction's partial sums go on the link without waiting for the next one)."""
+        if routed_only and not (self.routes is not None and self.routes.nodes):
+            return
         for p in self._two_stage:
             p.start_second()
         self._two_stage = []

@@ -386,6 +386,7 @@ class Schedule:
         # more than transformers' EP there (issue 32). Cost: that one gather per step overlaps
         # the head's reduce-scatter, not its backward.
         if id(u) not in bw.private and not u.slot.transient:  # a divergent unit issues nothing
+            self.comm.advance(routed_only=True)
             self.gather_next(u, Phase.BACKWARD)
 
     def _ensure_for_backward(self, u: Unit, bw: BackwardPass) -> None:

@@ -121,10 +121,6 @@ def read_train_run(
                 f"{run_dir}: the run's model has {params:,} parameters but the planner rebuilt "
                 f"one of {shape.total_params:,} from config.yaml"
             )
-    if int(raw.get("blocks_per_unit", 1) or 1) > 1:  # its units' buffers are not modelled
-        raise CalibrationError(
-            f"{run_dir}: a run with blocks_per_unit above 1, which the planner does not model"
-        )
     precision = raw.get("precision", "auto")
     pd = precision_auto if precision == "auto" else precision
     ras = raw.get("reshard_after_forward", True)
@@ -140,6 +136,7 @@ def read_train_run(
         shard_size=raw.get("shard_size"),
         reshard_after_forward=ras if ras is not None else True,
         offload=bool(raw.get("offload", False)),
+        blocks_per_unit=int(raw.get("blocks_per_unit", 1) or 1),
     )
     step, detail = _median_step(run_dir / "metrics.jsonl")
     if precision == "auto":

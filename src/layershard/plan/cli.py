@@ -164,6 +164,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--reshard-after-forward", type=_ras, default=True, metavar="true|false|K",
                    help="full: K keeps each unit sharded over K ranks for backward (hpZ)")  # fmt: skip
     r.add_argument("--offload", action="store_true", help="ls.CPUOffload(): states in CPU memory")
+    r.add_argument("--blocks-per-unit", type=int, default=1, metavar="K", help="blocks a unit")
     r.add_argument("--tp", type=int, help="tensor-parallel size (default: the suggestion tries "
                    "1, 2, 4, 8 within a node); --micro-batch is then per TP group")  # fmt: skip
     r.add_argument("--ep", type=int, help="expert-parallel size (default: the suggestion tries "
@@ -419,6 +420,7 @@ def _settings(args: argparse.Namespace, shape: ModelShape) -> Settings:
         gather_dtype=args.gather_dtype,
         tp=args.tp or 1,
         ep=args.ep or 1,
+        blocks_per_unit=args.blocks_per_unit,
         **cp_settings(args),
     )
 
@@ -578,6 +580,8 @@ def train_yaml(plan: Plan, args: argparse.Namespace) -> str:
         cfg["shard_size"] = s.shard_size
     if s.strategy == "full" and s.reshard_after_forward is not True:
         cfg["reshard_after_forward"] = s.reshard_after_forward
+    if s.blocks_per_unit > 1:
+        cfg["blocks_per_unit"] = s.blocks_per_unit
     cfg["plan"] = {
         "gpus": cl.gpus,
         "gpus_per_node": cl.local,

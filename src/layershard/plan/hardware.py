@@ -109,6 +109,9 @@ def get_gpu(
 class Cluster:
     gpus: int
     gpus_per_node: int
+    # a group spanning nodes sends each chunk across the network once (layershard on gloo,
+    # engine/gloo_routes.py) instead of a ring through every GPU's NIC (NCCL's)
+    by_node: bool = False
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:

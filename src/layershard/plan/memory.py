@@ -444,11 +444,14 @@ def predict_activations(
     return out
 
 
-def unit_grad_bytes(config: Any, world_size: int, compute_dtype: Any = "bf16") -> int:
+def unit_grad_bytes(
+    config: Any, world_size: int, compute_dtype: Any = "bf16", blocks_per_unit: int = 1
+) -> int:
     """The largest unit's unsharded gradients as autograd hands them over (compute dtype), alive
     in backward until they are copied into a gradient slot: the backward peak's transient."""
     shape = ModelShape.from_config(config)
-    return dtype_bytes(compute_dtype) * max(u.padded_numel(int(world_size)) for u in units(shape))
+    us = units(shape, blocks_per_unit)
+    return dtype_bytes(compute_dtype) * max(u.padded_numel(int(world_size)) for u in us)
 
 
 def released_between_passes(

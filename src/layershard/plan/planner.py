@@ -72,6 +72,7 @@ class Settings:
     ep: int = 1  # expert-parallel size
     cp: int = 1  # context-parallel size (plan/context.py); micro_batch is then per CP group
     cp_mode: str = "ring"  # ring | all_to_all
+    blocks_per_unit: int = 1  # K consecutive blocks one unit (ls.shard(blocks_per_unit=K))
 
     def step_kwargs(self) -> dict[str, Any]:
         """The options of one training step, as ``predict_time`` takes them (keywords)."""
@@ -81,7 +82,8 @@ class Settings:
             "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
             "gather_dtype": self.gather_dtype, "no_sync": self.no_sync,
             "optimizer": self.optimizer, "loss_chunks": self.loss_chunks, "loss": self.loss,
-            "cp": self.cp, "cp_mode": self.cp_mode, **self.strategy_kwargs(),
+            "cp": self.cp, "cp_mode": self.cp_mode, "blocks_per_unit": self.blocks_per_unit,
+            **self.strategy_kwargs(),
         }  # fmt: skip
 
     def strategy_kwargs(self) -> dict[str, Any]:
@@ -151,6 +153,7 @@ class Plan:
         label = self.time.layout.describe() if self.time.layout else self.settings.strategy
         mesh, s = self.mesh, self.settings
         label += f", cp {s.cp} {s.cp_mode}" if s.cp > 1 else ""
+        label += f", {s.blocks_per_unit} blocks per unit" if s.blocks_per_unit > 1 else ""
         return label if mesh is None else f"{label}, {mesh.describe(self.shape.moe)}"
 
     @property
@@ -229,6 +232,11 @@ def make_plan(
     s = settings
     mesh = None
     check_cp(shape, cluster, s)
+    if s.blocks_per_unit < 1 or (s.blocks_per_unit > 1 and (s.tp, s.ep, s.cp) != (1, 1, 1)):
+        raise ValueError(
+            f"--blocks-per-unit {s.blocks_per_unit}: the plan models K >= 1 blocks per unit "
+            "without --tp/--ep/--cp only; drop one of them"
+        )
     if s.tp != 1 or s.ep != 1:  # a TP/EP row (plan/parallel.py)
         from layershard.plan.parallel import Mesh, mesh_parts
 
@@ -243,15 +251,17 @@ def make_plan(
             shape, cluster.gpus, s.param_dtype, s.reduce_dtype, s.optimizer, layout.strategy,
             s.no_sync, shard_size=layout.shard if layout.strategy == "hybrid" else None,
             reshard_after_forward=layout.hpz if layout.hpz > 1 else True, offload=s.offload,
+            blocks_per_unit=s.blocks_per_unit,
         )  # fmt: skip
         act = predict_cp_activations(shape, s) if s.cp > 1 else predict_activations(
             shape, s.micro_batch, s.seq_len, s.checkpoint_layers, s.param_dtype,
             loss_chunks=s.loss_chunks, loss=s.loss,
         )  # fmt: skip
-        unit_grads = unit_grad_bytes(shape, layout.shard, s.param_dtype)
+        unit_grads = unit_grad_bytes(shape, layout.shard, s.param_dtype, s.blocks_per_unit)
         released = released_between_passes(
             shape, cluster.gpus, s.param_dtype, layout.strategy,
             shard_size=layout.shard if layout.strategy == "hybrid" else None,
+            blocks_per_unit=s.blocks_per_unit,
         )  # fmt: skip
     host = sum(mem.get(k, 0) for k in HOST_KEYS) if s.offload else 0
     device = dict(mem)
@@ -267,11 +277,8 @@ def make_plan(
     mem["device_states"] = device["total"]
     mem["host_states"] = host
     # two pinned staging buffers per rank, each the largest shard in the reduce dtype
-    staging = (
-        2 * dtype_bytes(s.reduce_dtype) * max(u.shard_numel(layout.shard) for u in units(shape))
-        if s.offload
-        else 0
-    )
+    biggest = max(u.shard_numel(layout.shard) for u in units(shape, s.blocks_per_unit))
+    staging = 2 * dtype_bytes(s.reduce_dtype) * biggest if s.offload else 0
     mem["host_per_node"] = (host + staging) * cluster.local
     mem.update(act)
     mem["unit_grads"] = unit_grads
@@ -531,7 +538,7 @@ def _modelled(shape: ModelShape, cluster: Cluster, s: Settings) -> bool:
         check_mesh(shape, Mesh(cluster.gpus, s.tp, s.ep), s)
     except ValueError:
         return False
-    return True
+    return s.blocks_per_unit == 1 or (s.tp, s.ep) == (1, 1)
 
 
 def _gpus_needed(

@@ -72,7 +72,7 @@ def _settings_of(impl: str, nproc: int) -> dict[str, Any] | None:
         return {"strategy": "full"}
     if not impl.startswith("layershard"):
         return None
-    kw: dict[str, Any] = {"strategy": "full"}
+    kw: dict[str, Any] = {"strategy": "full", "by_node": True}  # engine/gloo_routes.py
     for part in impl.split("-")[1:]:
         if part == "bf16r":
             kw["reduce_dtype"] = "bf16"
@@ -137,6 +137,8 @@ def predict_bench(path: str | Path, compute_eff: float = 0.5) -> tuple[list[Row]
 
     def predict(impl_kw: dict[str, Any], world: int, eff: float) -> Any:
         per_node = world // nodes
+        impl_kw = dict(impl_kw)
+        by_node = impl_kw.pop("by_node", False)
         gpu = GPU(
             "cpu-testbed", 1 << 40,
             # the ranks share the cores the matmul rate was measured on
@@ -146,7 +148,7 @@ def predict_bench(path: str | Path, compute_eff: float = 0.5) -> tuple[list[Row]
         )  # fmt: skip
         delay = float(link.get("delay_s") or 0.0)
         return predict_time(
-            shape, gpu, Cluster(world, per_node),
+            shape, gpu, Cluster(world, per_node, by_node=by_node),
             micro_batch=int(st["global_batch"]) // world, seq_len=int(st["seq_len"]),
             param_dtype="fp32", optimizer=st.get("optimizer", "adamw"),
             latency_fn=lambda op, size, n: delay if n > 1 else 0.0, **impl_kw,

@@ -154,7 +154,9 @@ def ring_bytes(
     factor: float = 1.0,
 ) -> dict[str, float]:
     """Bytes one rank sends in a ring collective over ``world_size`` ranks spaced ``stride``
-    apart, by link: ``factor (m-1)/m`` of ``full_bytes`` (factor 2 for an all-reduce)."""
+    apart, by link: ``factor (m-1)/m`` of ``full_bytes`` (factor 2 for an all-reduce). On a
+    ``by_node`` cluster a group of several ranks on each of M nodes sends each chunk across
+    once: ``factor (M-1)/M`` of ``full_bytes`` per node, shared by its ranks."""
     m = world_size
     sent = factor * (m - 1) / m * full_bytes
     if cluster is None or cluster.nodes == 1:
@@ -163,7 +165,11 @@ def ring_bytes(
     per_node = max(1, min(m, g // stride)) if stride <= g else 1
     if per_node >= m:  # the whole group in one node
         return {"nvlink": sent, "network": 0.0}
-    return {"nvlink": sent * (per_node - 1) / per_node, "network": sent / per_node}
+    nvlink = sent * (per_node - 1) / per_node
+    if cluster.by_node and per_node > 1:
+        nodes = m // per_node
+        return {"nvlink": nvlink, "network": factor * (nodes - 1) / nodes * full_bytes / per_node}
+    return {"nvlink": nvlink, "network": sent / per_node}
 
 
 def a2a_bytes(
