@@ -34,6 +34,7 @@ from _parity import tiny_llama as _tiny
 from torch.distributed.distributed_c10d import _world
 
 import layershard as ls
+from layershard.engine import gloo_routes
 
 checks = RankChecks(world_size=4)
 STEPS = 3
@@ -240,17 +241,24 @@ def routes_by_node_sum_as_hybrid(rank: int, world: int) -> None:
         ("flat", "0", {}),
         ("hybrid", "1", {"strategy": "hybrid"}),
         ("node-hpz", "1", {"reshard_after_forward": 2}),
+        ("node-one-across", "1", {}),  # as beyond MAX_LANES nodes: one group across
         ("node-int8", "1", {"mixed_precision": INT8}),
         ("flat-int8", "0", {"mixed_precision": INT8}),
     ]:
-        with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": "2", "LAYERSHARD_GLOO_NODES": env}):
+        two_nodes = {"LOCAL_WORLD_SIZE": "2", "LAYERSHARD_GLOO_NODES": env}
+        lanes = 1 if name == "node-one-across" else gloo_routes.MAX_LANES
+        with (
+            mock.patch.dict(os.environ, two_nodes),
+            mock.patch.object(gloo_routes, "MAX_LANES", lanes),
+        ):
             model = ls.shard(_tiny(), **opts)
         routes = model._schedule.comm.routes
         if name.startswith("node"):
             route = routes.nodes["shard"]
             assert (route.nodes, route.per_node) == (2, 2), route
             assert (route.node, route.local) == divmod(rank, 2), route
-            assert len(model._schedule.comm.lanes) == 3  # one within, two across
+            made = {id(g) for g in model._schedule.comm.lanes}
+            assert len(made) == (2 if name == "node-one-across" else 3)  # within; across
         else:
             assert not routes.nodes, name
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -258,7 +266,7 @@ def routes_by_node_sum_as_hybrid(rank: int, world: int) -> None:
         runs[name] = (losses, model.full_state_dict(rank0_only=False))
         del model, opt
     node, s_node = runs["node"]
-    for other in ("hybrid", "node-hpz"):
+    for other in ("hybrid", "node-hpz", "node-one-across"):
         losses, state = runs[other]
         assert node == losses, (other, node, losses)
         assert all(torch.equal(s_node[k], state[k]) for k in s_node), other

@@ -62,7 +62,8 @@ Works = list  # gloo work handles
 class NodeRoute:
     """A group's route by node (module docstring): ``nodes`` x ``per_node`` ranks; this rank is
     local index ``local`` of node ``node``; ``within`` its node's ranks, ``across`` the ranks of
-    its local index on every node (one lane per node: lane m carries what node m's rank sends)."""
+    its local index on every node (one lane per node: lane m carries what node m's rank sends;
+    one group for all beyond ``MAX_LANES`` nodes)."""
 
     nodes: int
     per_node: int
@@ -185,7 +186,10 @@ class GlooRoutes:
         within_p = [g[i : i + local] for g in partition for i in range(0, len(g), local)]
         across_p = [g[i::local] for g in partition for i in range(local)]
         within = groups.make(f"{name}-node", within_p)
-        across = [groups.make(f"{name}-across{m}", across_p) for m in range(nodes)]
+        if nodes <= MAX_LANES:
+            across = [groups.make(f"{name}-across{m}", across_p) for m in range(nodes)]
+        else:  # one group for every node's sends (lanes would grow as the square of the nodes)
+            across = [groups.make(f"{name}-across", across_p)] * nodes
         me = ranks.index(dist.get_rank())
         assert within is not None and all(a is not None for a in across)
         return NodeRoute(nodes, local, me // local, me % local, within, across)

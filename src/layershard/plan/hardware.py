@@ -50,6 +50,10 @@ class GPU:
     host_memory_bytes: int = 2 * TiB  # per node (CPU offload keeps the shards there)
     eff: Efficiency = field(default_factory=Efficiency)
     kernels: str | None = None  # a key of sources.KERNELS: its kernel model; None: flat FLOPs
+    # seconds per element to quantize a shard to the wire dtype and to dequantize a gathered
+    # buffer, on the compute stream (gather_dtype); 0: not modelled (a GPU's kernels), measured
+    # on the testbed's CPU (plan/testbed.py)
+    wire_s_per_elem: tuple[float, float] = (0.0, 0.0)
 
     @property
     def peak_flops(self) -> float:

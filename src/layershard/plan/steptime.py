@@ -201,8 +201,8 @@ def predict_time(
     bandwidths and efficiencies (``network.CLUSTERS``) instead of the GPU's defaults.
     ``latency_s``: a flat latency per collective instead of NCCL's ring/tree model;
     ``latency_fn(op, ranks, nodes)``: one's own (the testbed's, ``plan/testbed.py``).
-    ``gather_dtype``: fp8/int8 weights over the all-gathers (their bytes; the quantize and
-    dequantize kernels are not modelled). ``mesh``: a ``parallel.Mesh`` (TP and EP sizes;
+    ``gather_dtype``: fp8/int8 weights over the all-gathers (their bytes, and the quantize and
+    dequantize time at ``gpu.wire_s_per_elem``: measured on the testbed's CPU, 0 on a GPU). ``mesh``: a ``parallel.Mesh`` (TP and EP sizes;
     ``plan/parallel.py``). ``cp``, ``cp_mode``: context parallelism, ``micro_batch`` sequences
     per CP group of ``cp`` ranks (``plan/context.py``). ``blocks_per_unit``: K blocks per unit
     (``ls.shard(blocks_per_unit=K)``), not modelled with a mesh or ``cp``."""
@@ -304,8 +304,10 @@ def predict_time(
     m = len(stages)
     ag, agb, rs = ([many(s.gather_fwd) for s in stages], [many(s.gather_bwd) for s in stages],
                    [many(s.reduce) for s in stages])  # fmt: skip
-    copies = [s.local_copy / hbm + s.local_h2d / pcie for s in stages]
-    copies_bwd = [s.local_d2h / pcie for s in stages]
+    wq, wd = gpu.wire_s_per_elem  # the 8-bit gathers' (de)quantization, where modelled
+    copies = [s.local_copy / hbm + s.local_h2d / pcie + s.wire_fwd[0] * wq + s.wire_fwd[1] * wd
+              for s in stages]  # fmt: skip
+    copies_bwd = [s.local_d2h / pcie + s.wire_bwd[0] * wq + s.wire_bwd[1] * wd for s in stages]
     cf = [x.fwd_s + cp for x, cp in zip(sc, copies)]
     cb = [x.bwd_s + cp for x, cp in zip(sc, copies_bwd)]
     root_ag = many(root.gather_fwd) if root else []

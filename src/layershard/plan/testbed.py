@@ -16,21 +16,27 @@ The testbed is a small cluster whose GPUs are this CPU's ranks, so the same time
 - **optimizer**: AdamW's bytes at ``MEMORY_GBS`` per rank.
 
 Each bench implementation maps to the settings the planner knows: ``layershard`` is ``full``;
-``-bf16r`` a bf16 reduction; ``-fp8``/``-int8`` gathers in 8 bits (their quantization's CPU time
-is not modelled); ``-hybrid`` sharded within a node; ``-hpz`` hpZ over a node; ``-grad_op``, ``-no_shard``
+``-bf16r`` a bf16 reduction; ``-fp8``/``-int8`` gathers in 8 bits, their bytes and the CPU time
+of their quantize and dequantize (``wire_cost``: the engine's own functions, timed on one thread
+when predicting, so on the machine that predicts: run it where the bench ran); ``-hybrid`` sharded within a node; ``-hpz`` hpZ over a node; ``-grad_op``, ``-no_shard``
 themselves; ``-bK`` K blocks per unit (fewer, larger collectives); FSDP2 and FSDP1
 the same bytes as ``full``; DDP ``no_shard``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import torch
 
 from layershard.plan.calibrate import _golden
 from layershard.plan.hardware import GPU, Cluster, TiB
@@ -41,6 +47,40 @@ from layershard.plan.steptime import predict_time
 LOOPBACK_GBS = 1.0  # gloo between two ranks of a node, GB/s each way (engine/collectives.py)
 MEMORY_GBS = 10.0  # an optimizer step's bytes per second per rank on this CPU
 TCP_EFF = 1448 / 1514  # payload per Ethernet frame of a TCP segment with timestamps
+
+
+@functools.cache
+def wire_cost(gather_dtype: str, numel: int = 1 << 21) -> tuple[float, float]:
+    """Seconds per element to quantize an fp32 shard to ``gather_dtype`` (fp8, int8) and to
+    dequantize gathered bytes back to fp32, by the engine's functions (engine/wire_dtype.py),
+    on one thread as a bench rank computes: the fastest of 5 runs of ``numel`` elements."""
+    from layershard.engine import wire_dtype as wd
+
+    x = torch.randn(numel)
+    out = torch.empty(numel)
+    if gather_dtype == "fp8":
+        q = torch.empty(numel, dtype=torch.uint8)
+        quant, dequant = (
+            partial(wd.quantize_fp8, x, 1.0, q),
+            partial(wd.dequantize_fp8, q, 1.0, out),
+        )
+    else:
+        q = torch.empty(wd.chunk_bytes(torch.int8, numel), dtype=torch.uint8)
+        quant, dequant = partial(wd.quantize_int8, x, q), partial(wd.dequantize_int8, q, numel, out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = []
+        for f in (quant, dequant):
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - t0)
+            best.append(min(times) / numel)
+    finally:
+        torch.set_num_threads(threads)
+    return best[0], best[1]
 
 
 class TestbedError(ValueError):
@@ -139,12 +179,14 @@ def predict_bench(path: str | Path, compute_eff: float = 0.5) -> tuple[list[Row]
         per_node = world // nodes
         impl_kw = dict(impl_kw)
         by_node = impl_kw.pop("by_node", False)
+        wire = impl_kw.get("gather_dtype")
         gpu = GPU(
             "cpu-testbed", 1 << 40,
             # the ranks share the cores the matmul rate was measured on
             link["cpu_flops"] / max(cores, world) / 1e12,
             LOOPBACK_GBS, link["rate_bps"] / 8 / 1e9 / per_node, MEMORY_GBS,
             host_memory_bytes=TiB, eff=Efficiency(compute=eff, nvlink=1.0, network=TCP_EFF),
+            wire_s_per_elem=wire_cost(wire) if wire else (0.0, 0.0),
         )  # fmt: skip
         delay = float(link.get("delay_s") or 0.0)
         return predict_time(

@@ -224,6 +224,10 @@ class Stage:
     local_h2d: int = 0  # bytes over PCIe on the compute stream per forward (no_shard offload)
     local_d2h: int = 0  # ... per backward (offload on one rank: nothing to reduce, a copy)
     own_slot: bool = False  # a small unit out of the alternation (gather_slots.py)
+    # elements quantized (the rank's shard) and dequantized (the gathered buffer) on the compute
+    # stream per forward and per backward, when weights travel in fp8/int8
+    wire_fwd: tuple[int, int] = (0, 0)
+    wire_bwd: tuple[int, int] = (0, 0)
     # collectives the compute waits for (TP's all-reduces, EP's all-to-alls: plan/parallel.py)
     blocking_fwd: list[Transfer] = field(default_factory=list)
     blocking_bwd: list[Transfer] = field(default_factory=list)
@@ -354,6 +358,11 @@ def build_stages(
         s = Stage("<root>") if u.persistent else by_name[u.name]
         s.gather_fwd, s.gather_bwd, s.reduce = fwd, bwd, red
         s.local_copy, s.local_h2d, s.local_d2h = local
+        if wire.gather_dtype is not None and layout.shard > 1:
+            quantized = (u.shard_numel(layout.shard), u.padded_numel(layout.shard))
+            s.wire_fwd = quantized
+            if any(t.group == "shard" and t.op == "all_gather" for t in bwd):
+                s.wire_bwd = quantized
         if u.persistent:
             root = s
     return stages, root
