@@ -205,8 +205,8 @@ class _TwoStage(Pending):
     """Two collectives in turn on gloo: a reduction over the shard group, then over the replicas
     (``hybrid``, ``no_shard``), or a gather or a reduction by node (engine/gloo_routes.py). The
     second may start only when the first is done, so it is issued by ``Comm.advance`` (a
-    reduction's: at the next reduction) or at this one's wait, in issue order on every rank,
-    which keeps the ranks' collective order equal."""
+    reduction's: at the next reduction, or by node at the next unit's backward) or at this one's
+    wait, in issue order on every rank, which keeps the ranks' collective order equal."""
 
     def __init__(self, first: Pending, second: Callable[[], Pending]):
         super().__init__()
