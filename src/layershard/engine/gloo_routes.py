@@ -155,14 +155,13 @@ class GlooRoutes:
             if g is None or size < 2:
                 continue
             ranks = dist.get_process_group_ranks(g)
-            route = self._route(sharding.groups, name, ranks, per_node) if by_node else None
+            spans = len({r // per_node for r in ranks}) > 1  # every group of its partition alike
+            route = (
+                self._route(sharding.groups, name, ranks, per_node) if by_node and spans else None
+            )
             if route is not None:
                 self.nodes[name] = route
-            elif (
-                lanes_env != "0"
-                and size <= MAX_LANES
-                and (lanes_env == "1" or len({r // per_node for r in ranks}) > 1)
-            ):
+            elif lanes_env != "0" and size <= MAX_LANES and (lanes_env == "1" or spans):
                 self.lanes[name] = sharding.groups.lanes(name, g)
 
     @staticmethod
