@@ -144,13 +144,15 @@ class Groups:
         self._made[purpose] = group
         return group
 
-    def lanes(self, purpose: str, group: dist.ProcessGroup) -> list[dist.ProcessGroup]:
+    def lanes(
+        self, purpose: str, group: dist.ProcessGroup, partition: Partition | None = None
+    ) -> list[dist.ProcessGroup]:
         """``group``'s size of groups of its ranks, one per member (``engine/gloo_routes.py``:
         on gloo, what rank r sends goes on lane r, so that no TCP connection carries data both
-        ways at once). Every group of the partition ``group`` belongs to is made, read from
-        every rank of the model. Collective at shard()."""
+        ways at once). Every group of the partition ``group`` belongs to is made: ``partition``
+        if the caller has read it (``partition_of``), else read here. Collective at shard()."""
         ranks = dist.get_process_group_ranks(group)
-        partition = self.partition_of(ranks)
+        partition = partition if partition is not None else self.partition_of(ranks)
         out = [self.make(f"{purpose}-lane{i}", partition) for i in range(len(ranks))]
         assert all(g is not None for g in out)  # this rank is in its own group's lanes
         return out  # type: ignore[return-value]

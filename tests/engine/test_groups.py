@@ -35,6 +35,7 @@ from torch.distributed.distributed_c10d import _world
 
 import layershard as ls
 from layershard.engine import gloo_routes
+from layershard.groups import Groups
 
 checks = RankChecks(world_size=4)
 STEPS = 3
@@ -209,6 +210,14 @@ def gloo_lanes_change_no_bit(rank: int, world: int) -> None:
     is bitwise the same as on one group (``LAYERSHARD_GLOO_LANES=0``): the chunks are the same
     and each rank sums them in rank order either way. The losses of three steps, and the
     weights after them."""
+    # Ranks on nodes of their own (LOCAL_WORLD_SIZE=1): the group spans nodes, one rank each, so
+    # it gets lanes and no route by node; what it is part of is read from every rank once.
+    read = mock.patch.object(Groups, "partition_of", autospec=True, side_effect=Groups.partition_of)
+    with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": "1"}), read as reads:
+        model = ls.shard(_tiny())
+    assert len(model._schedule.comm.lanes) == world and not model._schedule.comm.routes.nodes
+    assert reads.call_count == 1, reads.call_args_list
+    del model
     results = {}
     for lanes, opts in [(on, o) for on in ("1", "0") for o in ({}, {"reshard_after_forward": 2})]:
         with mock.patch.dict(os.environ, {"LAYERSHARD_GLOO_LANES": lanes}):

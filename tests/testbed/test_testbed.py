@@ -160,6 +160,7 @@ def _train_on(tb, run: Path, cache_dir: str, extra=(), env=None, log: Path | Non
         cmd = [sys.executable, "-m", "layershard", "train", *argv, "--node-rank", str(k)]
         procs.append(tb.popen(k, cmd, env=_node_env(cache_dir, **(env or {})), stdout=out,
                               stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        procs[-1].log = out.name  # what _wait shows of a node that did not finish
     return procs
 
 
@@ -172,7 +173,8 @@ def _wait(procs, timeout: float = WAIT_S) -> list[int]:
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail(f"a node did not finish in {timeout:.0f} s")
+            tails = [Path(q.log).read_text()[-1500:] for q in procs if hasattr(q, "log")]
+            pytest.fail(f"a node did not finish in {timeout:.0f} s; their output ends: {tails}")
     return codes
 
 

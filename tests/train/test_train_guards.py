@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from _train import TINY, refused_one_line, train_main
 
 import layershard as ls
 from layershard.train import status as st
+from layershard.train.launch import nodes
 from layershard.train.launch.launcher import DEFAULT_TIMEOUT_S, LaunchOptions, rank_env
 from layershard.train.launch.preflight import prepare
 from layershard.train.loop.faults import StopRequest
@@ -307,6 +309,54 @@ def test_stop_requests_agree_on_one_step():
     finally:
         c.uninstall()
     assert c.should_stop(0) and c.signal == "SIGTERM"
+
+
+class _Unanswered:
+    """The job's store over a link that went down: asked, it never answers (torch's TCPStore
+    client waits for ``check``'s answer without a timeout: a rank hung there for minutes after
+    its peers had timed out, and its node never said what happened)."""
+
+    def __init__(self) -> None:
+        self.back = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.back.wait()
+        return False
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        raise KeyError(key)  # any error of the store's own is raised on the caller's thread
+
+
+def test_a_store_that_does_not_answer_times_out_as_a_lost_node():
+    store = _Unanswered()
+    stop = StopRequest(store, announce=False, timeout_s=0.5)  # type: ignore[arg-type]
+    raised: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            stop.should_stop(4)
+        except RuntimeError as e:
+            raised.append(e)
+
+    t0 = time.monotonic()
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(10.0)
+    try:
+        assert not asking.is_alive(), "should_stop waited past its timeout"
+        assert 0.5 <= time.monotonic() - t0 < 5.0
+        [e] = raised
+        assert re.match(
+            r"timed out waiting in the stop check after step 4: the job's store", str(e)
+        )
+        # what `layershard train` reads as this rank's end: a timeout, as a partition shows
+        assert nodes.timed_out({"exit": 1, "error": f"{type(e).__name__}: {e}"})
+        # the next call does not queue behind the one still waiting
+        stop.signum = signal.SIGTERM
+        with pytest.raises(KeyError):
+            stop.should_stop(5)
+    finally:
+        store.back.set()
 
 
 def test_default_timeout_reaches_the_ranks(monkeypatch):

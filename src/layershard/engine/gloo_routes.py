@@ -156,20 +156,22 @@ class GlooRoutes:
                 continue
             ranks = dist.get_process_group_ranks(g)
             spans = len({r // per_node for r in ranks}) > 1  # every group of its partition alike
-            route = (
-                self._route(sharding.groups, name, ranks, per_node) if by_node and spans else None
-            )
+            partition = sharding.groups.partition_of(ranks) if by_node and spans else None
+            route = self._route(sharding.groups, name, partition, ranks, per_node)
             if route is not None:
                 self.nodes[name] = route
             elif lanes_env != "0" and size <= MAX_LANES and (lanes_env == "1" or spans):
-                self.lanes[name] = sharding.groups.lanes(name, g)
+                self.lanes[name] = sharding.groups.lanes(name, g, partition)
 
     @staticmethod
-    def _route(groups, name: str, ranks: list[int], per_node: int) -> NodeRoute | None:
-        """``ranks``' route by node, or None where every group of its partition is not M > 1
-        nodes of L > 1 ranks each, in node order (the same answer on every rank: it reads the
-        whole partition)."""
-        partition = groups.partition_of(ranks)
+    def _route(
+        groups, name: str, partition: list[list[int]] | None, ranks: list[int], per_node: int
+    ) -> NodeRoute | None:
+        """``ranks``' route by node, or None where every group of its ``partition`` (read from
+        every rank, so the answer is the same on each) is not M > 1 nodes of L > 1 ranks each,
+        in node order. None without a partition (not routed by node)."""
+        if partition is None:
+            return None
 
         def shape(group: list[int]) -> tuple[int, int] | None:
             counts = Counter(r // per_node for r in group)

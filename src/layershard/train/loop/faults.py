@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from layershard.distributed import default_timeout
 from layershard.engine import waits
 from layershard.train.status import signal_name
 
@@ -97,8 +99,11 @@ class StopRequest:
     s + 1", made by a rank at the end of step s, reaches every rank before it ends step s + 1.
     """
 
-    def __init__(self, store: dist.Store | None, announce: bool = True) -> None:
+    def __init__(
+        self, store: dist.Store | None, announce: bool = True, timeout_s: float | None = None
+    ) -> None:
         self.store, self.announce = store, announce
+        self._ask = _Bounded(timeout_s)
         self.signum: int | None = None  # the first signal this rank received
         self.stop_at: int | None = None
         self.signal: str | None = None  # the signal of the proposal that won
@@ -132,14 +137,70 @@ class StopRequest:
             if self.signum is not None:
                 self.signal = signal_name(self.signum)
             return self.signum is not None
+        store, ask = self.store, self._ask
         if self.signum is not None and not self._proposed:
             self._proposed = True
-            self.store.compare_set("stop_signal", "", signal_name(self.signum))
-            self.store.compare_set("stop_at", "", str(step + 1))
-        if self.stop_at is None and self.store.check(["stop_at"]):
-            self.stop_at = int(self.store.get("stop_at"))
-            self.signal = self.store.get("stop_signal").decode()
+            ask(f"the stop request after step {step}", store.compare_set, "stop_signal", "",
+                signal_name(self.signum))  # fmt: skip
+            ask(f"the stop request after step {step}", store.compare_set, "stop_at", "",
+                str(step + 1))  # fmt: skip
+        if self.stop_at is None and ask(f"the stop check after step {step}", store.check,
+                                        ["stop_at"]):  # fmt: skip
+            self.stop_at = int(ask("the stop check", store.get, "stop_at"))
+            self.signal = ask("the stop check", store.get, "stop_signal").decode()
         return self.stop_at is not None and step >= self.stop_at
+
+
+class _Bounded:
+    """Calls to the job's store from the training loop, each answered within the process-group
+    timeout or raised as a timeout (one that names the wait, as a collective's does).
+
+    Note: torch's TCPStore client waits for the answer of ``check`` and ``compare_set`` without a
+    timeout. Over a link that went down, nothing answers and nothing resets the connection: a rank
+    waited there until TCP gave up (about 15 minutes), long after its peers had timed out in their
+    collective, and its node never said what happened. So each call runs on a daemon thread of
+    this object's; one that does not answer in time is left there (the rank ends with os._exit),
+    and later calls get a fresh thread instead of queueing behind it."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self._jobs: queue.SimpleQueue | None = None
+
+    def __call__(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(
+                target=self._serve, args=(self._jobs,), name="layershard-store", daemon=True
+            ).start()
+        done, box = threading.Event(), dict[str, Any]()
+        self._jobs.put((fn, args, box, done))
+        timeout = self.timeout_s if self.timeout_s is not None else _collective_timeout_s()
+        with waits.waiting(what):  # the watchdog says where the rank waits
+            answered = done.wait(timeout)
+        if not answered:
+            self._jobs = None
+            addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise RuntimeError(
+                f"timed out waiting in {what}: the job's store at {addr} did not answer in "
+                f"{timeout:.0f} s (its node, or the network to it, is gone)"
+            )
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while True:
+            fn, args, box, done = jobs.get()
+            try:
+                box["value"] = fn(*args)
+            except Exception as e:  # noqa: BLE001 - raised again on the caller's thread
+                box["error"] = e
+            done.set()
+
+
+def _collective_timeout_s() -> float:
+    return default_timeout().total_seconds()
 
 
 # ---- where the rank waits ------------------------------------------------------------------------
