@@ -66,6 +66,21 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
 
 
+# The tiny Llama of Hugging Face transformers (HF's own modules), for the tests of what HF models
+# bring (their attention, their checkpointing, peft); each test says what it changes.
+TINY_HF = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def tiny_hf_llama(seed: int = 0, **overrides):
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_HF, **overrides}))
+
+
 def batches(n: int, vocab: int = TINY["vocab_size"], seed: int = 1, batch: int = GLOBAL_BATCH):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, SEQ), generator=g) for _ in range(n)]

@@ -51,6 +51,12 @@ def test_bench_tiny_end_to_end(tmp_path):
     assert res["world_sizes"]["2"]["targets"]  # evaluated (met or not is for real runs)
     runs = sorted(p.name for p in (out / "runs").glob("*.json"))
     assert runs == sorted(f"{i}-n2-r0.json" for i in RUN)
+    run = json.loads((out / "runs" / "layershard-n2-r0.json").read_text())
+    walls = run["step_walls"]  # warm-up and timed steps: start, backward, optimizer, end
+    assert len(walls) == 3 and all(a[-1] <= b[0] for a, b in zip(walls, walls[1:]))
+    assert all(w == sorted(w) and w[0] < w[-1] for w in walls)
+    slowest = run["warmup_times"] + run["step_times"]  # each step's slowest rank, timed
+    assert all(abs((w[-1] - w[0]) - t) < 0.25 * t for w, t in zip(walls, slowest))
 
 
 def test_vocab_shape_embedding_and_head_are_each_larger_than_a_block():

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import RankChecks, shared_tmp
-from _parity import LR, TINY, batches, lm_loss, local, tiny_llama
+from _parity import LR, TINY, batches, lm_loss, local, tiny_hf_llama, tiny_llama
 
 import layershard as ls
 from layershard.models import LlamaConfig, LlamaForCausalLM
@@ -139,15 +139,8 @@ def _explicit_groups_and_hf_checkpointing(rank: int, world: int) -> None:
     ]
     _same(per_block, _train(grouped, rank, world), "explicit groups")
 
-    import transformers
-
     def hf(reentrant: bool = False):
-        cfg = transformers.LlamaConfig(
-            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(cfg)
+        model = tiny_hf_llama(num_hidden_layers=4, max_position_embeddings=16)
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": reentrant}
         )

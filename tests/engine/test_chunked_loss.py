@@ -19,6 +19,7 @@ from _parity import (
     local,
     max_diff,
     param_bound,
+    tiny_hf_llama,
     tiny_llama,
     train_in_orders,
 )
@@ -333,12 +334,8 @@ def legit_chunked_runs(base, data: list, parts: int, optimizers=None) -> list:
 
 
 def _hf_llama_512():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=16)  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg).float()
+    pytest.importorskip("transformers")
+    return tiny_hf_llama(vocab_size=512, num_hidden_layers=3, max_position_embeddings=16)
 
 
 def _parity(rank: int, world: int) -> None:

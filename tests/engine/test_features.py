@@ -22,6 +22,7 @@ from _parity import (
     local,
     max_diff,
     param_bound,
+    tiny_hf_llama,
     tiny_llama,
     train_in_orders,
 )
@@ -325,14 +326,7 @@ def test_bf16_and_fp16_mixed_precision():
 
 # ---- HF transformers Llama -----------------------------------------------------------------------------
 def _hf_model(tied: bool):
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=tied,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_hf_llama(num_hidden_layers=3, max_position_embeddings=SEQ, tie_word_embeddings=tied)
 
 
 def _hf(rank, world) -> None:

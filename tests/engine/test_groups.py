@@ -303,4 +303,48 @@ def groups_get_the_layershard_timeout(rank: int, world: int) -> None:
         assert backend.options._timeout.total_seconds() == expected, backend.options._timeout
 
 
+# Routes beyond 2 x 2: six ranks as 2 nodes of 3 and as 3 nodes of 2 (slow tier: 6 ranks).
+checks6 = RankChecks(world_size=6, suffix="_at_6_ranks", slow=True)
+
+
+def routes_by_node_beyond_2x2(rank: int, world: int) -> None:
+    """``full`` routed by node over 2 nodes x 3 ranks and 3 nodes x 2 (``LOCAL_WORLD_SIZE`` 3,
+    2). The route's shape on every rank; the first step's loss equal to the flat routes' (the
+    gathers move the same chunks); 3 AdamW steps within the spread of the single-process
+    reference's legitimate summation orders; and over 2 nodes, bit for bit ``hybrid``'s (its
+    all-reduce across 2 nodes is one addition, the same as the route's node sum; across 3 nodes
+    gloo's all-reduce adds in an order of its own, so only the bound holds there)."""
+    data = batches(STEPS, batch=12)
+    reference = _tiny()
+    reference_losses(reference, data, torch.optim.AdamW(reference.parameters(), lr=LR))
+    bound = param_bound(reference, *train_in_orders(_tiny(), data, world))
+    for per_node in (3, 2):
+        runs = {}
+        for name, env, opts in [
+            ("node", "1", {}),
+            ("flat", "0", {}),
+            ("hybrid", "1", {"strategy": "hybrid"}),
+        ]:
+            layout = {"LOCAL_WORLD_SIZE": str(per_node), "LAYERSHARD_GLOO_NODES": env}
+            with mock.patch.dict(os.environ, layout):
+                model = ls.shard(_tiny(), **opts)
+            if name == "node":
+                route = model._schedule.comm.routes.nodes["shard"]
+                assert (route.nodes, route.per_node) == (world // per_node, per_node), route
+                assert (route.node, route.local) == divmod(rank, per_node), route
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = train_losses(model, data, rank, world, opt)
+            runs[name] = (losses, model.full_state_dict(rank0_only=False))
+            del model, opt
+        (node, s_node), (flat, _), (hybrid, s_hybrid) = runs["node"], runs["flat"], runs["hybrid"]
+        assert node[0] == flat[0], (per_node, node[0], flat[0])
+        diff, where = max_diff(s_node, reference)
+        assert diff <= bound, (per_node, diff, bound, where)
+        if world // per_node == 2:
+            assert node == hybrid, (node, hybrid)
+            assert all(torch.equal(s_node[k], s_hybrid[k]) for k in s_node)
+
+
+checks6.check(routes_by_node_beyond_2x2)
 checks.collect(globals())
+checks6.collect(globals())

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("peft")
 
+from _parity import TINY_HF, tiny_hf_llama  # noqa: E402
 from _qlora_budget import bytes_by_kind, fake_world, in_own_process, step_peak  # noqa: E402
 
 import layershard as ls  # noqa: E402
@@ -22,14 +23,7 @@ WORLD = 2
 
 
 def _llama():
-    import transformers as T
-
-    cfg = T.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return T.LlamaForCausalLM(cfg)
+    return tiny_hf_llama(hidden_size=64, intermediate_size=128)
 
 
 def _lora(model):
@@ -122,10 +116,8 @@ def test_train_qlora_chunks_the_loss_of_a_large_vocabulary():
 
     from layershard.train.loop.qlora import CHUNKED_VOCAB, build_qlora
 
-    cfg = T.LlamaConfig(
-        vocab_size=CHUNKED_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+    cfg = T.LlamaConfig(**{**TINY_HF, "vocab_size": CHUNKED_VOCAB, "hidden_size": 64,
+                           "intermediate_size": 128, "num_hidden_layers": 1})  # fmt: skip
     x = torch.randint(0, CHUNKED_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as d:
         torch.manual_seed(0)

@@ -32,7 +32,7 @@ import torch
 import layershard as ls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _parity
-from _parity import LR, lm_loss, local, tiny_llama  # noqa: E402
+from _parity import LR, lm_loss, local, tiny_hf_llama, tiny_llama  # noqa: E402
 
 GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 96
 
@@ -64,20 +64,7 @@ def build_model(kind: str = "llama"):
     """The model every group builds (the same seed): the tiny built-in Llama, or (``"hf"``) a
     tiny transformers Llama."""
     if kind == "hf":
-        import transformers as T
-
-        torch.manual_seed(0)
-        return T.LlamaForCausalLM(
-            T.LlamaConfig(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                intermediate_size=48,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-            )  # fmt: skip
-        )
+        return tiny_hf_llama(vocab_size=VOCAB, intermediate_size=48)
     return tiny_llama(0)
 
 

@@ -500,8 +500,8 @@ def test_rounds_agree_across_agents_and_republish_the_ranks_store():
         def shutdown(self):
             return True
 
-    head = Rounds(Fake(0, RendezvousStoreInfo("node0", 1234)), "layershard-fake")
-    stale = Rounds(Fake(1, RendezvousStoreInfo("gone", 999)), "layershard-fake")
+    head = Rounds(Fake(0, RendezvousStoreInfo("node0", 1234)))
+    stale = Rounds(Fake(1, RendezvousStoreInfo("gone", 999)))
     try:
         for n in (1, 2):
             a, b = head.next_rendezvous(), stale.next_rendezvous()  # rank 0 first: no threads

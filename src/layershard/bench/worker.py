@@ -430,11 +430,14 @@ def main(argv=None) -> int:
         batches.append(tokens[dp_rank * local_b : (dp_rank + 1) * local_b].to(device))
 
     opt_times: list[float] = []
+    marks: list[float] = []  # when each step's backward and optimizer step began (time.time())
 
     def step(x, after_opt_step=None, time_opt=False):
         with autocast():
             loss = compute_loss(model, x, args.loss)
+        marks.append(time.time())
         loss.backward()
+        marks.append(time.time())
         if time_opt:  # every rank enters together (no backward skew) and waits for the last
             sync()
             dist.barrier()
@@ -454,19 +457,18 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    losses, times = [], []
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    losses, times, walls = [], [], []
     for i in range(args.warmup + args.steps):
-        if i == args.warmup and cuda:
+        if i == args.warmup and cuda:  # the peak of the timed steps
             torch.cuda.reset_peak_memory_stats()
         dist.barrier()
         sync()
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         losses.append(step(batches[i], time_opt=muon))
         sync()
         dist.barrier()
         times.append(time.perf_counter() - t0)
+        walls.append([wall, *marks[-2:], time.time()])  # benchmarks/links/link_timeline.py
     memory: dict = {}
     if cuda:
         memory["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
@@ -571,6 +573,7 @@ def main(argv=None) -> int:
             "seed": args.seed,
             "step_times": t_max.cpu().tolist()[args.warmup :],
             "warmup_times": t_max.cpu().tolist()[: args.warmup],
+            "step_walls": walls,  # each step (warm-ups first): start, backward, optimizer, end
             "losses": loss_t.cpu().tolist(),
             "comm_per_step": comm,
             "comm_error": comm_error,
