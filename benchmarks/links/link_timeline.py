@@ -12,12 +12,13 @@ was, how long its bytes take on the link alone (the counter's bytes at the link'
 rest, the time the busiest node's link was not sending at its rate, split by phase: forward,
 backward, optimizer step. Writes ``timeline.json`` (that table) and
 ``timeline.png`` (each timed step's send rate, the phases marked) beside each ``results.json``
-under DIR; the samples in ``DIR/link-n<k>.txt``.
+under DIR; the samples in ``DIR/link-n<k>.txt.gz`` (``--replot`` analyses them again).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import subprocess
 import sys
@@ -51,8 +52,9 @@ def _namespaces(pid: int, nodes: int, proc: subprocess.Popen, wait_s: float = 30
 
 
 def _read(path: Path) -> list[tuple[float, int]]:
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     out = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         t, _, b = line.partition(" ")
         if b:
             out.append((float(t), int(b)))
@@ -144,10 +146,15 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="the bench's --out folder")
     ap.add_argument("--every", type=float, default=0.01, help="seconds between samples")
     ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- then layershard bench's arguments")
+    ap.add_argument("--replot", action="store_true", help="analyse DIR's recorded samples again")
     args = ap.parse_args()
+    out = Path(args.out)
+    if args.replot:
+        samples = [_read(log) for log in sorted(out.glob("link-n*.txt.gz"))]
+        _report(out, samples)
+        return 0
     bench = [a for a in args.bench if a != "--"]
     nodes = int(bench[bench.index("--nodes") + 1])
-    out = Path(args.out)
     cmd = [sys.executable, "-m", "layershard.cli", "bench", *bench, "--out", str(out)]
     proc = subprocess.Popen(cmd)
     namespaces = _namespaces(proc.pid, nodes, proc)
@@ -163,13 +170,20 @@ def main() -> int:
         s.kill()
         s.wait()
     samples = [_read(log) for log in logs]
+    for log in logs:  # kept, compressed (--replot reads them)
+        Path(f"{log}.gz").write_bytes(gzip.compress(log.read_bytes()))
+        log.unlink()
+    _report(out, samples)
+    return rc
+
+
+def _report(out: Path, samples: list[list[tuple[float, int]]]) -> None:
     for found in sorted(out.rglob("results.json")):  # one folder per link and shape
         folder = found.parent
         rows = analyse(folder, samples)
         print(f"{folder}\n{render(rows)}")
         (folder / "timeline.json").write_text(json.dumps({"rows": rows}, indent=1))
         plot(folder, rows, samples)
-    return rc
 
 
 if __name__ == "__main__":
