@@ -18,6 +18,7 @@ under DIR; the samples in ``DIR/link-n<k>.txt.gz`` (``--replot`` analyses them a
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import subprocess
@@ -63,10 +64,11 @@ def _read(path: Path) -> list[tuple[float, int]]:
 
 def _at(samples: list[tuple[float, int]], t: float) -> float:
     """The counter at time ``t``, linear between samples."""
-    for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
-        if t0 <= t <= t1:
-            return b0 + (b1 - b0) * (t - t0) / max(t1 - t0, 1e-9)
-    return float(samples[0][1] if t < samples[0][0] else samples[-1][1])
+    i = bisect.bisect_right(samples, t, key=lambda s: s[0])
+    if i == 0 or i == len(samples):
+        return float(samples[0][1] if i == 0 else samples[-1][1])
+    (t0, b0), (t1, b1) = samples[i - 1], samples[i]
+    return b0 + (b1 - b0) * (t - t0) / max(t1 - t0, 1e-9)
 
 
 def idle_in(samples: list[tuple[float, int]], a: float, b: float, rate: float) -> float:

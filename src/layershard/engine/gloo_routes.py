@@ -39,7 +39,8 @@ the fp32 sum once, and partial sums would have to travel in fp32 (twice the byte
 Each stage waits for the one before: the second is issued when the first is waited for (the
 gather's at its wait; the reduction's at the next unit's backward start, ``Comm.advance`` from
 the schedule, which at 2 x 2 took `full`'s step from 13.7 s to 13.1 s against waiting for the next
-reduction), the same point of the program on every rank. ``LAYERSHARD_GLOO_NODES=0`` keeps the flat routes (benchmarks).
+reduction), the same point of the program on every rank. ``LAYERSHARD_GLOO_NODES=0`` keeps the
+flat routes (benchmarks).
 """
 
 from __future__ import annotations

@@ -159,8 +159,9 @@ class _Bounded:
     timeout. Over a link that went down, nothing answers and nothing resets the connection: a rank
     waited there until TCP gave up (about 15 minutes), long after its peers had timed out in their
     collective, and its node never said what happened. So each call runs on a daemon thread of
-    this object's; one that does not answer in time is left there (the rank ends with os._exit),
-    and later calls get a fresh thread instead of queueing behind it."""
+    this object's; one that does not answer in time is left there (the rank ends with os._exit).
+    A later call (none in the training loop, where the timeout ends the rank) gets a fresh thread
+    instead of queueing behind it."""
 
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
@@ -174,7 +175,9 @@ class _Bounded:
             ).start()
         done, box = threading.Event(), dict[str, Any]()
         self._jobs.put((fn, args, box, done))
-        timeout = self.timeout_s if self.timeout_s is not None else _collective_timeout_s()
+        timeout = (
+            self.timeout_s if self.timeout_s is not None else default_timeout().total_seconds()
+        )
         with waits.waiting(what):  # the watchdog says where the rank waits
             answered = done.wait(timeout)
         if not answered:
@@ -197,10 +200,6 @@ class _Bounded:
             except Exception as e:  # noqa: BLE001 - raised again on the caller's thread
                 box["error"] = e
             done.set()
-
-
-def _collective_timeout_s() -> float:
-    return default_timeout().total_seconds()
 
 
 # ---- where the rank waits ------------------------------------------------------------------------
