@@ -128,6 +128,10 @@ def main(cfg: dict) -> None:
         position = ft.data_position
         loss = lm_loss(model, local(data(position, stream), g * k + r, groups * k))
         if kill and kill[0] == ft.step_count and kill[1] in ("backward", "hang"):
+            # The step's quorum is asked for on torchft's thread; on a loaded machine the forward
+            # can end before that request reaches the Lighthouse, and the quorum then forms
+            # without this group (the survivors lose nothing: seen once in CI). Join it first.
+            ft.manager.wait_quorum()
             os.kill(os.getpid(), signal.SIGKILL if kill[1] == "backward" else signal.SIGSTOP)
         backward(loss)
         if kill and kill[0] == ft.step_count and kill[1] == "reduce":
