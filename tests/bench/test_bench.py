@@ -206,3 +206,35 @@ def test_bench_tensor_parallel(tmp_path):
     assert tp["failed"] == 0, tp.get("errors")
     assert tp["loss_max_abs_diff_vs_layershard"] < 1e-4
     assert tp["collectives_per_step"] > 0 and tp["tokens_per_s"] > 0
+
+
+def test_only_runs_the_named_rows_without_the_plain_layershard_row(tmp_path, monkeypatch):
+    """`--only`: the --impl rows alone (a slow link: an hour per row), in the alternating order;
+    without it the plain layershard row is added first, as the x-columns' reference."""
+    from layershard.bench import cli as bench_cli
+    from layershard.cli import main
+
+    launched = []
+
+    def launch(args, impl, n, device, path):
+        launched.append(impl)
+        return 1, "not run (test)"
+
+    monkeypatch.setattr(bench_cli, "_launch", launch)
+    common = [
+        "bench",
+        "--shape",
+        "comm",
+        "--nproc",
+        "2",
+        "--impl",
+        "fsdp1",
+        "ddp",
+        "--repeats",
+        "2",
+    ]
+    assert main([*common, "--only", "--out", str(tmp_path / "a")]) == 0
+    assert launched == ["fsdp1", "ddp", "ddp", "fsdp1"]
+    launched.clear()
+    assert main([*common, "--out", str(tmp_path / "b")]) == 0
+    assert launched == ["layershard", "fsdp1", "ddp", "ddp", "fsdp1", "layershard"]

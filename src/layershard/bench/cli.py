@@ -225,6 +225,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch threads per rank on CPU (default: cores // ranks, at least 1)",
     )
     r.add_argument("--no-mem", action="store_true", help="skip the MemTracker peak-memory step")
+    only = "run the --impl rows alone, without the plain layershard row (the x-columns' reference)"
+    r.add_argument("--only", action="store_true", help=only)
     r.add_argument(
         "--timeout", type=float, default=1800, help="seconds before a run is killed (per run)"
     )
@@ -369,7 +371,7 @@ def run_shape(args: argparse.Namespace) -> int:
         )
         return 2
     buckets = [f"{i}-b{k}" for i in ["layershard", *strategies] for k in args.blocks_per_unit]
-    ours = ["layershard", *parallel, *strategies, *buckets, *wires]
+    ours = [*(["layershard"] if not args.only else []), *parallel, *strategies, *buckets, *wires]
     impls = ours + [i for i in chosen if i not in ours]
     out = Path(args.out or f"benchmarks/speed/{args.tag}-{device}")
     if args.out and args.shape_name:  # one folder per named shape
