@@ -7,21 +7,24 @@ Checked: every failure fired and every group came back; each cost the survivors 
 thrown-away step; no survivor waited longer than torchft's timeout between two steps; at the end
 every group's slices and AdamW state are bitwise the same; the run is what its committed steps
 say (a one-process replay of them, each step the participating groups' gradients at its data
-position, gives the same validation loss); and its final validation loss is within the
-run-to-run spread of uninterrupted runs.
+position, gives the same validation loss, which a group back with stale or initial weights
+would not). Its final validation loss against the run-to-run spread of uninterrupted runs is
+printed, not asserted: how many batches the failures cost is how fast a group comes back, a
+matter of the machine's load (below).
 
 The spread: the same 200 steps, uninterrupted, in one process, for 8 seeds (the model's init
-and the data order both varied, as two launches of a job differ); the run's loss must lie
-between their min and max. At LR 1e-3 the chain data (tests/ft/_worker.py) is mid-curve at step
-200 (validation loss 4.5 -> 1.1, falling ~0.01 a step), so a recovery that lost training (a
-group back with stale or initial weights, pulling the average back) lands outside it.
+and the data order both varied, as two launches of a job differ). At LR 1e-3 the chain data
+(tests/ft/_worker.py) is mid-curve at step 200 (validation loss 4.5 -> 1.1, falling ~0.01 a
+step), so a run that lost many batches lands above it.
 
 Measured 2026-11-29 (three runs of this test): the run 1.142; the 8 seeds 1.096-1.149 (seed 0,
 the run's own init and data, 1.109). Varying the data order alone (5 orders, init fixed) gives
 1.105-1.124, which the run misses by 0.018: the failures left 23 of the 200 steps with two
 groups' batches instead of three and threw 4 batches away, and the replay of exactly those steps
 reproduces the run's 1.142 (within 3e-8), so that difference is the data lost, not a fault of
-the recovery."""
+the recovery. On 2026-11-30, on a loaded machine (the groups slower to come back), the run lost
+more: 1.156 in CI and 1.198 beside two benchmarks, above the seeds' max, the replay equal to the
+run each time. (The test asserted "between their min and max" until then.)"""
 
 from __future__ import annotations
 
@@ -133,4 +136,9 @@ def test_ten_random_failures_over_200_steps(tmp_path):
     got = final[0]["validation_loss"]
     # the replay sums the groups in another order than gloo's ring: 200 steps of fp32 rounding
     assert abs(got - ref["replay"]) < 1e-5, (got, ref["replay"])
-    assert min(ref["seeds"]) <= got <= max(ref["seeds"]), (got, ref["seeds"])
+    # What the failures cost, recorded, not asserted: the batches they threw away or trained
+    # with fewer groups depend on how fast a group comes back, which is the machine's load
+    # (the replay above is what says the recovery lost nothing else).
+    seeds, fewer = ref["seeds"], sum(len(g) < GROUPS for _, g in plan)
+    print(f"soak: loss {got:.4f}, uninterrupted {seeds[0]:.4f}, seeds {min(seeds):.4f}-"
+          f"{max(seeds):.4f}; {fewer} of {len(plan)} steps with fewer groups")  # fmt: skip

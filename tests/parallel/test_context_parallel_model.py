@@ -69,6 +69,11 @@ DOCS = [[5, 11, 16], [3, 20, 9], [16, 8, 8], [2, 27, 3]]
 #   (_parity.TP_ORDERS, its reasoning there). The farthest are the unpacked runs, whose AdamW
 #   amplifies a few near-zero gradients of layers.2.mlp.w1 (one step: 2.1e-5; plain DP on the
 #   same batches: 2.3e-6).
+# - the long runs (2 sequences of 1-4K tokens a step): their micro-batch orders are a single
+#   sample, so the in-run spread also trains the reference with SDPA's math kernel (_orders).
+#   Measured 2026-11-30 on an AVX2 machine (no AVX-512): ring at cp 4 over 4096 tokens 4.92e-5,
+#   4.03x the micro-batch spread alone (over TP_ORDERS: CI failed on it), 0.66x the spread with
+#   the math kernel's order (7.47e-5); ATEN_CPU_CAPABILITY=default: 1.76e-5 (0.72x without it).
 GRAD_RTOL = 1e-5
 
 
@@ -107,10 +112,19 @@ MOE = dict(n_experts=4, top_k=2, moe_ffn_dim=16)  # the built-in MoE, 4 experts 
 
 @functools.cache
 def _orders(packed: bool, parts: int, seq: int = SEQ, steps: int = STEPS, batch: int = BATCH):
-    """The reference trained in other legitimate orders of its sums (once per spawn)."""
+    """The reference trained in other legitimate orders of its sums (once per spawn): the
+    micro-batch orders, and its attention by SDPA's math kernel (one softmax over the whole row)
+    instead of the blocked online softmax of its flash kernel: another order of the attention's
+    sums, as CP's merges are (with 2 sequences a step, the long runs' micro-batch orders are a
+    single sample)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     model = tiny_llama(max_seq_len=seq)
     data = _batches(packed, seq=seq, steps=steps, batch=batch)
-    return train_in_orders(model, data, parts, loss=cp_loss)
+    runs = train_in_orders(model, data, parts, loss=cp_loss)
+    with sdpa_kernel(SDPBackend.MATH):
+        runs += train_in_orders(model, data, parts, loss=cp_loss)[:1]
+    return tuple(runs)
 
 
 def _parity(
