@@ -218,13 +218,15 @@ def train_in_orders(
     optimizers=None,
     clip: tuple[float, float] | None = None,
     exact_parts: bool = False,
+    first: int | None = None,
 ) -> list[Run]:
     """Train a copy of ``base`` on one process on each global batch, once per plan of
-    ``plans(parts)``: the reference's math, another legitimate order of its sums. ``optimizers``
+    ``plans(parts)`` (the ``first`` of them only, if given): the reference's math, another
+    legitimate order of its sums. ``optimizers``
     (model -> optimizers) defaults to AdamW at LR over the trainable parameters; ``clip`` =
     (max_norm, norm_type) clips the summed gradient as torch does."""
     runs = []
-    for plan in _usable(parts, global_batches[0].shape[0], exact_parts):
+    for plan in _usable(parts, global_batches[0].shape[0], exact_parts)[:first]:
         with torch.random.fork_rng(devices=[]):  # the caller's next draws stay the same
             runs.append(_train(clone(base), global_batches, plan, loss, optimizers, clip))
     return runs

@@ -221,18 +221,7 @@ def test_only_runs_the_named_rows_without_the_plain_layershard_row(tmp_path, mon
         return 1, "not run (test)"
 
     monkeypatch.setattr(bench_cli, "_launch", launch)
-    common = [
-        "bench",
-        "--shape",
-        "comm",
-        "--nproc",
-        "2",
-        "--impl",
-        "fsdp1",
-        "ddp",
-        "--repeats",
-        "2",
-    ]
+    common = "bench --shape comm --nproc 2 --impl fsdp1 ddp --repeats 2".split()
     assert main([*common, "--only", "--out", str(tmp_path / "a")]) == 0
     assert launched == ["fsdp1", "ddp", "ddp", "fsdp1"]
     launched.clear()
